@@ -1,0 +1,179 @@
+"""Postgres access: pools, the migration runner, event partitions, error translation.
+
+psycopg errors are translated here, once (``translate``), into the project's tree.
+Pools are created closed and opened by the service's ``run()``; nothing connects at
+import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from .errors import Conflict, NoetlError, NotFound, Unavailable
+from .ids import snowflake_at
+
+logger = logging.getLogger(__name__)
+
+MIGRATION_LOCK_KEY = 0x6E6F65746C  # "noetl"
+PARTITION_LOCK_KEY = 0x6E6F65746C + 1
+
+
+def translate(exc: BaseException) -> NoetlError:
+    """Map a psycopg error to the project's error tree (callers ``raise ... from exc``)."""
+    if isinstance(exc, NoetlError):
+        return exc
+    if isinstance(exc, psycopg.errors.UniqueViolation):
+        return Conflict(str(exc).strip())
+    if isinstance(exc, psycopg.errors.ForeignKeyViolation):
+        return NotFound(str(exc).strip())
+    if isinstance(exc, psycopg.OperationalError | psycopg.pool.PoolTimeout):
+        return Unavailable(f"postgres unavailable: {str(exc).strip()}")
+    return NoetlError(f"postgres error: {str(exc).strip()}")
+
+
+def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "noetl") -> AsyncConnectionPool:
+    """A closed async pool with dict rows; open it with ``await pool.open(wait=True)``."""
+    return AsyncConnectionPool(
+        conninfo=dsn,
+        min_size=min_size,
+        max_size=max_size,
+        open=False,
+        name=name,
+        kwargs={"autocommit": False, "row_factory": dict_row},
+        timeout=30.0,
+    )
+
+
+@contextlib.asynccontextmanager
+async def transaction(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """A connection inside one transaction; psycopg errors come out translated."""
+    try:
+        async with pool.connection() as conn, conn.transaction():
+            yield conn
+    except psycopg.Error as exc:
+        raise translate(exc) from exc
+    except psycopg.pool.PoolTimeout as exc:
+        raise translate(exc) from exc
+
+
+# ---------------------------------------------------------------- migrations
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+def migrations() -> list[Migration]:
+    """The versioned migrations shipped in ``noetl_common/migrations``, in order."""
+    found = []
+    for entry in resources.files("noetl_common.migrations").iterdir():
+        if entry.name.endswith(".sql"):
+            version, _, rest = entry.name.partition("_")
+            found.append(Migration(int(version), rest.removesuffix(".sql"), entry.read_text()))
+    found.sort(key=lambda m: m.version)
+    return found
+
+
+def migrate(dsn: str, *, partitions_ahead_days: int = 3) -> list[int]:
+    """Apply pending migrations (serialised by an advisory lock); returns versions applied."""
+    applied: list[int] = []
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+            try:
+                conn.execute("CREATE SCHEMA IF NOT EXISTS noetl")
+                conn.execute(
+                    "CREATE TABLE IF NOT EXISTS noetl.schema_migration ("
+                    " version int PRIMARY KEY, name text NOT NULL,"
+                    " applied_at timestamptz NOT NULL DEFAULT now())"
+                )
+                done = {r[0] for r in conn.execute("SELECT version FROM noetl.schema_migration")}
+                for m in migrations():
+                    if m.version in done:
+                        continue
+                    with conn.transaction():
+                        conn.execute(m.sql.encode())
+                        conn.execute(
+                            "INSERT INTO noetl.schema_migration (version, name) VALUES (%s, %s)",
+                            (m.version, m.name),
+                        )
+                    logger.info("applied migration %04d_%s", m.version, m.name)
+                    applied.append(m.version)
+                ensure_event_partitions_sync(conn, datetime.now(UTC).date() - timedelta(days=1),
+                                             partitions_ahead_days + 2)
+            finally:
+                conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
+    except psycopg.Error as exc:
+        raise translate(exc) from exc
+    return applied
+
+
+# ---------------------------------------------------------------- partitions
+
+
+def partition_name(day: date) -> str:
+    return f"event_p{day:%Y%m%d}"
+
+
+def _partition_ddl(day: date) -> str:
+    start = datetime(day.year, day.month, day.day, tzinfo=UTC)
+    lo = snowflake_at(int(start.timestamp() * 1000))
+    hi = snowflake_at(int((start + timedelta(days=1)).timestamp() * 1000))
+    return (
+        f"CREATE TABLE IF NOT EXISTS noetl.{partition_name(day)} PARTITION OF noetl.event "
+        f"FOR VALUES FROM ({lo}) TO ({hi})"
+    )
+
+
+def _missing_days(existing: set[str], first: date, days: int) -> list[date]:
+    wanted = [first + timedelta(days=i) for i in range(days)]
+    return [d for d in wanted if partition_name(d) not in existing]
+
+
+_EXISTING_PARTITIONS = (
+    "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+    "JOIN pg_class p ON p.oid = i.inhparent JOIN pg_namespace n ON n.oid = p.relnamespace "
+    "WHERE n.nspname = 'noetl' AND p.relname = 'event'"
+)
+
+
+def ensure_event_partitions_sync(conn: psycopg.Connection[Any], first: date, days: int) -> list[str]:
+    """Create daily event partitions for ``days`` days from ``first`` (autocommit conn)."""
+    existing = {r[0] for r in conn.execute(_EXISTING_PARTITIONS)}
+    created = []
+    for day in _missing_days(existing, first, days):
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (PARTITION_LOCK_KEY,))
+            conn.execute(_partition_ddl(day).encode())
+        created.append(partition_name(day))
+    return created
+
+
+async def ensure_event_partitions(pool: AsyncConnectionPool, first: date, days: int) -> list[str]:
+    """Async twin of ``ensure_event_partitions_sync`` for the services' loops."""
+    created = []
+    async with pool.connection() as conn:
+        cur = await conn.execute(_EXISTING_PARTITIONS)
+        existing = {r["relname"] for r in await cur.fetchall()}
+        await conn.commit()
+        for day in _missing_days(existing, first, days):
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock(%s)", (PARTITION_LOCK_KEY,))
+                await conn.execute(_partition_ddl(day).encode())
+            created.append(partition_name(day))
+    if created:
+        logger.info("created event partitions %s", created)
+    return created

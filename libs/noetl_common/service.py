@@ -1,0 +1,337 @@
+"""The skeleton every role runs on: gRPC server with health and reflection, Prometheus
+/metrics, membership with the shard-manager, shard leases, a ready file, and a
+shutdown in named, time-limited steps.
+
+A role subclasses ``Service`` and fills the hooks; ``main()`` builds settings and
+calls ``run_service``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter, Gauge, start_http_server
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_proto.v1 import shard_manager_pb2 as sm_pb2
+from noetl_proto.v1 import shard_manager_pb2_grpc as sm_grpc
+
+from . import grpcutil
+from .config import CoreSettings, ShardSettings
+from .db import make_pool
+from .errors import ConfigError, NoetlError
+from .logs import setup_logging
+from .shards import ShardOwnership
+
+logger = logging.getLogger(__name__)
+
+SHARD_OWNER = Gauge("noetl_shard_owner", "1 for each shard this instance holds", ["role", "shard", "instance"])
+LEASE_RENEWALS = Counter("noetl_lease_renewals_total", "Shard lease renewal rounds", ["role"])
+LEASE_LOSSES = Counter("noetl_lease_losses_total", "Shard leases lost (reassigned or expired)", ["role"])
+
+
+class Service:
+    """Base of every role. Hooks: ``on_start``, ``add_servicers``, ``on_shards``,
+    ``on_stop``, ``background``. Sharded roles set ``sharded = True``."""
+
+    role: ClassVar[str] = "service"
+    sharded: ClassVar[bool] = False
+    # Every role but the shard-manager registers with the shard-manager.
+    joins: ClassVar[bool] = True
+    service_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, core: CoreSettings, shard: ShardSettings) -> None:
+        self.core = core
+        self.shard_cfg = shard
+        self.pool: AsyncConnectionPool | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.grpc_address = ""
+        self.metrics_address = ""
+        self.runtime_id = 0
+        self.node_id = 0
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._sm_channel: grpc.aio.Channel | None = None
+        self._sm: sm_grpc.ShardManagerServiceStub | None = None
+        self._assigned: dict[int, int] = {}
+        self._wake_membership = asyncio.Event()
+        self.ownership: ShardOwnership | None = None
+        self._metrics_server: Any = None
+        self._shut = False
+
+    # ------------------------------------------------------------ hooks
+
+    async def on_start(self) -> None:
+        """Open pools and connections (before gRPC serves)."""
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        """Register the role's gRPC servicers."""
+
+    async def on_shards(self, gained: dict[int, int], lost: set[int]) -> None:
+        """Start work on gained shards {shard: epoch}; stop touching lost ones."""
+
+    async def on_serving(self) -> None:
+        """Called once the service is SERVING (start background loops here)."""
+
+    async def on_stop(self) -> None:
+        """Stop loops and close connections (after gRPC stopped accepting calls)."""
+
+    # ------------------------------------------------------------ helpers
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        """Run a background loop; a crash of the loop is logged and stops the service."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if t.cancelled():
+                return
+            exc = t.exception()
+            if exc is not None and not self._stop.is_set():
+                logger.error("background task %s crashed: %r; stopping", name, exc, exc_info=exc)
+                self._stop.set()
+
+        task.add_done_callback(done)
+        self._tasks.append(task)
+        return task
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Cancellable sleep: returns True when the service is stopping."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+        return self._stop.is_set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        try:
+            await self._start()
+            await self._stop.wait()
+        finally:
+            await self.shutdown()
+
+    async def _start(self) -> None:
+        if self.core.postgres_dsn:
+            self.pool = make_pool(self.core.postgres_dsn, min_size=1, max_size=self.pool_size(),
+                                  name=self.role)
+            await self.pool.open(wait=True, timeout=30)
+        await self.on_start()
+
+        self.server = grpc.aio.server(interceptors=[grpcutil.ErrorInterceptor()],
+                                      options=[("grpc.so_reuseport", 0),
+                                               ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                                               ("grpc.max_send_message_length", 64 * 1024 * 1024)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.add_servicers(self.server)
+        names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        port = self.server.add_insecure_port(self.core.grpc_listen)
+        if port == 0:
+            raise ConfigError(f"NOETL_GRPC_LISTEN: cannot bind {self.core.grpc_listen}")
+        host = self.core.grpc_listen.rsplit(":", 1)[0] or "127.0.0.1"
+        self.grpc_address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
+        await self.server.start()
+
+        mhost, _, mport = self.core.metrics_listen.rpartition(":")
+        self._metrics_server, _ = start_http_server(int(mport or 0), addr=mhost or "127.0.0.1")
+        self.metrics_address = f"{'127.0.0.1' if mhost in ('', '0.0.0.0') else mhost}:{self._metrics_server.server_port}"
+
+        if self.joins:
+            await self._join()
+            self.spawn(self._membership_loop(), "membership")
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        for name in self.service_names:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.on_serving()
+        self._write_ready_file()
+        logger.info("%s serving grpc=%s metrics=%s runtime_id=%s", self.role, self.grpc_address,
+                    self.metrics_address, self.runtime_id)
+
+    def pool_size(self) -> int:
+        return 10
+
+    def _write_ready_file(self) -> None:
+        if not self.core.ready_file:
+            return
+        data = {"role": self.role, "pid": os.getpid(), "grpc": self.grpc_address,
+                "metrics": self.metrics_address, "runtime_id": self.runtime_id,
+                "instance": self.core.instance}
+        tmp = self.core.ready_file + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, self.core.ready_file)
+
+    async def shutdown(self) -> None:
+        """Idempotent shutdown in named, time-limited steps."""
+        if self._shut:
+            return
+        self._shut = True
+        self._stop.set()
+        grace = self.core.shutdown_grace_sec
+
+        async def step(name: str, fn: Callable[[], Awaitable[Any]], limit: float) -> None:
+            try:
+                await asyncio.wait_for(fn(), timeout=limit)
+            except TimeoutError:
+                logger.warning("shutdown step %r exceeded %.1fs", name, limit)
+            except Exception:
+                logger.exception("shutdown step %r failed", name)
+
+        await step("health NOT_SERVING", self.health.enter_graceful_shutdown, 1)
+        if self.server is not None:
+            await step("grpc stop", lambda: self.server.stop(grace), grace + 1)  # type: ignore[union-attr]
+        await step("role stop", self.on_stop, grace)
+        if self.ownership is not None:
+            await step("release shards", self._release_all, 2)
+        if self._sm is not None and self.runtime_id:
+            await step("leave", self._leave, 2)
+
+        async def cancel_tasks() -> None:
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        await step("background tasks", cancel_tasks, 3)
+        if self._sm_channel is not None:
+            await step("shard-manager channel", lambda: self._sm_channel.close(), 1)  # type: ignore[union-attr]
+        if self.pool is not None:
+            await step("postgres pool", lambda: self.pool.close(timeout=2), 3)  # type: ignore[union-attr]
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        logger.info("%s stopped", self.role)
+
+    # ------------------------------------------------------------ membership
+
+    async def _join(self) -> None:
+        self.core.require("shard_manager_target")
+        self._sm_channel = grpcutil.channel(self.core.shard_manager_target)
+        self._sm = sm_grpc.ShardManagerServiceStub(self._sm_channel)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                resp = await self._sm.Join(sm_pb2.JoinRequest(
+                    role=self.role, instance=self.core.instance, address=self.grpc_address,
+                    metrics_address=self.metrics_address, pid=os.getpid()), timeout=5)
+                break
+            except grpc.RpcError as exc:
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise grpcutil.translate(exc) from exc
+                logger.info("shard-manager not ready (%s); retrying", exc.code())
+                await asyncio.sleep(0.3)
+        self.runtime_id = resp.runtime_id
+        self.node_id = resp.node_id
+        if self.sharded:
+            if self.pool is None:
+                raise ConfigError("sharded roles need NOETL_POSTGRES_DSN")
+            self.ownership = ShardOwnership(self.pool, self.role, lease_sec=self.shard_cfg.lease_sec,
+                                            margin_sec=self.shard_cfg.margin_sec)
+            self.ownership.runtime_id = self.runtime_id
+            await self._reconcile({a.shard_id: a.epoch for a in resp.assignments})
+
+    async def _reconcile(self, assigned: dict[int, int]) -> None:
+        self._assigned = assigned
+        if self.ownership is None:
+            return
+        gained, lost = await self.ownership.renew(assigned)
+        LEASE_RENEWALS.labels(self.role).inc()
+        if lost:
+            LEASE_LOSSES.labels(self.role).inc(len(lost))
+        for s in lost:
+            SHARD_OWNER.labels(self.role, str(s), self.core.instance).set(0)
+        for s in gained:
+            SHARD_OWNER.labels(self.role, str(s), self.core.instance).set(1)
+        if gained or lost:
+            logger.info("%s shards gained=%s lost=%s", self.role, sorted(gained), sorted(lost))
+            await self.on_shards(gained, lost)
+
+    def wake_membership(self) -> None:
+        """Heartbeat now (e.g. the leader announced new assignments)."""
+        self._wake_membership.set()
+
+    async def _membership_loop(self) -> None:
+        assert self._sm is not None
+        interval = self.shard_cfg.heartbeat_sec
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_membership.wait(), timeout=interval)
+            self._wake_membership.clear()
+            if self._stop.is_set():
+                return
+            assigned = self._assigned
+            try:
+                resp = await self._sm.Heartbeat(
+                    sm_pb2.HeartbeatRequest(runtime_id=self.runtime_id, role=self.role), timeout=interval)
+                if resp.rejoin:
+                    logger.warning("shard-manager asked %s to rejoin", self.role)
+                    if self.ownership is not None:
+                        lost = self.ownership.clear()
+                        if lost:
+                            await self.on_shards({}, lost)
+                    await self._join()
+                    continue
+                assigned = {a.shard_id: a.epoch for a in resp.assignments}
+            except grpc.RpcError as exc:
+                logger.warning("heartbeat failed (%s); renewing held leases directly", exc.code())
+            try:
+                await self._reconcile(assigned)
+            except NoetlError as exc:
+                logger.warning("lease renewal failed: %s", exc)
+                if self.ownership is not None:
+                    expired = self.ownership.expire()
+                    if expired:
+                        LEASE_LOSSES.labels(self.role).inc(len(expired))
+                        await self.on_shards({}, expired)
+
+    async def _release_all(self) -> None:
+        assert self.ownership is not None
+        lost = self.ownership.clear()
+        if lost:
+            await self.on_shards({}, lost)
+
+    async def _leave(self) -> None:
+        assert self._sm is not None
+        with contextlib.suppress(grpc.RpcError):
+            await self._sm.Leave(sm_pb2.LeaveRequest(runtime_id=self.runtime_id), timeout=2)
+
+
+def run_service(factory: Callable[[], Service], *, log_level: str = "INFO") -> int:
+    """Entry point helper: logging, signals, run; exit code 0 on a clean stop, 2 on bad config."""
+    setup_logging(log_level)
+    try:
+        svc = factory()
+    except ConfigError as exc:
+        logging.getLogger("noetl").error("%s", exc)
+        print(f"error: {exc}", flush=True)
+        return 2
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, svc.request_stop)
+        await svc.run()
+
+    try:
+        asyncio.run(main())
+    except ConfigError as exc:
+        logging.getLogger("noetl").error("%s", exc)
+        return 2
+    return 0

@@ -1,0 +1,196 @@
+"""Jinja2 rendering with NoETL's semantics.
+
+* A string that is exactly one ``{{ expression }}`` renders to the expression's native
+  value (``'{{ initial_value }}'`` -> ``100``, ``'{{ workload }}'`` -> a dict). Anything
+  else renders to a string. Strings are never re-parsed as literals.
+* Unknown top-level names are errors that name the template (StrictUndefined); names
+  the caller declares as *known but absent* (steps that have not run) render as None,
+  so ``{{ a.x if a else b.x }}`` works on the branch that did not run.
+* Missing attributes of known values are Undefined: ``| default(...)`` and ``is defined``
+  work, printing or comparing them is an error naming the template.
+* Compiled templates are cached (bounded LRU).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2 import meta, nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from noetl_common.errors import NoetlError
+
+_MARKERS = ("{{", "{%", "{#")
+
+
+class TemplateError(NoetlError):
+    """A template failed to render. ``template`` is its source text."""
+
+    def __init__(self, template: str, message: str) -> None:
+        self.template = template
+        self.message = message
+        short = template if len(template) <= 200 else template[:197] + "..."
+        super().__init__(f"template {short!r}: {message}")
+
+
+class _Undefined(jinja2.StrictUndefined):
+    """StrictUndefined whose message names the missing variable or attribute."""
+
+    __slots__ = ()
+
+
+def _tojson(value: Any) -> str:
+    return json.dumps(value, default=str)
+
+
+def _make_env() -> jinja2.Environment:
+    env = ImmutableSandboxedEnvironment(undefined=_Undefined, autoescape=False, keep_trailing_newline=True)
+    env.filters["tojson"] = _tojson
+    env.filters["to_json"] = _tojson
+    env.filters["fromjson"] = json.loads
+    env.filters["from_json"] = json.loads
+    env.globals["now"] = _now
+    return env
+
+
+def _now() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).isoformat()
+
+
+_ENV = _make_env()
+
+
+def is_template(value: Any) -> bool:
+    return isinstance(value, str) and any(m in value for m in _MARKERS)
+
+
+@lru_cache(maxsize=4096)
+def _parse(source: str) -> tuple[jinja2.Template | None, Any, frozenset[str]]:
+    """(full template, compiled single expression or None, undeclared names)."""
+    try:
+        ast = _ENV.parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateError(source, f"syntax error: {exc.message} (line {exc.lineno})") from exc
+    names = frozenset(meta.find_undeclared_variables(ast))
+    expr = None
+    body = ast.body
+    if len(body) == 1 and isinstance(body[0], nodes.Output) and len(body[0].nodes) == 1 \
+            and not isinstance(body[0].nodes[0], nodes.TemplateData):
+        stripped = source.strip()
+        if stripped.startswith("{{") and stripped.endswith("}}") and stripped.count("{{") == 1:
+            expr = _ENV.compile_expression(stripped[2:-2].strip(), undefined_to_none=False)
+    return _ENV.from_string(ast), expr, names
+
+
+def referenced_names(value: Any) -> set[str]:
+    """Top-level variable names a (possibly nested) template value reads."""
+    found: set[str] = set()
+    for text in _strings(value):
+        if is_template(text):
+            found |= _parse(text)[2]
+    return found
+
+
+def _strings(value: Any) -> Iterable[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+class RenderContext(dict[str, Any]):
+    """The names a template may read. ``known`` lists names that exist in the playbook
+    but have no value yet (steps not run): they read as None instead of failing."""
+
+    def __init__(self, values: Mapping[str, Any] | None = None, known: Iterable[str] = ()) -> None:
+        super().__init__(values or {})
+        self.known = frozenset(known)
+
+    def for_template(self, names: Iterable[str]) -> dict[str, Any]:
+        out = {}
+        for n in names:
+            if n in self:
+                out[n] = self[n]
+            elif n in self.known:
+                out[n] = None
+        return out
+
+
+def render(value: Any, ctx: Mapping[str, Any]) -> Any:
+    """Render every template string inside ``value`` (dicts and lists recursively)."""
+    if isinstance(value, str):
+        return render_str(value, ctx) if is_template(value) else value
+    if isinstance(value, Mapping):
+        return {k: render(v, ctx) for k, v in value.items()}
+    if isinstance(value, list):
+        return [render(v, ctx) for v in value]
+    return value
+
+
+def render_str(source: str, ctx: Mapping[str, Any]) -> Any:
+    template, expr, names = _parse(source)
+    scope = ctx.for_template(names) if isinstance(ctx, RenderContext) else {n: ctx[n] for n in names if n in ctx}
+    try:
+        if expr is not None:
+            out = expr(**scope)
+            if isinstance(out, jinja2.Undefined):
+                out._fail_with_undefined_error()
+            return _plain(out)
+        assert template is not None
+        return template.render(**scope)
+    except jinja2.UndefinedError as exc:
+        raise TemplateError(source, f"undefined: {exc.message}") from exc
+    except jinja2.TemplateError as exc:
+        raise TemplateError(source, str(exc)) from exc
+    except TemplateError:
+        raise
+    except Exception as exc:
+        raise TemplateError(source, f"{type(exc).__name__}: {exc}") from exc
+
+
+def render_text(source: str, ctx: Mapping[str, Any]) -> str:
+    """Render to a string always (SQL, URLs, code): native values are stringified."""
+    if not is_template(source):
+        return source
+    template, _expr, names = _parse(source)
+    scope = ctx.for_template(names) if isinstance(ctx, RenderContext) else {n: ctx[n] for n in names if n in ctx}
+    try:
+        assert template is not None
+        return template.render(**scope)
+    except jinja2.UndefinedError as exc:
+        raise TemplateError(source, f"undefined: {exc.message}") from exc
+    except jinja2.TemplateError as exc:
+        raise TemplateError(source, str(exc)) from exc
+
+
+def truthy(value: Any) -> bool:
+    """How a rendered ``when`` decides: strings 'false', 'none', '0', '' are false."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "false", "none", "null", "0", "no")
+    return bool(value)
+
+
+def evaluate_when(source: Any, ctx: Mapping[str, Any]) -> bool:
+    """A missing ``when`` is true; otherwise the rendered value's truthiness."""
+    if source is None:
+        return True
+    if isinstance(source, bool):
+        return source
+    return truthy(render(source, ctx))
+
+
+def _plain(value: Any) -> Any:
+    """Convert jinja runtime types (Markup, LoopContext results) to plain Python values."""
+    if isinstance(value, jinja2.runtime.Undefined):
+        value._fail_with_undefined_error()
+    return value
