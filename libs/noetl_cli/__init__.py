@@ -1,0 +1,31 @@
+"""``noetl-rt``: the client CLI, migrations, and the embedded local stack.
+
+The local stack launcher is a Python API too (``noetl_cli.devstack``); its public
+names are re-exported here. Everything else is reached through ``noetl_cli.main``.
+"""
+
+from .devstack import (
+    ROLES,
+    ServiceProcess,
+    StackError,
+    StackRunning,
+    StackState,
+    StackStatus,
+    down,
+    parse_scale,
+    status,
+    up,
+)
+
+__all__ = [
+    "ROLES",
+    "ServiceProcess",
+    "StackError",
+    "StackRunning",
+    "StackState",
+    "StackStatus",
+    "down",
+    "parse_scale",
+    "status",
+    "up",
+]

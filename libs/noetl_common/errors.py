@@ -32,7 +32,8 @@ class PlaybookInvalid(InvalidInput):
     def __init__(self, path: str, message: str) -> None:
         self.path = path
         self.message = message
-        super().__init__(f"{path}: {message}" if path else message)
+        already = not path or message.startswith(path)
+        super().__init__(message if already else f"{path}: {message}")
 
 
 class NotFound(NoetlError):

@@ -269,8 +269,13 @@ class Service:
 
     async def _membership_loop(self) -> None:
         assert self._sm is not None
-        interval = self.shard_cfg.heartbeat_sec
+        # Heartbeat fast for a lease period after joining or after any change, so new
+        # assignments are picked up quickly; then settle to the configured interval.
+        fast_until = time.monotonic() + self.shard_cfg.lease_sec
         while not self._stop.is_set():
+            interval = self.shard_cfg.heartbeat_sec
+            if time.monotonic() < fast_until:
+                interval = min(interval, 0.5)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake_membership.wait(), timeout=interval)
             self._wake_membership.clear()
@@ -289,6 +294,8 @@ class Service:
                     await self._join()
                     continue
                 assigned = {a.shard_id: a.epoch for a in resp.assignments}
+                if assigned != self._assigned:
+                    fast_until = time.monotonic() + self.shard_cfg.lease_sec
             except grpc.RpcError as exc:
                 logger.warning("heartbeat failed (%s); renewing held leases directly", exc.code())
             try:
@@ -313,9 +320,9 @@ class Service:
             await self._sm.Leave(sm_pb2.LeaveRequest(runtime_id=self.runtime_id), timeout=2)
 
 
-def run_service(factory: Callable[[], Service], *, log_level: str = "INFO") -> int:
+def run_service(factory: Callable[[], Service]) -> int:
     """Entry point helper: logging, signals, run; exit code 0 on a clean stop, 2 on bad config."""
-    setup_logging(log_level)
+    setup_logging(os.environ.get("NOETL_LOG_LEVEL", "INFO"))
     try:
         svc = factory()
     except ConfigError as exc:

@@ -1,0 +1,365 @@
+"""Client commands: a blocking gRPC client of the api role.
+
+Every RPC goes through ``Api.call``, the one place gRPC errors become project errors
+(``noetl_common.grpcutil.translate``); UNAVAILABLE becomes "cannot reach the api at X".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from noetl_common import grpcutil
+from noetl_common.errors import InvalidInput, NoetlError, Unavailable
+from noetl_proto.v1 import catalog_pb2, catalog_pb2_grpc, execution_pb2, execution_pb2_grpc
+
+from . import output
+from .output import CliError, eprint
+
+T = TypeVar("T")
+
+# Same policy as noetl_common.grpcutil.channel (round robin over replicas, transparent
+# retries on UNAVAILABLE), for the blocking client.
+_SERVICE_CONFIG = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [{
+        "name": [{}],
+        "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }],
+})
+RPC_TIMEOUT = 30.0
+POLL_INTERVAL = 0.2
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND})
+TRANSIENT_GRACE = 30.0
+
+
+def parse_payload(text: str | None) -> str:
+    """Validate ``--payload``: a JSON object; returns its canonical text ('' when absent)."""
+    if text is None or text == "":
+        return ""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise CliError(f"--payload is not valid JSON: {exc}", code=2) from None
+    if not isinstance(value, dict):
+        raise CliError(f"--payload must be a JSON object ({{...}}), got {type(value).__name__}: {text.strip()[:60]}",
+                       code=2)
+    return json.dumps(value)
+
+
+def parse_execution_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise CliError(f"execution id must be a number, got {text!r}", code=2) from None
+    if value <= 0:
+        raise CliError(f"execution id must be positive, got {value}", code=2)
+    return value
+
+
+def read_file(path: str) -> str:
+    p = Path(path)
+    try:
+        return p.read_text()
+    except FileNotFoundError:
+        raise CliError(f"file not found: {path}", code=2) from None
+    except IsADirectoryError:
+        raise CliError(f"{path} is a directory, not a playbook file", code=2) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {path}: {exc}", code=2) from None
+
+
+class Api:
+    """Stubs of the api's services over one channel to ``target``."""
+
+    def __init__(self, target: str, source: str = "") -> None:
+        self.target = target
+        self.source = source
+        self.channel = grpc.insecure_channel(target, options=[
+            ("grpc.service_config", _SERVICE_CONFIG),
+            ("grpc.enable_retries", 1),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ])
+        self.executions = execution_pb2_grpc.ExecutionServiceStub(self.channel)
+        self.catalog = catalog_pb2_grpc.CatalogServiceStub(self.channel)
+        self.credentials = catalog_pb2_grpc.CredentialServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Api:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def error(self, exc: grpc.RpcError) -> NoetlError:
+        """The project error for an RpcError; UNAVAILABLE names the api address."""
+        err = grpcutil.translate(exc)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+            where = f" (from {self.source})" if self.source else ""
+            return Unavailable(f"cannot reach the api at {self.target}{where}: {exc.details()}")  # type: ignore[attr-defined]
+        return err
+
+    def call(self, fn: Callable[..., T], request: Any, timeout: float = RPC_TIMEOUT) -> T:
+        try:
+            return fn(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self.error(exc) from exc
+
+
+# ---------------------------------------------------------------- run
+
+
+class Follower:
+    """Follows an execution to a terminal state: WatchExecution, falling back to polling
+    GetExecution when the stream breaks. ``on_change`` gets each new snapshot."""
+
+    def __init__(self, api: Api, execution_id: int, deadline: float | None,
+                 on_change: Callable[[execution_pb2.Execution], None]) -> None:
+        self.api = api
+        self.execution_id = execution_id
+        self.deadline = deadline
+        self.on_change = on_change
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def _watch(self) -> Iterator[execution_pb2.Execution]:
+        stream = self.api.executions.WatchExecution(
+            execution_pb2.WatchExecutionRequest(execution_id=self.execution_id), timeout=self.remaining())
+        try:
+            for resp in stream:
+                yield resp.execution
+        finally:
+            stream.cancel()
+
+    def follow(self) -> execution_pb2.Execution | None:
+        """The terminal snapshot, or None when the deadline passed first."""
+        try:
+            for execution in self._watch():
+                self.on_change(execution)
+                if output.is_terminal(execution):
+                    return execution
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT,  # type: ignore[attr-defined]
+                              grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                raise self.api.error(exc) from exc
+        # The stream broke or ended early: poll the read model instead.
+        return self._poll()
+
+    def _poll(self) -> execution_pb2.Execution | None:
+        trouble_since: float | None = None
+        while True:
+            remaining = self.remaining()
+            if remaining is not None and remaining <= 0:
+                return None
+            timeout = RPC_TIMEOUT if remaining is None else max(0.1, min(RPC_TIMEOUT, remaining))
+            try:
+                resp = self.api.executions.GetExecution(
+                    execution_pb2.GetExecutionRequest(execution_id=self.execution_id), timeout=timeout)
+            except grpc.RpcError as exc:
+                # Transient: the api restarting (UNAVAILABLE), one slow poll, or the read
+                # model not yet showing a fresh submission (NOT_FOUND). Give up after a grace.
+                if exc.code() not in TRANSIENT:  # type: ignore[attr-defined]
+                    raise self.api.error(exc) from exc
+                trouble_since = trouble_since or time.monotonic()
+                if time.monotonic() - trouble_since > TRANSIENT_GRACE:
+                    raise self.api.error(exc) from exc
+                time.sleep(POLL_INTERVAL)
+                continue
+            trouble_since = None
+            self.on_change(resp.execution)
+            if output.is_terminal(resp.execution):
+                return resp.execution
+            time.sleep(POLL_INTERVAL)
+
+
+def run(api: Api, playbook_yaml: str, *, payload_json: str = "", as_json: bool = False,
+        timeout: float | None = None, idempotency_key: str = "") -> int:
+    """``noetl-rt run``: submit, follow with live progress on stderr, print the outcome.
+    Inputs are validated by the caller (``parse_payload``, ``read_file``) before any RPC."""
+    request = execution_pb2.SubmitExecutionRequest(
+        playbook_yaml=playbook_yaml, payload_json=payload_json, timeout_seconds=timeout or 0.0,
+        idempotency_key=idempotency_key)
+    try:
+        submitted = api.call(api.executions.SubmitExecution, request)
+    except InvalidInput as exc:
+        raise CliError(str(exc), code=2) from None
+    execution_id = submitted.execution_id
+    dedup = " (deduplicated: an earlier submission with this idempotency key)" if submitted.deduplicated else ""
+    eprint(f"execution {execution_id} submitted: {submitted.playbook_path} v{submitted.playbook_version}, "
+           f"shard {submitted.shard_id}{dedup}")
+
+    seen: dict[str, str] = {}
+    last_status = [""]
+
+    def on_change(execution: execution_pb2.Execution) -> None:
+        for line in output.progress_lines(seen, execution):
+            eprint(line)
+        seen.clear()
+        seen.update(output.step_states(execution))
+        status = output.execution_status(execution.status)
+        if status != last_status[0] and status in output.TERMINAL:
+            eprint(f"execution {status}")
+        last_status[0] = status
+
+    deadline = None if timeout is None else time.monotonic() + timeout + 5.0
+    try:
+        final = Follower(api, execution_id, deadline, on_change).follow()
+    except KeyboardInterrupt:
+        eprint(f"\ndetached; execution {execution_id} keeps running (noetl-rt cancel {execution_id})")
+        raise CliError("interrupted", code=130) from None
+
+    if final is None:
+        snapshot = _latest(api, execution_id, include_results=True)
+        message = f"timed out: execution {execution_id} did not finish within --timeout {timeout:g}s (+5s)"
+        if as_json:
+            doc = output.execution_json(snapshot, error=message) if snapshot is not None else {
+                "execution_id": str(execution_id), "status": "UNKNOWN", "steps": {}, "error": message}
+            output.print_json(doc)
+        elif snapshot is not None:
+            print(output.execution_summary(snapshot, error=message))
+        raise CliError(message, code=1)
+
+    resp = api.call(api.executions.GetExecution,
+                    execution_pb2.GetExecutionRequest(execution_id=execution_id, include_results=True))
+    execution = resp.execution
+    if as_json:
+        output.print_json(output.execution_json(execution))
+    else:
+        print(output.execution_summary(execution))
+    return 0 if output.execution_status(execution.status) == "COMPLETED" else 1
+
+
+def _latest(api: Api, execution_id: int, *, include_results: bool) -> execution_pb2.Execution | None:
+    try:
+        resp = api.call(api.executions.GetExecution, execution_pb2.GetExecutionRequest(
+            execution_id=execution_id, include_results=include_results), timeout=5)
+    except NoetlError:
+        return None
+    return resp.execution
+
+
+# ---------------------------------------------------------------- executions
+
+
+def status(api: Api, execution_id: int, *, as_json: bool = False) -> int:
+    resp = api.call(api.executions.GetExecution,
+                    execution_pb2.GetExecutionRequest(execution_id=execution_id, include_results=True))
+    if as_json:
+        output.print_json(output.execution_detail_json(resp.execution))
+    else:
+        print(output.execution_summary(resp.execution))
+    return 0
+
+
+def events(api: Api, execution_id: int, *, as_json: bool = False, page_size: int = 500) -> int:
+    records = []
+    after = 0
+    while True:
+        resp = api.call(api.executions.GetEvents, execution_pb2.GetEventsRequest(
+            execution_id=execution_id, after_event_id=after, page_size=page_size))
+        records.extend(resp.events)
+        if not resp.events or len(resp.events) < page_size:
+            break
+        after = max(e.event_id for e in resp.events)
+    if as_json:
+        output.print_json({"execution_id": str(execution_id), "events": [output.event_json(e) for e in records]})
+        return 0
+    if not records:
+        print(f"no events for execution {execution_id}")
+        return 0
+    print(output.table([output.event_row(e) for e in records], header=output.EVENT_HEADER))
+    return 0
+
+
+def cancel(api: Api, execution_id: int, *, reason: str = "") -> int:
+    resp = api.call(api.executions.CancelExecution,
+                    execution_pb2.CancelExecutionRequest(execution_id=execution_id, reason=reason))
+    if resp.accepted:
+        print(f"cancel requested for execution {execution_id}")
+        return 0
+    eprint(f"execution {execution_id} was not cancelled (it already finished)")
+    return 1
+
+
+# ---------------------------------------------------------------- catalog and credentials
+
+
+def playbook_register(api: Api, path: str) -> int:
+    content = read_file(path)
+    try:
+        resp = api.call(api.catalog.RegisterPlaybook, catalog_pb2.RegisterPlaybookRequest(content=content))
+    except InvalidInput as exc:
+        raise CliError(str(exc), code=2) from None
+    entry = resp.entry
+    how = "registered" if resp.created else "unchanged (identical to the latest version)"
+    print(f"{entry.path} version {entry.version} {how}")
+    return 0
+
+
+def playbook_list(api: Api, *, prefix: str = "", as_json: bool = False) -> int:
+    entries = []
+    token = ""
+    while True:
+        resp = api.call(api.catalog.ListPlaybooks, catalog_pb2.ListPlaybooksRequest(
+            path_prefix=prefix, page_size=200, page_token=token))
+        entries.extend(resp.entries)
+        token = resp.next_page_token
+        if not token:
+            break
+    if as_json:
+        output.print_json([{"path": e.path, "version": e.version, "kind": e.kind, "name": e.name,
+                            "catalog_id": str(e.catalog_id), "created_at": output.timestamp(e.created_at)}
+                           for e in entries])
+    elif not entries:
+        print("no playbooks registered")
+    else:
+        print(output.table([(e.path, e.version, e.kind, output.timestamp(e.created_at) or "") for e in entries],
+                           header=("PATH", "VERSION", "KIND", "CREATED")))
+    return 0
+
+
+def credential_add(api: Api, name: str, kind: str, *, dsn: str | None = None, data: str | None = None) -> int:
+    fields: dict[str, Any] = {}
+    if data:
+        try:
+            parsed = json.loads(data)
+        except ValueError as exc:
+            raise CliError(f"--data is not valid JSON: {exc}", code=2) from None
+        if not isinstance(parsed, dict):
+            raise CliError(f"--data must be a JSON object, got {type(parsed).__name__}", code=2)
+        fields.update(parsed)
+    if dsn:
+        fields["dsn"] = dsn
+    if not fields:
+        raise CliError("give the credential's fields with --dsn DSN or --data JSON", code=2)
+    try:
+        resp = api.call(api.credentials.PutCredential,
+                        catalog_pb2.PutCredentialRequest(name=name, kind=kind, data_json=json.dumps(fields)))
+    except InvalidInput as exc:
+        raise CliError(str(exc), code=2) from None
+    print(f"credential {resp.name or name} {'created' if resp.created else 'updated'}")
+    return 0
+
+
+def credential_list(api: Api, *, as_json: bool = False) -> int:
+    resp = api.call(api.credentials.ListCredentials, catalog_pb2.ListCredentialsRequest())
+    creds = list(resp.credentials)
+    if as_json:
+        output.print_json([{"name": c.name, "kind": c.kind, "updated_at": output.timestamp(c.updated_at)}
+                           for c in creds])
+    elif not creds:
+        print("no credentials")
+    else:
+        print(output.table([(c.name, c.kind, output.timestamp(c.updated_at) or "") for c in creds],
+                           header=("NAME", "KIND", "UPDATED")))
+    return 0

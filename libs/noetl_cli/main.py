@@ -1,0 +1,199 @@
+"""``noetl-rt``: argument parsing and dispatch; expected errors become a message and an exit code.
+
+Exit codes: 0 success, 1 failure (execution failed, server unreachable, stack not
+healthy), 2 bad input (arguments, payload, playbook rejected by the server), 3 no local
+stack recorded (``dev status``), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from noetl_common.errors import InvalidInput, NoetlError
+
+from . import client, devcmd
+from .home import resolve_api, resolve_home
+from .output import CliError, eprint
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("noetl-runtime")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _common(*, api: bool) -> argparse.ArgumentParser:
+    """Options accepted both before and after the subcommand (SUPPRESS keeps the top-level value)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--home", default=argparse.SUPPRESS, metavar="DIR",
+                        help="project-local state directory (default $NOETL_HOME or ./.noetl)")
+    if api:
+        parent.add_argument("--api", default=argparse.SUPPRESS, metavar="TARGET",
+                            help="api gRPC target (default $NOETL_API, else the local stack's)")
+    return parent
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="noetl-rt", description="NoETL runtime: client, migrations, local stack.")
+    parser.add_argument("--home", default=None, metavar="DIR",
+                        help="project-local state directory (default $NOETL_HOME or ./.noetl)")
+    parser.add_argument("--api", default=None, metavar="TARGET",
+                        help="api gRPC target host:port (default $NOETL_API, else the local stack's)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    with_api, home_only = _common(api=True), _common(api=False)
+
+    p = sub.add_parser("run", parents=[with_api], help="submit a playbook and follow it to the end")
+    p.add_argument("file", help="playbook YAML file")
+    p.add_argument("--payload", metavar="JSON", help="JSON object merged over the playbook's workload")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    p.add_argument("--timeout", type=_positive, metavar="S",
+                   help="execution timeout in seconds (the client waits at most S+5 s)")
+    p.add_argument("--idempotency-key", default="", metavar="K", help="resubmitting with K returns the same id")
+    p.set_defaults(handler=_run)
+
+    p = sub.add_parser("status", parents=[with_api], help="show an execution")
+    p.add_argument("execution_id", metavar="ID")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.status(
+        api, client.parse_execution_id(a.execution_id), as_json=a.json)))
+
+    p = sub.add_parser("events", parents=[with_api], help="list an execution's events")
+    p.add_argument("execution_id", metavar="ID")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.events(
+        api, client.parse_execution_id(a.execution_id), as_json=a.json)))
+
+    p = sub.add_parser("cancel", parents=[with_api], help="cancel an execution")
+    p.add_argument("execution_id", metavar="ID")
+    p.add_argument("--reason", default="cancelled from noetl-rt")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.cancel(
+        api, client.parse_execution_id(a.execution_id), reason=a.reason)))
+
+    pb = sub.add_parser("playbook", help="the playbook catalog").add_subparsers(dest="action", metavar="ACTION")
+    pb.required = True
+    p = pb.add_parser("register", parents=[with_api], help="register a playbook file (a new version)")
+    p.add_argument("file")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.playbook_register(api, a.file)))
+    p = pb.add_parser("list", parents=[with_api], help="list registered playbooks (latest versions)")
+    p.add_argument("--prefix", default="", help="only paths starting with this")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.playbook_list(
+        api, prefix=a.prefix, as_json=a.json)))
+
+    cr = sub.add_parser("credential", help="named credentials").add_subparsers(dest="action", metavar="ACTION")
+    cr.required = True
+    p = cr.add_parser("add", parents=[with_api], help="add or replace a credential")
+    p.add_argument("name")
+    p.add_argument("--kind", required=True, help="postgres, http_bearer, ...")
+    p.add_argument("--dsn", help="for --kind postgres: the connection string (stored as {\"dsn\": DSN})")
+    p.add_argument("--data", metavar="JSON", help="the credential's fields as a JSON object")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.credential_add(
+        api, a.name, a.kind, dsn=a.dsn, data=a.data)))
+    p = cr.add_parser("list", parents=[with_api], help="list credentials (names and kinds only)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.credential_list(api, as_json=a.json)))
+
+    p = sub.add_parser("migrate", parents=[home_only], help="apply database migrations")
+    p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")
+    p.set_defaults(handler=lambda a: devcmd.migrate(_home(a), dsn=a.dsn))
+
+    dev = sub.add_parser("dev", help="the embedded local stack").add_subparsers(dest="action", metavar="ACTION")
+    dev.required = True
+    p = dev.add_parser(
+        "up", parents=[home_only], help="start Postgres, NATS and every role locally",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start a throwaway Postgres and NATS on free loopback ports, migrate, and run each\n"
+                    "role as its own process (state, data and logs under <home>/dev).",
+        epilog="environment:\n"
+               "  NOETL_*                  passed through to every role (e.g. NOETL_SHARD_LEASE_SEC=3)\n"
+               "  NOETL_DEV_ROLE_COMMAND   argv template for a role process, with {role}, {module}\n"
+               "                           and {python} (default: {python} -m {module})")
+    p.add_argument("--detach", action="store_true", help="return once up; the processes keep running")
+    p.add_argument("--scale", metavar="ROLE=N,...", help="replicas per role, e.g. api=3,projector=2,worker=3")
+    p.add_argument("--timeout", type=_positive, default=90.0, metavar="S",
+                   help="give up (and tear down) if not all SERVING within S seconds (default 90)")
+    p.set_defaults(handler=lambda a: devcmd.up(_home(a), scale=a.scale, detach=a.detach, timeout=a.timeout,
+                                               role_command=os.environ.get("NOETL_DEV_ROLE_COMMAND")))
+    p = dev.add_parser("down", parents=[home_only], help="stop the local stack and delete its data")
+    p.set_defaults(handler=lambda a: devcmd.down(_home(a)))
+    p = dev.add_parser("status", parents=[home_only], help="health of every process of the local stack")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=lambda a: devcmd.status(_home(a), as_json=a.json))
+    return parser
+
+
+def _home(args: argparse.Namespace) -> Path:
+    return resolve_home(getattr(args, "home", None))
+
+
+def _with_api(args: argparse.Namespace, fn: Callable[[client.Api], int]) -> int:
+    resolved = resolve_api(getattr(args, "api", None), _home(args))
+    with client.Api(resolved.value, resolved.source) as api:
+        return fn(api)
+
+
+def _run(args: argparse.Namespace) -> int:
+    # Validate everything local before resolving or contacting the api.
+    payload_json = client.parse_payload(args.payload)
+    content = client.read_file(args.file)
+    return _with_api(args, lambda api: client.run(
+        api, content, payload_json=payload_json, as_json=args.json, timeout=args.timeout,
+        idempotency_key=args.idempotency_key))
+
+
+def _report(exc: BaseException) -> int:
+    if isinstance(exc, CliError):
+        eprint(f"error: {exc.message}")
+        if exc.detail:
+            eprint(exc.detail)
+        return exc.code
+    if isinstance(exc, InvalidInput):
+        eprint(f"error: {exc}")
+        return 2
+    eprint(f"error: {exc}")
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return handler(args)
+    except (CliError, NoetlError) as exc:
+        return _report(exc)
+    except KeyboardInterrupt:
+        eprint("interrupted")
+        return 130
+    except BrokenPipeError:
+        # stdout went away (e.g. `| head`): stop quietly without a traceback at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""What the CLI prints: JSON documents for ``--json``, human summaries otherwise.
+
+Machine output goes to stdout only; progress and errors go to stderr. Everything here
+is pure (protobuf in, str/dict out) so it is unit-tested without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from noetl_proto.v1 import common_pb2, execution_pb2
+
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
+RESULT_PREVIEW_CHARS = 4000
+
+
+class CliError(Exception):
+    """An expected failure: print ``message`` on stderr, exit with ``code`` (no traceback)."""
+
+    def __init__(self, message: str, code: int = 1, *, detail: str = "") -> None:
+        self.message = message
+        self.code = code
+        self.detail = detail
+        super().__init__(message)
+
+
+def eprint(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------- enums and values
+
+
+def execution_status(value: int) -> str:
+    """``EXECUTION_STATUS_COMPLETED`` -> ``COMPLETED`` (unknown numbers stay visible)."""
+    try:
+        return common_pb2.ExecutionStatus.Name(value).removeprefix("EXECUTION_STATUS_")  # type: ignore[arg-type]
+    except ValueError:
+        return f"STATUS_{value}"
+
+
+def step_status(value: int) -> str:
+    try:
+        return common_pb2.StepStatus.Name(value).removeprefix("STEP_STATUS_")  # type: ignore[arg-type]
+    except ValueError:
+        return f"STATUS_{value}"
+
+
+def is_terminal(execution: execution_pb2.Execution) -> bool:
+    return execution_status(execution.status) in TERMINAL
+
+
+def parse_json_text(text: str) -> Any:
+    """JSON text -> value; '' -> None; text that is not JSON is returned as is."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def timestamp(ts: Timestamp) -> str | None:
+    if not ts.seconds and not ts.nanos:
+        return None
+    return str(ts.ToDatetime().isoformat(timespec="milliseconds")) + "Z"
+
+
+# ---------------------------------------------------------------- executions
+
+
+def execution_json(execution: execution_pb2.Execution, *, error: str | None = None) -> dict[str, Any]:
+    """The ``run --json`` document: execution_id, status, steps {name: {status, result}}, error."""
+    steps: dict[str, dict[str, Any]] = {}
+    for step in execution.steps:
+        steps[step.name] = {"status": step_status(step.status), "result": parse_json_text(step.result_json)}
+    return {
+        "execution_id": str(execution.execution_id),
+        "status": execution_status(execution.status),
+        "steps": steps,
+        "error": error if error is not None else (execution.error or None),
+    }
+
+
+def execution_detail_json(execution: execution_pb2.Execution) -> dict[str, Any]:
+    """``status --json``: the run document plus playbook, times and per-step details."""
+    doc = execution_json(execution)
+    doc.update({
+        "playbook_path": execution.playbook_path,
+        "playbook_version": execution.playbook_version,
+        "shard_id": execution.shard_id,
+        "created_at": timestamp(execution.created_at),
+        "started_at": timestamp(execution.started_at),
+        "ended_at": timestamp(execution.ended_at),
+    })
+    for step in execution.steps:
+        doc["steps"][step.name].update({
+            "attempts": step.attempts, "visits": step.visits, "error": step.error or None,
+        })
+    return doc
+
+
+def step_states(execution: execution_pb2.Execution) -> dict[str, str]:
+    return {s.name: step_status(s.status) for s in execution.steps}
+
+
+def progress_lines(previous: Mapping[str, str], execution: execution_pb2.Execution) -> list[str]:
+    """One line per step whose status differs from ``previous`` (step name -> status)."""
+    current = step_states(execution)
+    width = max([len(n) for n in current] + [5])
+    return [f"  {name.ljust(width)}  {status}" for name, status in current.items()
+            if previous.get(name) != status]
+
+
+def _duration(execution: execution_pb2.Execution) -> str:
+    start = execution.started_at if execution.started_at.seconds else execution.created_at
+    if not start.seconds or not execution.ended_at.seconds:
+        return ""
+    secs = (execution.ended_at.ToNanoseconds() - start.ToNanoseconds()) / 1e9
+    return f", {secs:.2f}s"
+
+
+def pretty_value(value: Any, limit: int = RESULT_PREVIEW_CHARS) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, indent=2, sort_keys=True, default=str)
+    if len(text) > limit:
+        text = text[:limit] + f"\n... ({len(text) - limit} more characters; use --json for all of it)"
+    return text
+
+
+def execution_summary(execution: execution_pb2.Execution, *, error: str | None = None) -> str:
+    """Human summary: status line, one line per step, then the results of the steps."""
+    status = execution_status(execution.status)
+    playbook = (f" ({execution.playbook_path} v{execution.playbook_version}{_duration(execution)})"
+                if execution.playbook_path else "")
+    lines = [f"execution {execution.execution_id} {status}{playbook}"]
+    err = error or execution.error
+    if err:
+        lines.append(f"error: {err}")
+    if execution.steps:
+        width = max(len(s.name) for s in execution.steps)
+        lines.append("steps:")
+        for s in execution.steps:
+            extra = f"  ({s.error})" if s.error else ""
+            lines.append(f"  {s.name.ljust(width)}  {step_status(s.status)}{extra}")
+    results = [(s.name, parse_json_text(s.result_json)) for s in execution.steps if s.result_json]
+    for name, value in results:
+        lines.append(f"result of {name}:")
+        lines.extend("  " + ln for ln in pretty_value(value).splitlines())
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- events
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    if value is None:
+        return ""
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), sort_keys=True,
+                                                             default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def event_short_result(event: common_pb2.EventRecord) -> str:
+    """``status ctx={...}`` or ``status ref=db:7`` from a result envelope, else the raw text cut short."""
+    env = parse_json_text(event.result_json)
+    if not isinstance(env, dict):
+        return _short(env)
+    parts = []
+    if env.get("status"):
+        parts.append(str(env["status"]))
+    ref = env.get("reference")
+    if isinstance(ref, dict) and ref.get("ref_id"):
+        parts.append(f"ref={ref.get('type', '?')}:{ref['ref_id']}")
+    if env.get("context"):
+        parts.append("ctx=" + _short(env["context"], 80))
+    err = env.get("error")
+    if err:
+        parts.append("error=" + _short(err.get("message", err) if isinstance(err, dict) else err, 80))
+    if not parts:
+        return _short(env)
+    return " ".join(parts)
+
+
+EVENT_HEADER = ("SEQ", "TYPE", "STEP", "COMMAND", "RESULT")
+
+
+def event_row(event: common_pb2.EventRecord) -> tuple[str, ...]:
+    """shard_seq, type, step, command_id, short result (for ``table``)."""
+    return (str(event.shard_seq), event.event_type, event.step or "-", event.command_id or "-",
+            event_short_result(event))
+
+
+def event_line(event: common_pb2.EventRecord) -> str:
+    return "  ".join(event_row(event)).rstrip()
+
+
+def event_json(event: common_pb2.EventRecord) -> dict[str, Any]:
+    return {
+        "event_id": str(event.event_id), "shard_id": event.shard_id, "shard_seq": event.shard_seq,
+        "event_type": event.event_type, "step": event.step or None, "command_id": event.command_id or None,
+        "result": parse_json_text(event.result_json), "meta": parse_json_text(event.meta_json),
+        "created_at": timestamp(event.created_at),
+    }
+
+
+# ---------------------------------------------------------------- tables
+
+
+def table(rows: Iterable[Sequence[object]], header: Sequence[str] | None = None) -> str:
+    """Left-aligned columns separated by two spaces."""
+    all_rows = [[str(c) for c in r] for r in rows]
+    if header:
+        all_rows.insert(0, list(header))
+    if not all_rows:
+        return ""
+    widths = [max(len(r[i]) for r in all_rows if i < len(r)) for i in range(max(len(r) for r in all_rows))]
+    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in all_rows)

@@ -1,0 +1,73 @@
+"""Run one worker object per owned shard; start and stop them as leases come and go.
+
+A shard worker has ``epoch``, ``stop()`` (ask it to finish its current batch and
+return) and ``async run()``. Used by every sharded role."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class ShardWorker(Protocol):
+    epoch: int
+
+    def stop(self) -> None: ...
+
+    async def run(self) -> None: ...
+
+
+class ShardTasks:
+    def __init__(self, name: str, factory: Callable[[int, int], ShardWorker], *, stop_timeout: float = 5.0) -> None:
+        self._name = name
+        self._factory = factory
+        self._stop_timeout = stop_timeout
+        self._running: dict[int, tuple[ShardWorker, asyncio.Task[None]]] = {}
+
+    @property
+    def shards(self) -> list[int]:
+        return sorted(self._running)
+
+    def worker(self, shard: int) -> ShardWorker | None:
+        entry = self._running.get(shard)
+        return entry[0] if entry else None
+
+    async def apply(self, gained: dict[int, int], lost: set[int]) -> None:
+        for shard in set(lost) | set(gained):
+            entry = self._running.get(shard)
+            if entry is not None and (shard in lost or entry[0].epoch != gained.get(shard)):
+                await self._stop(shard)
+        for shard, epoch in gained.items():
+            if shard not in self._running:
+                worker = self._factory(shard, epoch)
+                task = asyncio.create_task(worker.run(), name=f"{self._name}-{shard}")
+                task.add_done_callback(lambda t, s=shard: self._done(s, t))
+                self._running[shard] = (worker, task)
+
+    def _done(self, shard: int, task: asyncio.Task[None]) -> None:
+        entry = self._running.get(shard)
+        if entry is not None and entry[1] is task:
+            self._running.pop(shard, None)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("%s for shard %s crashed", self._name, shard, exc_info=task.exception())
+
+    async def _stop(self, shard: int) -> None:
+        entry = self._running.pop(shard, None)
+        if entry is None:
+            return
+        worker, task = entry
+        worker.stop()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=self._stop_timeout)
+        except (TimeoutError, Exception):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self._stop(s) for s in list(self._running)))

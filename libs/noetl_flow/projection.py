@@ -1,0 +1,129 @@
+"""Folding events into the read models (``noetl.execution``, ``noetl.execution_step``).
+
+Pure and idempotent: an event at or below the view's ``last_shard_seq`` is skipped,
+so re-delivering any prefix of the log leaves the views unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from . import router as r
+
+PENDING, RUNNING, COMPLETED, FAILED, CANCELLED = "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
+
+
+@dataclass
+class StepView:
+    step: str
+    status: str = PENDING
+    visits: int = 0
+    attempts: int = 0
+    result_ref_id: int | None = None
+    error: str | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    dirty: bool = False
+
+
+@dataclass
+class ExecutionView:
+    execution_id: int
+    shard_id: int
+    status: str = PENDING
+    catalog_id: int | None = None
+    playbook_path: str | None = None
+    playbook_version: int | None = None
+    parent_execution_id: int | None = None
+    error: str | None = None
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    last_shard_seq: int = 0
+    steps: dict[str, StepView] = field(default_factory=dict)
+
+    def step(self, name: str) -> StepView:
+        view = self.steps.get(name)
+        if view is None:
+            view = self.steps[name] = StepView(name)
+        view.dirty = True
+        return view
+
+
+def fold(view: ExecutionView, events: Iterable[Mapping[str, Any]]) -> int:
+    """Apply events (ordered by shard_seq) to ``view``; returns how many were applied."""
+    applied = 0
+    for ev in events:
+        seq = int(ev["shard_seq"])
+        if seq <= view.last_shard_seq:
+            continue
+        _apply(view, ev)
+        view.last_shard_seq = seq
+        applied += 1
+    return applied
+
+
+def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
+    kind = ev["event_type"]
+    at = ev.get("created_at")
+    meta = ev.get("meta") or {}
+    result = ev.get("result") or {}
+    name = ev.get("step")
+    if kind == r.EV_STARTED:
+        view.status = RUNNING
+        view.started_at = at
+        view.catalog_id = meta.get("catalog_id", view.catalog_id)
+        view.playbook_path = meta.get("path", view.playbook_path)
+        view.playbook_version = meta.get("version", view.playbook_version)
+        view.parent_execution_id = meta.get("parent_execution_id") or view.parent_execution_id
+        if meta.get("requested_at") and view.created_at is None:
+            view.created_at = _ts(meta["requested_at"])
+    elif kind == r.EV_STEP_ENTER and name:
+        s = view.step(name)
+        s.status = RUNNING
+        s.visits = int(meta.get("visit", s.visits + 1))
+        s.attempts = int(meta.get("attempt", 1))
+        s.started_at = at
+        s.ended_at = None
+        s.error = None
+        s.result_ref_id = None
+    elif kind in (r.EV_CALL_DONE, r.EV_CALL_ERROR) and name:
+        s = view.step(name)
+        s.status = COMPLETED if kind == r.EV_CALL_DONE else FAILED
+        ref = result.get("reference") or {}
+        s.result_ref_id = ref.get("ref_id")
+        s.error = _message(result) if kind == r.EV_CALL_ERROR else None
+        s.ended_at = at
+    elif kind == r.EV_REISSUED and name:
+        s = view.step(name)
+        s.attempts = int(meta.get("attempt", s.attempts + 1))
+    elif kind == r.EV_DEAD and name:
+        s = view.step(name)
+        s.status = FAILED
+        s.error = _message(result)
+        s.ended_at = at
+    elif kind in (r.EV_COMPLETED, r.EV_FAILED, r.EV_CANCELLED):
+        view.status = {r.EV_COMPLETED: COMPLETED, r.EV_FAILED: FAILED, r.EV_CANCELLED: CANCELLED}[kind]
+        view.error = _message(result) if result else None
+        view.ended_at = at
+        for s in view.steps.values():
+            if s.status in (RUNNING, PENDING):
+                s.status = CANCELLED
+                s.ended_at = at
+                s.dirty = True
+
+
+def _message(result: Mapping[str, Any]) -> str | None:
+    err = result.get("error") or {}
+    return err.get("message") if isinstance(err, Mapping) else str(err)
+
+
+def _ts(value: Any) -> datetime | None:
+    if isinstance(value, datetime):
+        return value
+    if isinstance(value, str):
+        return datetime.fromisoformat(value)
+    return None

@@ -1,0 +1,72 @@
+"""The engine's compact, JSON-serialisable routing state for one execution.
+
+Persisted in ``noetl.engine_state.state`` on every batch that touches the execution;
+never holds payloads, only references and small scalars (``context``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RUNNING = "running"
+COMPLETED = "completed"
+FAILED = "failed"
+CANCELLED = "cancelled"
+TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
+
+STEP_RUNNING = "running"
+STEP_DONE = "done"
+STEP_FAILED = "failed"
+STEP_CANCELLED = "cancelled"
+
+
+@dataclass
+class StepRun:
+    status: str = STEP_RUNNING
+    visits: int = 0
+    command_id: str = ""
+    attempt: int = 1
+    # Envelope of the accepted result: {status, reference, parent_ref, context[, error]}.
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass
+class Pending:
+    step: str
+    attempt: int = 1
+
+
+@dataclass
+class ExecState:
+    execution_id: int
+    shard_id: int
+    catalog_id: int
+    status: str = RUNNING
+    ctx: dict[str, Any] = field(default_factory=dict)
+    steps: dict[str, StepRun] = field(default_factory=dict)
+    # In-flight commands: command_id -> Pending.
+    pending: dict[str, Pending] = field(default_factory=dict)
+    # Fan-in steps whose arc fired but which wait for other branches.
+    armed: list[str] = field(default_factory=list)
+    deadline_ms: int | None = None
+    error: str | None = None
+    parent_execution_id: int = 0
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ExecState:
+        data = dict(data)
+        steps = {k: StepRun(**v) for k, v in data.pop("steps", {}).items()}
+        pending = {k: Pending(**v) for k, v in data.pop("pending", {}).items()}
+        return cls(steps=steps, pending=pending, **data)
+
+    def active_steps(self) -> set[str]:
+        return {p.step for p in self.pending.values()}

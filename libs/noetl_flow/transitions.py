@@ -1,0 +1,68 @@
+"""Inputs and outputs of the pure routing functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .state import ExecState
+
+
+@dataclass(frozen=True)
+class StartInput:
+    execution_id: int
+    shard_id: int
+    catalog_id: int
+    deadline_ms: int | None = None
+    parent_execution_id: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CallResultInput:
+    command_id: str
+    attempt: int
+    envelope: dict[str, Any]
+    set_updates: dict[str, Any] = field(default_factory=dict)
+    worker_id: str = ""
+
+
+@dataclass
+class NewEvent:
+    event_type: str
+    step: str | None = None
+    command_id: str | None = None
+    result: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class NewCommand:
+    command_id: str
+    step: str
+    kind: str
+    attempt: int
+    context: dict[str, Any]
+    timeout_sec: float = 0.0
+
+
+@dataclass
+class CommandUpdate:
+    command_id: str
+    status: str  # queued | done | failed | cancelled | dead
+    attempt: int | None = None  # set when a re-issue bumps the attempt
+
+
+@dataclass
+class Transition:
+    state: ExecState
+    events: list[NewEvent] = field(default_factory=list)
+    commands: list[NewCommand] = field(default_factory=list)
+    updates: list[CommandUpdate] = field(default_factory=list)
+    # Commands to publish again after commit (re-issued): (command_id, attempt, kind).
+    republish: list[tuple[str, int, str]] = field(default_factory=list)
+
+    def emit(self, event_type: str, **kw: Any) -> NewEvent:
+        ev = NewEvent(event_type, **kw)
+        self.events.append(ev)
+        return ev

@@ -1,0 +1,51 @@
+"""Envelope dict <-> protobuf ``ResultEnvelope`` (the worker sends the proto in
+``CallResult``; the engine records the dict in ``noetl.event.result``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from noetl_proto.v1 import common_pb2
+
+from ._envelope import error_info
+
+
+def envelope_to_proto(env: Mapping[str, Any], *, error_details: Mapping[str, Any] | None = None
+                      ) -> common_pb2.ResultEnvelope:
+    """The protobuf form of an envelope dict; ``error_details`` (traceback, SQLSTATE, ...)
+    travels in ``ErrorInfo.details_json``."""
+    pb = common_pb2.ResultEnvelope(status=str(env.get("status") or ""),
+                                   context_json=json.dumps(env.get("context") or {}, separators=(",", ":")))
+    ref = env.get("reference")
+    if ref:
+        pb.reference.CopyFrom(common_pb2.ResultReference(ref_id=int(ref["ref_id"]), type=str(ref.get("type") or ""),
+                                                         uri=str(ref.get("uri") or "")))
+    parent = env.get("parent_ref")
+    if parent:
+        pb.parent_ref.CopyFrom(common_pb2.ResultReference(ref_id=int(parent["ref_id"]),
+                                                          type=str(parent.get("type") or ""),
+                                                          uri=str(parent.get("uri") or "")))
+    err = env.get("error")
+    if err:
+        pb.error.CopyFrom(common_pb2.ErrorInfo(
+            code=str(err.get("code") or ""), message=str(err.get("message") or ""),
+            kind=str(err.get("kind") or ""), retryable=bool(err.get("retryable")),
+            details_json=json.dumps(dict(error_details), default=str) if error_details else ""))
+    return pb
+
+
+def envelope_from_proto(pb: common_pb2.ResultEnvelope) -> dict[str, Any]:
+    """The envelope dict (v3 keys only) of a protobuf ``ResultEnvelope``."""
+    env: dict[str, Any] = {
+        "status": pb.status,
+        "reference": ({"ref_id": pb.reference.ref_id, "type": pb.reference.type, "uri": pb.reference.uri}
+                      if pb.HasField("reference") else None),
+        "parent_ref": {"ref_id": pb.parent_ref.ref_id} if pb.HasField("parent_ref") else None,
+        "context": json.loads(pb.context_json) if pb.context_json else {},
+    }
+    if pb.HasField("error"):
+        env["error"] = error_info(pb.error.code, pb.error.message, kind=pb.error.kind,
+                                  retryable=pb.error.retryable)
+    return env

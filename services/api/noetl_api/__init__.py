@@ -1,0 +1,2 @@
+"""The api role: client gRPC API (executions, catalog, credentials), the WorkerService
+claim endpoint, and the engine for the shards this replica holds."""

@@ -1,0 +1,124 @@
+"""The playbook catalog: versioned per ``metadata.path``; parsed playbooks cached by id."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import yaml
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_common.db import transaction
+from noetl_common.errors import NotFound
+from noetl_dsl import Playbook, load_playbook, parse_playbook
+from noetl_flow import Flow
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_KINDS = frozenset({"python", "http", "postgres", "noop", "workbook"})
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    catalog_id: int
+    path: str
+    version: int
+    kind: str
+    name: str
+    content: str
+    content_sha256: str
+    created_at: datetime
+
+
+@dataclass
+class Compiled:
+    """A catalog entry's parsed playbook and its routing tables (immutable per id)."""
+
+    entry: CatalogEntry
+    playbook: Playbook
+    flow: Flow
+
+
+def parse(content: str) -> Playbook:
+    return parse_playbook(content, supported_kinds=SUPPORTED_KINDS)
+
+
+class Catalog:
+    def __init__(self, pool: AsyncConnectionPool, cache_size: int = 256) -> None:
+        self._pool = pool
+        self._cache: OrderedDict[int, Compiled] = OrderedDict()
+        self._cache_size = cache_size
+
+    async def register(self, content: str, playbook: Playbook | None = None) -> tuple[CatalogEntry, bool]:
+        """Store a new version of the playbook's path unless the latest version is identical."""
+        playbook = playbook or parse(content)
+        sha = hashlib.sha256(content.encode()).hexdigest()
+        path = playbook.path
+        doc = yaml.safe_load(content)
+        async with transaction(self._pool) as conn:
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"catalog:{path}",))
+            cur = await conn.execute(
+                "SELECT * FROM noetl.catalog WHERE path = %s ORDER BY version DESC LIMIT 1", (path,))
+            latest = await cur.fetchone()
+            if latest is not None and latest["content_sha256"] == sha:
+                return _entry(latest), False
+            version = (latest["version"] if latest else 0) + 1
+            cur = await conn.execute(
+                "INSERT INTO noetl.catalog (path, version, kind, name, content, content_sha256, doc)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING *",
+                (path, version, str(doc.get("kind", "Playbook")), playbook.name, content, sha,
+                 json.dumps(doc, default=str)),
+            )
+            row = await cur.fetchone()
+        assert row is not None
+        logger.info("registered playbook %s version %s", path, version)
+        return _entry(row), True
+
+    async def get(self, path: str, version: int = 0) -> CatalogEntry:
+        async with self._pool.connection() as conn:
+            if version > 0:
+                cur = await conn.execute("SELECT * FROM noetl.catalog WHERE path = %s AND version = %s",
+                                         (path, version))
+            else:
+                cur = await conn.execute(
+                    "SELECT * FROM noetl.catalog WHERE path = %s ORDER BY version DESC LIMIT 1", (path,))
+            row = await cur.fetchone()
+        if row is None:
+            raise NotFound(f"playbook {path!r}" + (f" version {version}" if version else "") + " not found")
+        return _entry(row)
+
+    async def list(self, prefix: str, limit: int, after: str) -> list[CatalogEntry]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT DISTINCT ON (path) * FROM noetl.catalog WHERE path LIKE %s AND path > %s"
+                " ORDER BY path, version DESC LIMIT %s",
+                (prefix.replace("%", r"\%") + "%", after, limit),
+            )
+            return [_entry(r) for r in await cur.fetchall()]
+
+    async def compiled(self, catalog_id: int) -> Compiled:
+        hit = self._cache.get(catalog_id)
+        if hit is not None:
+            self._cache.move_to_end(catalog_id)
+            return hit
+        async with self._pool.connection() as conn:
+            cur = await conn.execute("SELECT * FROM noetl.catalog WHERE catalog_id = %s", (catalog_id,))
+            row = await cur.fetchone()
+        if row is None:
+            raise NotFound(f"catalog entry {catalog_id} not found")
+        playbook = load_playbook(row["doc"])
+        compiled = Compiled(_entry(row), playbook, Flow(playbook))
+        self._cache[catalog_id] = compiled
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+
+def _entry(row: dict[str, Any]) -> CatalogEntry:
+    return CatalogEntry(row["catalog_id"], row["path"], row["version"], row["kind"], row["name"],
+                        row["content"], row["content_sha256"], row["created_at"])

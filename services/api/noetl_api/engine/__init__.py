@@ -1,0 +1,1 @@
+"""The engine: per owned shard, consume inputs, fold, route, append, dispatch."""

@@ -1,0 +1,363 @@
+"""One shard's engine loop (ARCHITECTURE.md section 4, step 2).
+
+Takes whatever inputs are pending *now* (no waiting window), and in ONE transaction:
+fences on its lease row (which also records the stream position), appends the events
+with gap-free ``shard_seq``, saves the touched executions' engine state, inserts and
+updates commands. After commit it publishes the new commands and hints the projector.
+A new owner resumes from ``stream_seq + 1`` with the committed state: nothing
+committed is replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from prometheus_client import Counter, Histogram
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_common import envelopes, natsio
+from noetl_common.config import CommandSettings, ExecutionSettings
+from noetl_common.errors import LeaseLost, NoetlError
+from noetl_common.ids import snowflake_at
+from noetl_common.shards import ShardOwnership
+from noetl_dsl import merged_workload
+from noetl_flow import CallResultInput, ExecState, StartInput, Transition
+from noetl_proto.v1 import messages_pb2
+from noetl_store import ResultStore
+
+from ..catalog import Catalog
+from . import sql
+
+logger = logging.getLogger(__name__)
+
+BATCH_EVENTS = Counter("noetl_engine_events_total", "Events appended by the engine", ["shard"])
+BATCH_SECONDS = Histogram("noetl_engine_batch_seconds", "Engine batch transaction time",
+                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+BATCH_INPUTS = Histogram("noetl_engine_batch_inputs", "Inputs folded per engine batch",
+                         buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
+REPUBLISHED = Counter("noetl_engine_republished_commands_total", "Commands republished on takeover or re-issue")
+
+MAX_BATCH = 500
+
+
+@dataclass
+class EngineDeps:
+    pool: AsyncConnectionPool
+    nc: NATS
+    js: JetStreamContext
+    catalog: Catalog
+    results: ResultStore
+    ownership: ShardOwnership
+    commands: CommandSettings
+    executions: ExecutionSettings
+    workloads: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)
+
+
+@dataclass
+class _Input:
+    kind: str  # submitted | call_result | cancel | expired | barrier | timeout
+    execution_id: int
+    msg: Any = None
+
+
+class ShardEngine:
+    def __init__(self, deps: EngineDeps, shard: int, epoch: int) -> None:
+        self.d = deps
+        self.shard = shard
+        self.epoch = epoch
+        self._queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._cache: OrderedDict[int, ExecState] = OrderedDict()
+        self._sub: Any = None
+        self._next_tick = 0.0
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        except LeaseLost as exc:
+            logger.warning("%s; stopping", exc, extra={"shard": self.shard})
+        finally:
+            if self._sub is not None:
+                with contextlib.suppress(Exception):
+                    await self._sub.unsubscribe()
+
+    async def _run(self) -> None:
+        stream_seq = await self._takeover()
+        self._sub = await self.d.js.subscribe(
+            natsio.events_filter(self.shard), ordered_consumer=True, cb=self._on_msg,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=stream_seq + 1),
+        )
+        while not self._stopped.is_set():
+            if self.d.ownership.epoch(self.shard) != self.epoch:
+                raise LeaseLost(f"shard {self.shard} epoch {self.epoch} no longer trusted")
+            timeout = max(0.0, self._next_tick - time.monotonic())
+            if self._queue.empty():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                self._wake.clear()
+            if self._stopped.is_set():
+                break
+            msgs: list[tuple[int, bytes]] = []
+            while not self._queue.empty() and len(msgs) < MAX_BATCH:
+                msgs.append(self._queue.get_nowait())
+            synthetic: list[_Input] = []
+            if time.monotonic() >= self._next_tick:
+                self._next_tick = time.monotonic() + self.d.executions.sweep_interval_sec
+                synthetic = await self._tick_inputs()
+            if msgs or synthetic:
+                await self._process_with_retry(msgs, synthetic)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._queue.put_nowait((msg.metadata.sequence.stream, msg.data))
+        self._wake.set()
+
+    # ------------------------------------------------------------ takeover and ticks
+
+    async def _takeover(self) -> int:
+        async with self.d.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT stream_seq, event_seq FROM noetl.shard_lease WHERE role = %s AND shard_id = %s"
+                " AND owner_runtime_id = %s AND epoch = %s",
+                (sql.ROLE, self.shard, self.d.ownership.runtime_id, self.epoch))
+            row = await cur.fetchone()
+            if row is None:
+                raise LeaseLost(f"shard {self.shard} epoch {self.epoch} is not ours")
+            queued = await sql.queued_commands(conn, self.shard)
+            await conn.commit()
+        if queued:
+            REPUBLISHED.inc(len(queued))
+            await self._publish([(q["command_id"], q["execution_id"], q["attempt"], q["kind"]) for q in queued])
+        logger.info("engine took shard %s epoch %s at stream_seq %s event_seq %s (republished %s)",
+                    self.shard, self.epoch, row["stream_seq"], row["event_seq"], len(queued))
+        return int(row["stream_seq"])
+
+    async def _tick_inputs(self) -> list[_Input]:
+        async with self.d.pool.connection() as conn:
+            cur = await conn.execute("SELECT sweep_from FROM noetl.shard_lease WHERE role = %s AND shard_id = %s",
+                                     (sql.ROLE, self.shard))
+            row = await cur.fetchone()
+            after = int(row["sweep_from"]) if row else 0
+            starts = await sql.unstarted(conn, self.shard, after, 200)
+            late = await sql.overdue(conn, self.shard, 200)
+            await conn.commit()
+        return [_Input("submitted", e) for e in starts] + [_Input("timeout", e) for e in late]
+
+    # ------------------------------------------------------------ the batch
+
+    async def _process_with_retry(self, msgs: list[tuple[int, bytes]], synthetic: list[_Input]) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await self._process(msgs, synthetic)
+                return
+            except LeaseLost:
+                raise
+            except (NoetlError, OSError) as exc:
+                self._cache.clear()
+                logger.warning("engine batch failed on shard %s (%s); retrying in %.1fs", self.shard, exc, delay)
+            except Exception:
+                self._cache.clear()
+                logger.exception("engine batch crashed on shard %s; retrying in %.1fs", self.shard, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            if self.d.ownership.epoch(self.shard) != self.epoch:
+                raise LeaseLost(f"shard {self.shard} lost while retrying a batch")
+
+    async def _process(self, msgs: list[tuple[int, bytes]], synthetic: list[_Input]) -> None:
+        started = time.perf_counter()
+        inputs = [i for _, data in msgs if (i := _decode(data)) is not None] + synthetic
+        last_stream_seq = max((s for s, _ in msgs), default=0)
+        events: list[tuple[Any, ...]] = []
+        touched: dict[int, tuple[ExecState, int]] = {}
+        new_commands: list[tuple[int, int, Any]] = []
+        updates: list[Any] = []
+        publish: list[tuple[str, int, int, str]] = []
+        async with self.d.pool.connection() as conn, conn.transaction():
+            lease = await sql.fence(conn, self.shard, self.d.ownership.runtime_id, self.epoch, last_stream_seq)
+            seq = int(lease["event_seq"])
+            sweep_from = int(lease["sweep_from"])
+            ids = {i.execution_id for i in inputs}
+            states: dict[int, ExecState] = {e: self._cache[e] for e in ids if e in self._cache}
+            states.update(await sql.load_states(conn, [e for e in ids if e not in states]))
+            need_requests = [e for e in ids if e not in states or e not in self.d.workloads]
+            requests = await sql.load_requests(conn, need_requests)
+            for inp in inputs:
+                t = await self._apply(inp, states, requests)
+                if t is None:
+                    continue
+                eid = t.state.execution_id
+                states[eid] = t.state
+                for ev in t.events:
+                    seq += 1
+                    events.append((eid, self.shard, seq, ev.event_type, ev.step, ev.command_id,
+                                   json.dumps(ev.result) if ev.result is not None else None,
+                                   json.dumps(ev.meta)))
+                touched[eid] = (t.state, seq)
+                new_commands.extend((eid, t.state.catalog_id, c) for c in t.commands)
+                publish.extend((c.command_id, eid, c.attempt, c.kind) for c in t.commands)
+                publish.extend((cid, eid, attempt, kind) for cid, attempt, kind in t.republish)
+                updates.extend(t.updates)
+            if events:
+                await sql.append_events(conn, events)
+            await sql.save_states(conn, self.shard,
+                                  [(s, last, _deadline(s)) for s, last in touched.values()])
+            await sql.insert_commands(conn, self.shard, new_commands)
+            await sql.update_commands(conn, updates)
+            started_ids = [e for e in requests if e in touched]
+            horizon = snowflake_at(int((time.time() - 60) * 1000))
+            new_sweep = min(max(started_ids, default=sweep_from), horizon)
+            await sql.finish_batch(conn, self.shard, seq, new_sweep)
+        # committed: the cache mirrors what is in Postgres now
+        for eid, (state, _) in touched.items():
+            if state.terminal:
+                self._cache.pop(eid, None)
+                self.d.workloads.pop(eid, None)
+            else:
+                self._cache[eid] = state
+                self._cache.move_to_end(eid)
+        while len(self._cache) > 10_000:
+            self._cache.popitem(last=False)
+        if publish:
+            await self._publish(publish)
+        if events:
+            BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
+            await self.d.nc.publish(natsio.projector_subject(self.shard), b"")
+        BATCH_INPUTS.observe(len(inputs))
+        BATCH_SECONDS.observe(time.perf_counter() - started)
+
+    async def _apply(self, inp: _Input, states: dict[int, ExecState],
+                     requests: dict[int, dict[str, Any]]) -> Transition | None:
+        eid = inp.execution_id
+        state = states.get(eid)
+        if inp.kind in ("submitted", "cancel") and state is None:
+            req = requests.get(eid)
+            if req is None:
+                logger.warning("input %s for unknown execution %s ignored", inp.kind, eid)
+                return None
+            compiled = await self.d.catalog.compiled(req["catalog_id"])
+            workload = self._workload(eid, req, compiled.playbook)
+            deadline = req["requested_at"] + timedelta(seconds=float(req["timeout_sec"]))
+            start = StartInput(eid, self.shard, req["catalog_id"], int(deadline.timestamp() * 1000),
+                               req["parent_execution_id"] or 0,
+                               meta={"catalog_id": req["catalog_id"], "path": req["path"],
+                                     "version": req["version"],
+                                     "parent_execution_id": req["parent_execution_id"],
+                                     "requested_at": req["requested_at"].isoformat()})
+            t = compiled.flow.start(start, workload)
+            if inp.kind == "cancel":
+                t2 = compiled.flow.on_cancel(t.state, inp.msg.reason)
+                _merge(t, t2)
+            return t
+        if state is None:
+            logger.warning("input %s for execution %s with no engine state ignored", inp.kind, eid)
+            return None
+        if inp.kind == "submitted":
+            return None  # already started: a duplicate nudge or a sweep race
+        compiled = await self.d.catalog.compiled(state.catalog_id)
+        flow = compiled.flow
+        if inp.kind == "call_result":
+            r = inp.msg
+            envelope = envelopes.to_dict(r.envelope)
+            res = CallResultInput(r.command_id, r.attempt, envelope,
+                                  json.loads(r.set_json) if r.set_json else {}, r.worker_id)
+            workload = await self._workload_for(state, requests)
+            values = await self._values(flow.needs(state, res))
+            return flow.on_result(state, res, workload, values)
+        if inp.kind == "cancel":
+            return flow.on_cancel(state, inp.msg.reason)
+        if inp.kind == "expired":
+            m = inp.msg
+            return flow.on_expired(state, m.command_id, m.attempt, self.d.commands.max_attempts,
+                                   m.reason or "claim lease expired")
+        if inp.kind == "timeout":
+            return flow.on_timeout(state, int(time.time() * 1000))
+        return None
+
+    async def _values(self, refs: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+        ids = {name: int(ref["ref_id"]) for name, ref in refs.items() if ref and ref.get("ref_id")}
+        found = await self.d.results.get_many(list(ids.values())) if ids else {}
+        return {name: found.get(ids[name]) if name in ids else None for name in refs}
+
+    def _workload(self, eid: int, req: dict[str, Any], playbook: Any) -> dict[str, Any]:
+        cached = self.d.workloads.get(eid)
+        if cached is None:
+            cached = merged_workload(playbook, req["payload"] or {})
+            self.d.workloads[eid] = cached
+            while len(self.d.workloads) > 10_000:
+                self.d.workloads.popitem(last=False)
+        return cached
+
+    async def _workload_for(self, state: ExecState, requests: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        cached = self.d.workloads.get(state.execution_id)
+        if cached is not None:
+            return cached
+        req = requests.get(state.execution_id)
+        if req is None:
+            async with self.d.pool.connection() as conn:
+                req = (await sql.load_requests(conn, [state.execution_id])).get(state.execution_id)
+        if req is None:
+            return {}
+        compiled = await self.d.catalog.compiled(state.catalog_id)
+        return self._workload(state.execution_id, req, compiled.playbook)
+
+    async def _publish(self, items: list[tuple[str, int, int, str]]) -> None:
+        async def one(cid: str, eid: int, attempt: int, kind: str) -> None:
+            notice = messages_pb2.CommandNotice(command_id=cid, execution_id=eid, shard_id=self.shard,
+                                                attempt=attempt, kind=kind)
+            await natsio.publish(self.d.js, natsio.commands_subject(self.shard), notice.SerializeToString(),
+                                 msg_id=f"{cid}#{attempt}")
+
+        results = await asyncio.gather(*(one(*i) for i in items), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            logger.warning("%s command notices not published (%s); the reaper republishes queued commands",
+                           len(failed), failed[0])
+
+
+def _decode(data: bytes) -> _Input | None:
+    try:
+        msg = messages_pb2.EngineInput.FromString(data)
+    except Exception:
+        logger.exception("undecodable engine input dropped")
+        return None
+    kind = msg.WhichOneof("input")
+    if kind == "submitted":
+        return _Input(kind, msg.submitted.execution_id)
+    if kind == "call_result":
+        return _Input(kind, msg.call_result.execution_id, msg.call_result)
+    if kind == "cancel":
+        return _Input(kind, msg.cancel.execution_id, msg.cancel)
+    if kind == "expired":
+        return _Input(kind, msg.expired.execution_id, msg.expired)
+    return None
+
+
+def _deadline(state: ExecState) -> datetime | None:
+    if state.terminal or state.deadline_ms is None:
+        return None
+    return datetime.fromtimestamp(state.deadline_ms / 1000, tz=UTC)
+
+
+def _merge(first: Transition, second: Transition) -> None:
+    first.state = second.state
+    first.events.extend(second.events)
+    first.commands.extend(second.commands)
+    first.updates.extend(second.updates)
+    first.republish.extend(second.republish)

@@ -1,0 +1,138 @@
+"""The engine's statements. Every one runs inside the shard's fenced batch transaction."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from noetl_common.errors import LeaseLost
+from noetl_flow import CommandUpdate, ExecState, NewCommand
+
+ROLE = "api"
+
+FENCE = (
+    "UPDATE noetl.shard_lease SET stream_seq = GREATEST(stream_seq, %s), updated_at = now()"
+    " WHERE role = %s AND shard_id = %s AND owner_runtime_id = %s AND epoch = %s"
+    " RETURNING event_seq, stream_seq, sweep_from"
+)
+
+
+async def fence(conn: psycopg.AsyncConnection[Any], shard: int, owner: int, epoch: int,
+                stream_seq: int) -> dict[str, Any]:
+    """Lock our lease row (serialising against a takeover) or raise LeaseLost."""
+    cur = await conn.execute(FENCE, (stream_seq, ROLE, shard, owner, epoch))
+    row = await cur.fetchone()
+    if row is None:
+        raise LeaseLost(f"engine lease for shard {shard} epoch {epoch} is no longer held")
+    return row
+
+
+async def finish_batch(conn: psycopg.AsyncConnection[Any], shard: int, event_seq: int, sweep_from: int) -> None:
+    await conn.execute(
+        "UPDATE noetl.shard_lease SET event_seq = %s, sweep_from = GREATEST(sweep_from, %s)"
+        " WHERE role = %s AND shard_id = %s",
+        (event_seq, sweep_from, ROLE, shard),
+    )
+
+
+async def load_states(conn: psycopg.AsyncConnection[Any], ids: Sequence[int]) -> dict[int, ExecState]:
+    if not ids:
+        return {}
+    cur = await conn.execute("SELECT execution_id, state FROM noetl.engine_state WHERE execution_id = ANY(%s)",
+                             (list(ids),))
+    return {r["execution_id"]: ExecState.from_json(r["state"]) for r in await cur.fetchall()}
+
+
+async def load_requests(conn: psycopg.AsyncConnection[Any], ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    if not ids:
+        return {}
+    cur = await conn.execute(
+        "SELECT r.*, c.path, c.version FROM noetl.execution_request r"
+        " JOIN noetl.catalog c ON c.catalog_id = r.catalog_id WHERE r.execution_id = ANY(%s)", (list(ids),))
+    return {r["execution_id"]: r for r in await cur.fetchall()}
+
+
+async def unstarted(conn: psycopg.AsyncConnection[Any], shard: int, after_id: int, limit: int) -> list[int]:
+    cur = await conn.execute(
+        "SELECT r.execution_id FROM noetl.execution_request r WHERE r.shard_id = %s AND r.execution_id > %s"
+        " AND NOT EXISTS (SELECT 1 FROM noetl.engine_state s WHERE s.execution_id = r.execution_id)"
+        " ORDER BY r.execution_id LIMIT %s",
+        (shard, after_id, limit),
+    )
+    return [r["execution_id"] for r in await cur.fetchall()]
+
+
+async def overdue(conn: psycopg.AsyncConnection[Any], shard: int, limit: int) -> list[int]:
+    cur = await conn.execute(
+        "SELECT execution_id FROM noetl.engine_state WHERE shard_id = %s AND status = 'running'"
+        " AND deadline < now() ORDER BY deadline LIMIT %s", (shard, limit))
+    return [r["execution_id"] for r in await cur.fetchall()]
+
+
+async def queued_commands(conn: psycopg.AsyncConnection[Any], shard: int) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        "SELECT command_id, execution_id, attempt, kind FROM noetl.command"
+        " WHERE shard_id = %s AND status = 'queued' ORDER BY created_at", (shard,))
+    return list(await cur.fetchall())
+
+
+async def append_events(conn: psycopg.AsyncConnection[Any], rows: Iterable[tuple[Any, ...]]) -> None:
+    """COPY the batch's events (execution_id, shard_id, shard_seq, type, step, command_id, result, meta)."""
+    async with conn.cursor().copy(
+        "COPY noetl.event (execution_id, shard_id, shard_seq, event_type, step, command_id, result, meta)"
+        " FROM STDIN"
+    ) as copy:
+        for row in rows:
+            await copy.write_row(row)
+
+
+async def save_states(conn: psycopg.AsyncConnection[Any], shard: int,
+                      states: Iterable[tuple[ExecState, int, datetime | None]]) -> None:
+    rows = [
+        (s.execution_id, shard, s.status, json.dumps(s.to_json()), deadline, seq)
+        for s, seq, deadline in states
+    ]
+    if not rows:
+        return
+    async with conn.cursor() as cur:
+        await cur.executemany(
+            "INSERT INTO noetl.engine_state (execution_id, shard_id, status, state, deadline, last_shard_seq)"
+            " VALUES (%s, %s, %s, %s, %s, %s)"
+            " ON CONFLICT (execution_id) DO UPDATE SET status = EXCLUDED.status, state = EXCLUDED.state,"
+            " deadline = EXCLUDED.deadline, last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
+            rows,
+        )
+
+
+async def insert_commands(conn: psycopg.AsyncConnection[Any], shard: int,
+                          commands: Iterable[tuple[int, int, NewCommand]]) -> None:
+    rows = [
+        (c.command_id, eid, shard, catalog_id, c.step, c.kind, c.attempt, json.dumps(c.context), c.timeout_sec)
+        for eid, catalog_id, c in commands
+    ]
+    if not rows:
+        return
+    async with conn.cursor() as cur:
+        await cur.executemany(
+            "INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
+            " attempt, context, timeout_sec) VALUES (%s, %s, %s, %s, %s, %s, 'queued', %s, %s, %s)"
+            " ON CONFLICT (command_id) DO NOTHING",
+            rows,
+        )
+
+
+async def update_commands(conn: psycopg.AsyncConnection[Any], updates: Iterable[CommandUpdate]) -> None:
+    rows = [(u.status, u.attempt, u.status, u.command_id) for u in updates]
+    if not rows:
+        return
+    async with conn.cursor() as cur:
+        await cur.executemany(
+            "UPDATE noetl.command SET status = %s, attempt = COALESCE(%s, attempt),"
+            " worker_id = CASE WHEN %s = 'queued' THEN NULL ELSE worker_id END,"
+            " updated_at = now() WHERE command_id = %s",
+            rows,
+        )

@@ -1,0 +1,87 @@
+"""Read side: executions from the projected read models, events from the log."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_common.errors import InvalidInput, NotFound
+from noetl_store import ResultStore
+
+STATUSES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
+
+
+class Queries:
+    def __init__(self, pool: AsyncConnectionPool, results: ResultStore) -> None:
+        self._pool = pool
+        self._results = results
+
+    async def execution(self, execution_id: int, include_results: bool = False) -> dict[str, Any]:
+        """The read model of one execution; PENDING from the request while not yet projected."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute("SELECT * FROM noetl.execution WHERE execution_id = %s", (execution_id,))
+            row = await cur.fetchone()
+            steps: list[dict[str, Any]] = []
+            if row is None:
+                cur = await conn.execute(
+                    "SELECT r.execution_id, r.shard_id, r.catalog_id, c.path AS playbook_path,"
+                    " c.version AS playbook_version, r.parent_execution_id, r.requested_at AS created_at"
+                    " FROM noetl.execution_request r JOIN noetl.catalog c USING (catalog_id)"
+                    " WHERE r.execution_id = %s", (execution_id,))
+                req = await cur.fetchone()
+                if req is None:
+                    raise NotFound(f"execution {execution_id} not found")
+                row = {**req, "status": "PENDING", "error": None, "started_at": None, "ended_at": None,
+                       "last_shard_seq": 0}
+            else:
+                cur = await conn.execute(
+                    "SELECT * FROM noetl.execution_step WHERE execution_id = %s"
+                    " ORDER BY started_at NULLS LAST, step", (execution_id,))
+                steps = list(await cur.fetchall())
+        if include_results:
+            refs = [s["result_ref_id"] for s in steps if s.get("result_ref_id")]
+            values = await self._results.get_many(refs) if refs else {}
+            for s in steps:
+                ref = s.get("result_ref_id")
+                s["result_json"] = json.dumps(values.get(ref), default=str) if ref in values else ""
+        return {**row, "steps": steps}
+
+    async def list(self, *, page_size: int, page_token: str, status: str, path: str) -> tuple[list[dict[str, Any]], str]:
+        size = min(max(page_size or 50, 1), 500)
+        try:
+            before = int(page_token) if page_token else 2**63 - 1
+        except ValueError as exc:
+            raise InvalidInput(f"invalid page_token {page_token!r}") from exc
+        clauses = ["execution_id < %s"]
+        params: list[Any] = [before]
+        if status:
+            clauses.append("status = %s")
+            params.append(status)
+        if path:
+            clauses.append("playbook_path = %s")
+            params.append(path)
+        params.append(size)
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                f"SELECT * FROM noetl.execution WHERE {' AND '.join(clauses)} ORDER BY execution_id DESC LIMIT %s",
+                params)
+            rows = list(await cur.fetchall())
+        token = str(rows[-1]["execution_id"]) if len(rows) == size else ""
+        return [{**r, "steps": []} for r in rows], token
+
+    async def events(self, execution_id: int, after_event_id: int, page_size: int) -> list[dict[str, Any]]:
+        size = min(max(page_size or 1000, 1), 10_000)
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT * FROM noetl.event WHERE execution_id = %s AND event_id > %s ORDER BY event_id LIMIT %s",
+                (execution_id, after_event_id, size))
+            rows = list(await cur.fetchall())
+            if not rows and after_event_id == 0:
+                cur = await conn.execute("SELECT 1 FROM noetl.execution_request WHERE execution_id = %s",
+                                         (execution_id,))
+                if await cur.fetchone() is None:
+                    raise NotFound(f"execution {execution_id} not found")
+        return rows

@@ -1,0 +1,88 @@
+"""The api role's process: wires settings, pools, NATS and the servicers together."""
+
+from __future__ import annotations
+
+import grpc
+from nats.aio.client import Client as NATS
+
+from noetl_common import natsio
+from noetl_common.config import CommandSettings, CoreSettings, ExecutionSettings, ShardSettings
+from noetl_common.ids import SnowflakeGenerator
+from noetl_common.service import Service
+from noetl_common.shardtasks import ShardTasks
+from noetl_proto.v1 import catalog_pb2, catalog_pb2_grpc, execution_pb2, execution_pb2_grpc, worker_pb2, worker_pb2_grpc
+from noetl_store import CachedResultStore, PostgresResultStore
+
+from .catalog import Catalog
+from .claims import Claims
+from .engine.shard import EngineDeps, ShardEngine
+from .queries import Queries
+from .servicers import CatalogServicer, CredentialServicer, ExecutionServicer, WorkerServicer
+from .submissions import Submitter
+
+
+class ApiService(Service):
+    role = "api"
+    sharded = True
+    service_names = (
+        execution_pb2.DESCRIPTOR.services_by_name["ExecutionService"].full_name,
+        catalog_pb2.DESCRIPTOR.services_by_name["CatalogService"].full_name,
+        catalog_pb2.DESCRIPTOR.services_by_name["CredentialService"].full_name,
+        worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+    )
+
+    def __init__(self, core: CoreSettings, shard: ShardSettings, commands: CommandSettings,
+                 executions: ExecutionSettings) -> None:
+        core.require("postgres_dsn", "nats_url", "shard_manager_target")
+        super().__init__(core, shard)
+        self.commands = commands
+        self.executions = executions
+        self.nc: NATS | None = None
+        self.engines: ShardTasks | None = None
+
+    def pool_size(self) -> int:
+        return 24
+
+    async def on_start(self) -> None:
+        assert self.pool is not None
+        self.nc = await natsio.connect(self.core.nats_url, name=self.core.instance)
+        self.js = self.nc.jetstream()
+        await natsio.ensure_streams(self.js, command_ack_wait_sec=max(5.0, self.commands.lease_sec))
+        self.catalog = Catalog(self.pool)
+        self.results = CachedResultStore(PostgresResultStore(self.pool), max_items=2048)
+        self.queries = Queries(self.pool, self.results)
+        self.claims = Claims(self.pool, self.catalog, self.commands.lease_sec)
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        assert self.nc is not None and self.pool is not None
+        # The submitter needs the snowflake node id, known only after Join: bound in _ready().
+        self.execution_servicer = ExecutionServicer(None, self.queries, self.nc, self.js)
+        execution_pb2_grpc.add_ExecutionServiceServicer_to_server(self.execution_servicer, server)
+        catalog_pb2_grpc.add_CatalogServiceServicer_to_server(CatalogServicer(self.catalog), server)
+        catalog_pb2_grpc.add_CredentialServiceServicer_to_server(CredentialServicer(self.pool), server)
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.claims), server)
+
+    def _ready(self) -> ShardTasks:
+        """Bind what needs the Join answer (node id, shard ownership); idempotent."""
+        if self.engines is None:
+            assert self.pool is not None and self.nc is not None and self.ownership is not None
+            self.ids = SnowflakeGenerator(self.node_id)
+            self.execution_servicer.bind(Submitter(
+                self.pool, self.catalog, self.ids, self.js, shard_count=self.shard_cfg.count,
+                default_timeout_sec=self.executions.default_timeout_sec))
+            deps = EngineDeps(self.pool, self.nc, self.js, self.catalog, self.results, self.ownership,
+                              self.commands, self.executions)
+            self.engines = ShardTasks("engine", lambda shard, epoch: ShardEngine(deps, shard, epoch))
+        return self.engines
+
+    async def on_shards(self, gained: dict[int, int], lost: set[int]) -> None:
+        await self._ready().apply(gained, lost)
+
+    async def on_serving(self) -> None:
+        self._ready()
+
+    async def on_stop(self) -> None:
+        if self.engines is not None:
+            await self.engines.stop_all()
+        if self.nc is not None:
+            await self.nc.drain()

@@ -1,0 +1,260 @@
+"""Thin gRPC adapters: protobuf <-> domain calls. Errors are mapped by the interceptor."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from nats.aio.client import Client as NATS
+
+from noetl_common import natsio
+from noetl_common.db import transaction
+from noetl_common.errors import InvalidInput, NotFound, Unavailable
+from noetl_proto.v1 import (
+    catalog_pb2,
+    catalog_pb2_grpc,
+    common_pb2,
+    execution_pb2,
+    execution_pb2_grpc,
+    messages_pb2,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+from .catalog import Catalog, CatalogEntry
+from .claims import Claims
+from .queries import TERMINAL, Queries
+from .submissions import Submitter
+
+
+def ts(value: datetime | None) -> Timestamp | None:
+    if value is None:
+        return None
+    out = Timestamp()
+    out.FromDatetime(value)
+    return out
+
+
+def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
+    ex = execution_pb2.Execution(
+        execution_id=row["execution_id"], shard_id=row["shard_id"] or 0,
+        playbook_path=row.get("playbook_path") or "", playbook_version=row.get("playbook_version") or 0,
+        status=common_pb2.ExecutionStatus.Value(f"EXECUTION_STATUS_{row['status']}"),
+        error=row.get("error") or "", parent_execution_id=row.get("parent_execution_id") or 0,
+        last_shard_seq=row.get("last_shard_seq") or 0,
+    )
+    for field in ("created_at", "started_at", "ended_at"):
+        if row.get(field) is not None:
+            getattr(ex, field).CopyFrom(ts(row[field]))
+    for s in row.get("steps", []):
+        step = ex.steps.add(name=s["step"], status=common_pb2.StepStatus.Value(f"STEP_STATUS_{s['status']}"),
+                            attempts=s["attempts"] or 0, visits=s["visits"] or 0, error=s.get("error") or "",
+                            result_json=s.get("result_json") or "")
+        if s.get("result_ref_id"):
+            step.result_ref.CopyFrom(common_pb2.ResultReference(ref_id=s["result_ref_id"], type="db"))
+        for field in ("started_at", "ended_at"):
+            if s.get(field) is not None:
+                getattr(step, field).CopyFrom(ts(s[field]))
+    return ex
+
+
+def _entry_pb(e: CatalogEntry, with_content: bool = True) -> catalog_pb2.CatalogEntry:
+    out = catalog_pb2.CatalogEntry(catalog_id=e.catalog_id, path=e.path, version=e.version, kind=e.kind,
+                                   name=e.name, content=e.content if with_content else "",
+                                   content_sha256=e.content_sha256)
+    out.created_at.CopyFrom(ts(e.created_at))
+    return out
+
+
+class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
+    def __init__(self, submitter: Submitter | None, queries: Queries, nc: NATS, js: Any) -> None:
+        self._submitter_ = submitter
+        self._queries = queries
+        self._nc = nc
+        self._js = js
+
+    def bind(self, submitter: Submitter) -> None:
+        self._submitter_ = submitter
+
+    @property
+    def _submitter(self) -> Submitter:
+        if self._submitter_ is None:
+            raise Unavailable("the api is starting (not joined yet); retry")
+        return self._submitter_
+
+    async def SubmitExecution(self, request: execution_pb2.SubmitExecutionRequest,
+                              context: grpc.aio.ServicerContext) -> execution_pb2.SubmitExecutionResponse:
+        which = request.WhichOneof("playbook")
+        sub = await self._submitter.submit(
+            playbook_yaml=request.playbook_yaml if which == "playbook_yaml" else "",
+            path=request.ref.path if which == "ref" else "", version=request.ref.version if which == "ref" else 0,
+            payload_json=request.payload_json, idempotency_key=request.idempotency_key,
+            timeout_sec=request.timeout_seconds, parent_execution_id=request.parent_execution_id)
+        return execution_pb2.SubmitExecutionResponse(
+            execution_id=sub.execution_id, shard_id=sub.shard_id, playbook_path=sub.entry.path,
+            playbook_version=sub.entry.version, deduplicated=sub.deduplicated)
+
+    async def GetExecution(self, request: execution_pb2.GetExecutionRequest,
+                           context: grpc.aio.ServicerContext) -> execution_pb2.GetExecutionResponse:
+        row = await self._queries.execution(request.execution_id, request.include_results)
+        return execution_pb2.GetExecutionResponse(execution=_execution_pb(row))
+
+    async def ListExecutions(self, request: execution_pb2.ListExecutionsRequest,
+                             context: grpc.aio.ServicerContext) -> execution_pb2.ListExecutionsResponse:
+        status = ""
+        if request.status:
+            status = common_pb2.ExecutionStatus.Name(request.status).removeprefix("EXECUTION_STATUS_")
+        rows, token = await self._queries.list(page_size=request.page_size, page_token=request.page_token,
+                                               status=status, path=request.playbook_path)
+        return execution_pb2.ListExecutionsResponse(executions=[_execution_pb(r) for r in rows],
+                                                    next_page_token=token)
+
+    async def WatchExecution(self, request: execution_pb2.WatchExecutionRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[execution_pb2.WatchExecutionResponse]:
+        changed = asyncio.Event()
+
+        async def hint(_msg: Any) -> None:
+            changed.set()
+
+        sub = await self._nc.subscribe(natsio.progress_subject(request.execution_id), cb=hint)
+        try:
+            last: tuple[Any, ...] | None = None
+            while True:
+                changed.clear()
+                row = await self._queries.execution(request.execution_id, request.include_results)
+                key = (row["status"], row.get("last_shard_seq"), len(row["steps"]))
+                if key != last:
+                    last = key
+                    yield execution_pb2.WatchExecutionResponse(execution=_execution_pb(row))
+                if row["status"] in TERMINAL:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), timeout=1.0)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def CancelExecution(self, request: execution_pb2.CancelExecutionRequest,
+                              context: grpc.aio.ServicerContext) -> execution_pb2.CancelExecutionResponse:
+        row = await self._queries.execution(request.execution_id)
+        if row["status"] in TERMINAL:
+            return execution_pb2.CancelExecutionResponse(accepted=False)
+        msg = messages_pb2.EngineInput(cancel=messages_pb2.CancelRequested(
+            execution_id=request.execution_id, reason=request.reason or "cancelled by request"))
+        await natsio.publish(self._js, natsio.events_subject(row["shard_id"], natsio.KIND_CANCEL),
+                             msg.SerializeToString(), msg_id=f"cancel#{request.execution_id}")
+        return execution_pb2.CancelExecutionResponse(accepted=True)
+
+    async def GetEvents(self, request: execution_pb2.GetEventsRequest,
+                        context: grpc.aio.ServicerContext) -> execution_pb2.GetEventsResponse:
+        rows = await self._queries.events(request.execution_id, request.after_event_id, request.page_size)
+        out = execution_pb2.GetEventsResponse()
+        for r in rows:
+            ev = out.events.add(event_id=r["event_id"], execution_id=r["execution_id"], shard_id=r["shard_id"],
+                                shard_seq=r["shard_seq"], event_type=r["event_type"], step=r["step"] or "",
+                                command_id=r["command_id"] or "",
+                                result_json=json.dumps(r["result"]) if r["result"] is not None else "",
+                                meta_json=json.dumps(r["meta"] or {}))
+            ev.created_at.CopyFrom(ts(r["created_at"]))
+        return out
+
+
+class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
+
+    async def RegisterPlaybook(self, request: catalog_pb2.RegisterPlaybookRequest,
+                               context: grpc.aio.ServicerContext) -> catalog_pb2.RegisterPlaybookResponse:
+        if not request.content.strip():
+            raise InvalidInput("content is empty")
+        entry, created = await self._catalog.register(request.content)
+        return catalog_pb2.RegisterPlaybookResponse(entry=_entry_pb(entry), created=created)
+
+    async def GetPlaybook(self, request: catalog_pb2.GetPlaybookRequest,
+                          context: grpc.aio.ServicerContext) -> catalog_pb2.GetPlaybookResponse:
+        return catalog_pb2.GetPlaybookResponse(entry=_entry_pb(await self._catalog.get(request.path, request.version)))
+
+    async def ListPlaybooks(self, request: catalog_pb2.ListPlaybooksRequest,
+                            context: grpc.aio.ServicerContext) -> catalog_pb2.ListPlaybooksResponse:
+        size = min(max(request.page_size or 100, 1), 1000)
+        entries = await self._catalog.list(request.path_prefix, size, request.page_token)
+        token = entries[-1].path if len(entries) == size else ""
+        return catalog_pb2.ListPlaybooksResponse(entries=[_entry_pb(e, False) for e in entries],
+                                                 next_page_token=token)
+
+
+class CredentialServicer(catalog_pb2_grpc.CredentialServiceServicer):
+    KINDS = frozenset({"postgres", "http_bearer", "http_basic", "generic"})
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    async def PutCredential(self, request: catalog_pb2.PutCredentialRequest,
+                            context: grpc.aio.ServicerContext) -> catalog_pb2.PutCredentialResponse:
+        if not request.name.strip():
+            raise InvalidInput("credential name is required")
+        if request.kind not in self.KINDS:
+            raise InvalidInput(f"unknown credential kind {request.kind!r} (expected one of: {', '.join(sorted(self.KINDS))})")
+        try:
+            data = json.loads(request.data_json or "{}")
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"data_json is not valid JSON: {exc.msg}") from exc
+        if not isinstance(data, dict):
+            raise InvalidInput("data_json must be a JSON object")
+        if request.kind == "postgres" and not (data.get("dsn") or data.get("host")):
+            raise InvalidInput("a postgres credential needs 'dsn' (or host/port/user/password/dbname)")
+        async with transaction(self._pool) as conn:
+            cur = await conn.execute(
+                "INSERT INTO noetl.credential (name, kind, data) VALUES (%s, %s, %s)"
+                " ON CONFLICT (name) DO UPDATE SET kind = EXCLUDED.kind, data = EXCLUDED.data, updated_at = now()"
+                " RETURNING (xmax = 0) AS created", (request.name, request.kind, json.dumps(data)))
+            row = await cur.fetchone()
+        return catalog_pb2.PutCredentialResponse(name=request.name, created=bool(row and row["created"]))
+
+    async def ListCredentials(self, request: catalog_pb2.ListCredentialsRequest,
+                              context: grpc.aio.ServicerContext) -> catalog_pb2.ListCredentialsResponse:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute("SELECT name, kind, updated_at FROM noetl.credential ORDER BY name")
+            rows = await cur.fetchall()
+        out = catalog_pb2.ListCredentialsResponse()
+        for r in rows:
+            info = out.credentials.add(name=r["name"], kind=r["kind"])
+            info.updated_at.CopyFrom(ts(r["updated_at"]))
+        return out
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, claims: Claims) -> None:
+        self._claims = claims
+
+    async def ClaimCommand(self, request: worker_pb2.ClaimCommandRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.ClaimCommandResponse:
+        if not request.command_id or not request.worker_id:
+            raise InvalidInput("command_id and worker_id are required")
+        got = await self._claims.claim(request.command_id, request.worker_id, request.attempt)
+        row = got["row"]
+        cmd = messages_pb2.Command(
+            command_id=row["command_id"], execution_id=row["execution_id"], shard_id=row["shard_id"],
+            step=row["step"], attempt=row["attempt"], kind=row["kind"],
+            spec_json=json.dumps(got["spec"], default=str), context_json=json.dumps(got["context"], default=str),
+            timeout_seconds=row["timeout_sec"] or 0.0)
+        cmd.lease_until.CopyFrom(ts(row["lease_until"]))
+        return worker_pb2.ClaimCommandResponse(command=cmd)
+
+    async def RenewLease(self, request: worker_pb2.RenewLeaseRequest,
+                         context: grpc.aio.ServicerContext) -> worker_pb2.RenewLeaseResponse:
+        until, reason = await self._claims.renew(request.command_id, request.worker_id, request.attempt,
+                                                 request.progress_json)
+        out = worker_pb2.RenewLeaseResponse(stop=until is None, stop_reason=reason)
+        if until is not None:
+            out.lease_until.CopyFrom(ts(until))
+        return out
+
+
+__all__ = ["CatalogServicer", "CredentialServicer", "ExecutionServicer", "NotFound", "WorkerServicer"]

@@ -1,0 +1,87 @@
+"""Checks that can be made at submit time, before anything is written.
+
+* Every credential a task names statically (literal, or rendered from the workload
+  alone) must exist.
+* Every name a task's input (or other rendered field) reads must be something that
+  can exist at run time: a workload key, a step, a task of the same pipeline, a
+  variable a policy or ``set`` of the same pipeline defines, a loop iterator, or one
+  of the runtime's own names. Anything else is a typo that would fail the step later.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from noetl_common.errors import PlaybookInvalid
+from noetl_dsl import Playbook, referenced_names, static_auth_refs
+from noetl_dsl.templates import _ENV
+
+RUNTIME_NAMES = frozenset({
+    "ctx", "workload", "execution_id", "event", "iter", "input_data", "context", "output",
+    "_prev", "_task", "_attempt", "loop_index", "job", "result", "vars", "secret", "keychain",
+}) | frozenset(_ENV.globals)
+
+# Fields of a task that are not rendered by the runtime (code is data, policy rules are
+# evaluated with `output` in scope and checked the same way).
+UNRENDERED = frozenset({"code", "code_b64", "code_base64", "kind", "name", "libs"})
+
+
+def defined_names(playbook: Playbook, workload: dict[str, Any]) -> set[str]:
+    names = set(workload) | set(playbook.step_names) | RUNTIME_NAMES
+    for step in playbook.workflow:
+        if step.loop is not None and step.loop.iterator:
+            names.add(step.loop.iterator)
+        for task in step.tasks:
+            names.add(task.name)
+            names |= _set_keys(task.raw)
+    return names
+
+
+def _set_keys(task: dict[str, Any]) -> set[str]:
+    keys: set[str] = set()
+    for source in [task.get("set") or {}]:
+        keys |= {k.split(".", 1)[0] for k in source if isinstance(k, str)}
+    rules = ((task.get("spec") or {}).get("policy") or {}).get("rules") or []
+    for rule in rules if isinstance(rules, list) else []:
+        if not isinstance(rule, dict):
+            continue
+        then = rule.get("then") or (rule.get("else") or {}).get("then") or {}
+        keys |= {k.split(".", 1)[0] for k in (then.get("set") or {}) if isinstance(k, str)}
+    return keys
+
+
+def check_templates(playbook: Playbook, workload: dict[str, Any]) -> None:
+    allowed = defined_names(playbook, workload)
+    problems: list[tuple[str, str]] = []
+    for i, step in enumerate(playbook.workflow):
+        base = f"workflow[{i}]"
+        if step.input:
+            _check(f"{base}.input", step.input, allowed, problems)
+        raw = step.raw_tool
+        tasks = raw if isinstance(raw, list) else [raw]
+        for j, task in enumerate(tasks):
+            if not isinstance(task, dict):
+                continue
+            where = f"{base}.tool[{j}]" if isinstance(raw, list) else f"{base}.tool"
+            fields = {k: v for k, v in task.items() if k not in UNRENDERED and k != "spec"}
+            _check(where, fields, allowed, problems)
+    if problems:
+        path, _ = problems[0]
+        raise PlaybookInvalid(path, "; ".join(f"{p}: {m}" for p, m in problems))
+
+
+def _check(path: str, value: Any, allowed: set[str], problems: list[tuple[str, str]]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check(f"{path}.{k}", v, allowed, problems)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check(f"{path}[{i}]", v, allowed, problems)
+    elif isinstance(value, str):
+        unknown = sorted(referenced_names(value) - allowed)
+        if unknown:
+            problems.append((path, f"template {value.strip()!r} reads undefined variable(s) {', '.join(unknown)}"))
+
+
+def credential_refs(playbook: Playbook, workload: dict[str, Any]) -> list[tuple[str, str]]:
+    return static_auth_refs(playbook, workload)

@@ -1,0 +1,136 @@
+"""SubmitExecution: validate, pin the catalog version, commit the request, nudge the owner.
+
+The Postgres commit, not the NATS ack, makes a submission durable: the shard owner
+also sweeps committed requests it has not started, so a lost nudge costs latency only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from nats.js import JetStreamContext
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_common import natsio
+from noetl_common.db import transaction
+from noetl_common.errors import InvalidInput, NoetlError, PlaybookInvalid
+from noetl_common.ids import SnowflakeGenerator, shard_for
+from noetl_dsl import merged_workload
+from noetl_proto.v1 import messages_pb2
+
+from .catalog import Catalog, CatalogEntry, parse
+from .static_checks import check_templates, credential_refs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Submission:
+    execution_id: int
+    shard_id: int
+    entry: CatalogEntry
+    deduplicated: bool
+
+
+def parse_payload(text: str) -> dict[str, Any]:
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"payload is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
+    if not isinstance(value, dict):
+        raise InvalidInput(f"payload must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+class Submitter:
+    def __init__(self, pool: AsyncConnectionPool, catalog: Catalog, ids: SnowflakeGenerator,
+                 js: JetStreamContext, *, shard_count: int, default_timeout_sec: float) -> None:
+        self._pool = pool
+        self._catalog = catalog
+        self._ids = ids
+        self._js = js
+        self._shards = shard_count
+        self._default_timeout = default_timeout_sec
+
+    async def submit(self, *, playbook_yaml: str = "", path: str = "", version: int = 0, payload_json: str = "",
+                     idempotency_key: str = "", timeout_sec: float = 0.0, parent_execution_id: int = 0,
+                     parent_step: str = "") -> Submission:
+        payload = parse_payload(payload_json)
+        if timeout_sec < 0:
+            raise InvalidInput("timeout_seconds must not be negative")
+        if idempotency_key:
+            existing = await self._existing(idempotency_key)
+            if existing is not None:
+                return existing
+        if playbook_yaml:
+            playbook = parse(playbook_yaml)
+            entry, _ = await self._catalog.register(playbook_yaml, playbook)
+        elif path:
+            entry = await self._catalog.get(path, version)
+            playbook = (await self._catalog.compiled(entry.catalog_id)).playbook
+        else:
+            raise InvalidInput("either playbook_yaml or a playbook reference (path) is required")
+        workload = merged_workload(playbook, payload)
+        check_templates(playbook, workload)
+        await self._check_credentials(playbook, workload)
+
+        execution_id = self._ids.next_id()
+        shard = shard_for(execution_id, self._shards)
+        timeout = timeout_sec or self._default_timeout
+        async with transaction(self._pool) as conn:
+            cur = await conn.execute(
+                "INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
+                " idempotency_key, parent_execution_id, parent_step, timeout_sec)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+                " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id",
+                (execution_id, shard, entry.catalog_id, json.dumps(payload), idempotency_key or None,
+                 parent_execution_id or None, parent_step or None, timeout),
+            )
+            inserted = await cur.fetchone()
+        if inserted is None:  # lost an idempotency race to a concurrent retry
+            existing = await self._existing(idempotency_key)
+            assert existing is not None
+            return existing
+        await self.nudge(shard, execution_id)
+        logger.info("submitted execution %s (%s v%s) shard %s", execution_id, entry.path, entry.version, shard)
+        return Submission(execution_id, shard, entry, False)
+
+    async def nudge(self, shard: int, execution_id: int) -> None:
+        msg = messages_pb2.EngineInput(submitted=messages_pb2.ExecutionSubmitted(execution_id=execution_id))
+        try:
+            await natsio.publish(self._js, natsio.events_subject(shard, natsio.KIND_SUBMIT),
+                                 msg.SerializeToString(), msg_id=f"submit#{execution_id}")
+        except NoetlError as exc:  # the sweep will find it
+            logger.warning("nudge for execution %s not published (%s); the shard sweep will start it",
+                           execution_id, exc)
+
+    async def _existing(self, key: str) -> Submission | None:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT r.execution_id, r.shard_id, r.catalog_id FROM noetl.execution_request r"
+                " WHERE r.idempotency_key = %s", (key,))
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        compiled = await self._catalog.compiled(row["catalog_id"])
+        return Submission(row["execution_id"], row["shard_id"], compiled.entry, True)
+
+    async def _check_credentials(self, playbook: Any, workload: dict[str, Any]) -> None:
+        refs = credential_refs(playbook, workload)
+        if not refs:
+            return
+        names = sorted({name for _, name in refs})
+        async with self._pool.connection() as conn:
+            cur = await conn.execute("SELECT name FROM noetl.credential WHERE name = ANY(%s)", (names,))
+            found = {r["name"] for r in await cur.fetchall()}
+        missing = [(path, name) for path, name in refs if name not in found]
+        if missing:
+            path = missing[0][0]
+            raise PlaybookInvalid(path, "; ".join(
+                f"{p}: unknown credential {n!r} (register it with `noetl-rt credential add {n} ...`)"
+                for p, n in missing))

@@ -1,0 +1,98 @@
+"""One shard's projection loop: batches past the watermark, one transaction each,
+woken by the engine's hint on ``noetl.projector.{shard}`` (a slow poll is the backstop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from prometheus_client import Counter, Gauge
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_common import natsio
+from noetl_common.errors import LeaseLost, NoetlError
+from noetl_common.shards import ShardOwnership
+from noetl_flow.projection import fold
+
+from . import store
+
+logger = logging.getLogger(__name__)
+
+LAG = Gauge("noetl_projection_lag_ms", "Age of the newest projected event when it was projected", ["shard"])
+PROJECTED = Counter("noetl_projected_events_total", "Events folded into the read models", ["shard"])
+
+
+class ShardProjector:
+    def __init__(self, pool: AsyncConnectionPool, nc: NATS, ownership: ShardOwnership, shard: int, epoch: int,
+                 *, batch_size: int, poll_sec: float) -> None:
+        self.pool = pool
+        self.nc = nc
+        self.ownership = ownership
+        self.shard = shard
+        self.epoch = epoch
+        self.batch_size = batch_size
+        self.poll_sec = poll_sec
+        self._wake = asyncio.Event()
+        self._stopped = False
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        async def hint(_msg: Any) -> None:
+            self._wake.set()
+
+        sub = await self.nc.subscribe(natsio.projector_subject(self.shard), cb=hint)
+        try:
+            while not self._stopped:
+                if self.ownership.epoch(self.shard) != self.epoch:
+                    raise LeaseLost(f"projector shard {self.shard} epoch {self.epoch} no longer trusted")
+                self._wake.clear()
+                try:
+                    n = await self.project_once()
+                except LeaseLost:
+                    raise
+                except NoetlError as exc:
+                    logger.warning("projection of shard %s failed: %s", self.shard, exc)
+                    n = 0
+                    await asyncio.sleep(0.5)
+                if n >= self.batch_size:
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.poll_sec)
+        except LeaseLost as exc:
+            logger.warning("%s; stopping", exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def project_once(self) -> int:
+        touched: list[int] = []
+        async with self.pool.connection() as conn, conn.transaction():
+            await store.fence(conn, self.shard, self.ownership.runtime_id, self.epoch)
+            after = await store.watermark(conn, self.shard)
+            events = await store.events_after(conn, self.shard, after, self.batch_size)
+            if not events:
+                return 0
+            by_exec: dict[int, list[dict[str, Any]]] = defaultdict(list)
+            for ev in events:
+                by_exec[ev["execution_id"]].append(ev)
+            views = await store.load_views(conn, self.shard, list(by_exec))
+            for eid, evs in by_exec.items():
+                if fold(views[eid], evs):
+                    touched.append(eid)
+            await store.save_views(conn, [views[e] for e in touched])
+            last = events[-1]
+            lag = int((datetime.now(UTC) - last["created_at"]).total_seconds() * 1000)
+            await store.advance(conn, self.shard, int(last["shard_seq"]), max(lag, 0))
+        LAG.labels(str(self.shard)).set(max(lag, 0))
+        PROJECTED.labels(str(self.shard)).inc(len(events))
+        for eid in touched:
+            await self.nc.publish(natsio.progress_subject(eid), b"")
+        return len(events)

@@ -1,0 +1,2 @@
+"""The reaper role: finds commands whose claim lease expired (worker lost) and
+commands left queued, and reports them to the owning engine / republishes them."""

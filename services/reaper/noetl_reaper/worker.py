@@ -1,0 +1,77 @@
+"""One shard's reaper loop. It only reads Postgres and publishes to NATS: the engine
+decides (re-issue with attempt+1, or dead-letter), so a stale reaper is harmless."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from nats.js import JetStreamContext
+from prometheus_client import Counter
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_common import natsio
+from noetl_common.config import CommandSettings
+from noetl_common.errors import NoetlError
+from noetl_proto.v1 import messages_pb2
+
+logger = logging.getLogger(__name__)
+
+REAPED = Counter("noetl_reaped_commands_total", "Commands reported or republished by the reaper", ["reason"])
+
+
+class ShardReaper:
+    def __init__(self, pool: AsyncConnectionPool, js: JetStreamContext, shard: int, epoch: int,
+                 cfg: CommandSettings, interval: float) -> None:
+        self.pool = pool
+        self.js = js
+        self.shard = shard
+        self.epoch = epoch
+        self.cfg = cfg
+        self.interval = interval
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.reap_once()
+            except NoetlError as exc:
+                logger.warning("reaper shard %s: %s", self.shard, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=self.interval)
+
+    async def reap_once(self) -> tuple[int, int]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT command_id, execution_id, attempt, worker_id FROM noetl.command WHERE shard_id = %s"
+                " AND status = 'claimed' AND lease_until < now() ORDER BY lease_until LIMIT 500", (self.shard,))
+            expired = list(await cur.fetchall())
+            cur = await conn.execute(
+                "SELECT command_id, execution_id, attempt, kind FROM noetl.command WHERE shard_id = %s"
+                " AND status = 'queued' AND updated_at < now() - make_interval(secs => %s)"
+                " ORDER BY updated_at LIMIT 500", (self.shard, self.cfg.republish_after_sec))
+            stale = list(await cur.fetchall())
+            await conn.commit()
+        for row in expired:
+            msg = messages_pb2.EngineInput(expired=messages_pb2.CommandExpired(
+                command_id=row["command_id"], execution_id=row["execution_id"], attempt=row["attempt"],
+                reason=f"claim lease expired (worker {row['worker_id'] or '-'} lost)"))
+            await natsio.publish(self.js, natsio.events_subject(self.shard, natsio.KIND_EXPIRED),
+                                 msg.SerializeToString(), msg_id=f"expired#{row['command_id']}#{row['attempt']}")
+            REAPED.labels("lease_expired").inc()
+        window = int(time.time() // max(self.cfg.republish_after_sec, 1))
+        for row in stale:
+            notice = messages_pb2.CommandNotice(command_id=row["command_id"], execution_id=row["execution_id"],
+                                                shard_id=self.shard, attempt=row["attempt"], kind=row["kind"])
+            await natsio.publish(self.js, natsio.commands_subject(self.shard), notice.SerializeToString(),
+                                 msg_id=f"{row['command_id']}#{row['attempt']}#r{window}")
+            REAPED.labels("republished").inc()
+        if expired or stale:
+            logger.info("reaper shard %s: %s expired lease(s) reported, %s queued command(s) republished",
+                        self.shard, len(expired), len(stale))
+        return len(expired), len(stale)

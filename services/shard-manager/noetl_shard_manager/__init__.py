@@ -1,0 +1,1 @@
+"""The shard-manager role: membership, leader election, shard assignment with epochs."""

@@ -1,0 +1,150 @@
+"""Membership and assignment in Postgres (any replica serves Join/Heartbeat/Leave/
+Describe; only the leader rebalances). See ``libs/noetl_common/shards.py`` for the
+member side of the leases."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_common.db import transaction
+
+from .balance import assign
+
+logger = logging.getLogger(__name__)
+
+SHARDED_ROLES = ("api", "projector", "checkpointer", "compactor", "reaper")
+LEADER_KEY = "shard-manager"
+JOIN_LOCK = 0x6E6F65746C + 7
+
+
+class Membership:
+    def __init__(self, pool: AsyncConnectionPool, *, shard_count: int, lease_sec: float) -> None:
+        self._pool = pool
+        self.shard_count = shard_count
+        self.lease_sec = lease_sec
+
+    async def join(self, role: str, instance: str, address: str, metrics: str, pid: int) -> dict[str, Any]:
+        async with transaction(self._pool) as conn:
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (JOIN_LOCK,))
+            cur = await conn.execute(
+                "INSERT INTO noetl.runtime (role, instance, address, metrics_address, pid, node_id)"
+                " SELECT %s, %s, %s, %s, %s, min(n) FROM generate_series(0, 1023) n"
+                " WHERE n NOT IN (SELECT node_id FROM noetl.runtime WHERE status = 'alive' AND node_id IS NOT NULL)"
+                " RETURNING runtime_id, node_id",
+                (role, instance, address, metrics, pid),
+            )
+            row = await cur.fetchone()
+        assert row is not None
+        logger.info("joined %s %s runtime_id=%s node_id=%s", role, instance, row["runtime_id"], row["node_id"])
+        return row
+
+    async def heartbeat(self, runtime_id: int) -> bool:
+        """Record liveness; False when the member is unknown or was declared dead."""
+        async with transaction(self._pool) as conn:
+            cur = await conn.execute(
+                "UPDATE noetl.runtime SET heartbeat_at = now() WHERE runtime_id = %s AND status = 'alive'"
+                " RETURNING runtime_id", (runtime_id,))
+            return await cur.fetchone() is not None
+
+    async def assignments(self, role: str, runtime_id: int) -> list[dict[str, Any]]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT shard_id, epoch, leased_until FROM noetl.shard_lease"
+                " WHERE role = %s AND owner_runtime_id = %s ORDER BY shard_id", (role, runtime_id))
+            return list(await cur.fetchall())
+
+    async def leave(self, runtime_id: int) -> None:
+        async with transaction(self._pool) as conn:
+            await conn.execute("UPDATE noetl.runtime SET status = 'left' WHERE runtime_id = %s", (runtime_id,))
+            await conn.execute(
+                "UPDATE noetl.shard_lease SET owner_runtime_id = NULL, leased_until = NULL, updated_at = now()"
+                " WHERE owner_runtime_id = %s", (runtime_id,))
+
+    async def describe(self, role: str) -> dict[str, Any]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute("SELECT * FROM noetl.leader_lease WHERE name = %s", (LEADER_KEY,))
+            leader = await cur.fetchone()
+            cur = await conn.execute(
+                "SELECT *, status = 'alive' AS alive FROM noetl.runtime WHERE (role = %s OR %s = '')"
+                " AND (status = 'alive' OR heartbeat_at > now() - interval '10 minutes') ORDER BY role, runtime_id",
+                (role, role))
+            members = list(await cur.fetchall())
+            cur = await conn.execute(
+                "SELECT l.*, r.instance AS owner_instance FROM noetl.shard_lease l"
+                " LEFT JOIN noetl.runtime r ON r.runtime_id = l.owner_runtime_id"
+                " WHERE (l.role = %s OR %s = '') ORDER BY l.role, l.shard_id", (role, role))
+            shards = list(await cur.fetchall())
+        return {"leader": leader, "members": members, "shards": shards}
+
+    # ------------------------------------------------------------ leader work
+
+    async def try_lead(self, runtime_id: int, instance: str) -> int | None:
+        """Take or renew the leader lease; returns the leader epoch, or None if another leads."""
+        async with transaction(self._pool) as conn:
+            await conn.execute("INSERT INTO noetl.leader_lease (name) VALUES (%s) ON CONFLICT DO NOTHING",
+                               (LEADER_KEY,))
+            cur = await conn.execute(
+                "UPDATE noetl.leader_lease SET"
+                " epoch = CASE WHEN holder_runtime_id = %s THEN epoch ELSE epoch + 1 END,"
+                " holder_runtime_id = %s, holder_instance = %s,"
+                " leased_until = now() + make_interval(secs => %s)"
+                " WHERE name = %s AND (holder_runtime_id = %s OR holder_runtime_id IS NULL OR leased_until < now())"
+                " RETURNING epoch",
+                (runtime_id, runtime_id, instance, self.lease_sec, LEADER_KEY, runtime_id))
+            row = await cur.fetchone()
+        return None if row is None else int(row["epoch"])
+
+    async def resign(self, runtime_id: int) -> None:
+        async with transaction(self._pool) as conn:
+            await conn.execute(
+                "UPDATE noetl.leader_lease SET leased_until = now() WHERE name = %s AND holder_runtime_id = %s",
+                (LEADER_KEY, runtime_id))
+
+    async def rebalance(self) -> int:
+        """Declare stale members dead and move shards to live members; returns moves made."""
+        moves = 0
+        async with transaction(self._pool) as conn:
+            cur = await conn.execute(
+                "UPDATE noetl.runtime SET status = 'dead' WHERE status = 'alive'"
+                " AND heartbeat_at < now() - make_interval(secs => %s) RETURNING runtime_id, role, instance",
+                (self.lease_sec,))
+            for r in await cur.fetchall():
+                logger.warning("member %s (%s, runtime %s) missed its lease: declared dead",
+                               r["instance"], r["role"], r["runtime_id"])
+            await conn.execute(
+                "INSERT INTO noetl.shard_lease (role, shard_id) SELECT r, s FROM unnest(%s::text[]) r,"
+                " generate_series(0, %s - 1) s ON CONFLICT DO NOTHING",
+                (list(SHARDED_ROLES), self.shard_count))
+            cur = await conn.execute(
+                "SELECT runtime_id, role FROM noetl.runtime WHERE status = 'alive' AND role = ANY(%s)",
+                (list(SHARDED_ROLES),))
+            live: dict[str, list[int]] = {r: [] for r in SHARDED_ROLES}
+            for r in await cur.fetchall():
+                live[r["role"]].append(r["runtime_id"])
+            cur = await conn.execute(
+                "SELECT role, shard_id, owner_runtime_id FROM noetl.shard_lease WHERE role = ANY(%s)"
+                " AND shard_id < %s", (list(SHARDED_ROLES), self.shard_count))
+            current: dict[str, dict[int, int | None]] = {r: {} for r in SHARDED_ROLES}
+            for r in await cur.fetchall():
+                current[r["role"]][r["shard_id"]] = r["owner_runtime_id"]
+        for role in SHARDED_ROLES:
+            if not live[role]:
+                continue
+            target = assign(self.shard_count, live[role], current[role])
+            changed = [(s, o) for s, o in target.items() if current[role].get(s) != o]
+            for shard, owner in changed:
+                # Row lock: waits for an in-flight fenced transaction of the old owner, then
+                # bumps the epoch so every later write of the old owner fails its fence.
+                async with transaction(self._pool) as conn:
+                    await conn.execute(
+                        "UPDATE noetl.shard_lease SET owner_runtime_id = %s, epoch = epoch + 1,"
+                        " leased_until = now() + make_interval(secs => %s), updated_at = now()"
+                        " WHERE role = %s AND shard_id = %s",
+                        (owner, self.lease_sec, role, shard))
+                moves += 1
+            if changed:
+                logger.info("rebalanced %s: %s shard(s) moved over %s member(s)", role, len(changed), len(live[role]))
+        return moves

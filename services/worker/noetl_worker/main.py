@@ -1,0 +1,26 @@
+"""Entry point of the worker role (``noetl-worker`` / ``python -m noetl_worker``).
+
+Needs NOETL_POSTGRES_DSN, NOETL_NATS_URL, NOETL_API_TARGET and
+NOETL_SHARD_MANAGER_TARGET; tuning under NOETL_WORKER_* and NOETL_COMMAND_*.
+"""
+
+from __future__ import annotations
+
+from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, WorkerSettings, load
+from noetl_common.service import run_service
+
+from .service import WorkerService
+
+
+def build() -> WorkerService:
+    core = load(CoreSettings)
+    core.require("postgres_dsn", "nats_url", "api_target", "shard_manager_target")
+    return WorkerService(core, load(ShardSettings), load(CommandSettings), load(WorkerSettings))
+
+
+def main() -> int:
+    return run_service(build)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

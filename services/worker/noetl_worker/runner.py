@@ -1,0 +1,167 @@
+"""Executes one claimed command: parse it, build the render scope, run the pipeline,
+persist every task result, and build the ``CallResult`` (references only).
+
+Persist-before-emit: each task result goes through ``_Persister.record`` (one
+``ResultStore.put`` whose ``parent_ref`` is the previous task's reference) before any
+``CallResult`` is built. A store failure stops the command with
+``REFERENCE_NOT_AVAILABLE``: a result is never silently lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from noetl_common.errors import NoetlError
+from noetl_dsl.templates import RenderContext
+from noetl_proto.v1 import messages_pb2
+from noetl_store import Reference, ResultStore, encode_json, envelope, envelope_to_proto
+
+from .pipeline import PipelineResult, TaskRun, run_pipeline
+from .scope import build_scope
+from .tools import ToolOutcome, Tools
+from .tools.outcome import INVALID_COMMAND, REFERENCE_NOT_AVAILABLE
+
+logger = logging.getLogger(__name__)
+
+
+class StoreFailure(NoetlError):
+    """A task result could not be persisted."""
+
+
+class _Persister:
+    """Stores each task result, chaining references through ``parent_ref_id``."""
+
+    def __init__(self, store: ResultStore, command: messages_pb2.Command) -> None:
+        self.store = store
+        self.command = command
+        self.stored: list[tuple[TaskRun, Reference]] = []
+
+    async def record(self, run: TaskRun) -> None:
+        outcome = run.outcome
+        _log_run(self.command, run)
+        if not outcome.ok and outcome.data is None:
+            return  # nothing to keep: the error itself travels in the envelope
+        parent = self.stored[-1][1].ref_id if self.stored else None
+        try:
+            ref = await self.store.put(outcome.data, execution_id=self.command.execution_id,
+                                       step=self.command.step, command_id=self.command.command_id,
+                                       task=run.name, parent_ref_id=parent)
+        except (NoetlError, TypeError, ValueError) as exc:
+            raise StoreFailure(f"cannot store the result of task '{run.name}': {exc}") from exc
+        self.stored.append((run, ref))
+
+    def references(self, last: TaskRun | None) -> tuple[Reference | None, Reference | None]:
+        """(reference of the last run, the reference before it)."""
+        if not self.stored:
+            return None, None
+        if last is not None and self.stored[-1][0] is last:
+            parent = self.stored[-2][1] if len(self.stored) > 1 else None
+            return self.stored[-1][1], parent
+        return None, self.stored[-1][1]
+
+
+def _log_run(command: messages_pb2.Command, run: TaskRun) -> None:
+    extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
+    if run.outcome.stdout:
+        logger.debug("task %s output:\n%s", run.name, run.outcome.stdout.rstrip(), extra=extra)
+    if run.outcome.error is not None:
+        logger.info("task %s attempt %d failed: %s: %s", run.name, run.attempt, run.outcome.error.code,
+                    run.outcome.error.message, extra=extra)
+
+
+def _json_object(text: str, field: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError as exc:
+        raise ValueError(f"{field} is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} must be a JSON object")
+    return value
+
+
+def command_tasks(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The tasks of a command's ``tool`` (one task, or a list: a pipeline)."""
+    tool = spec.get("tool")
+    raw: list[Any] = tool if isinstance(tool, list) else [tool]
+    tasks = [dict(t) for t in raw if isinstance(t, Mapping)]
+    if not tasks or len(tasks) != len(raw):
+        raise ValueError("spec_json: `tool` must be a task object or a non-empty list of task objects")
+    return tasks
+
+
+def _now() -> Timestamp:
+    ts = Timestamp()
+    ts.GetCurrentTime()
+    return ts
+
+
+def build_call_result(command: messages_pb2.Command, env: Mapping[str, Any], *, worker_id: str,
+                      set_updates: Mapping[str, Any] | None = None,
+                      error_details: Mapping[str, Any] | None = None) -> messages_pb2.CallResult:
+    return messages_pb2.CallResult(
+        command_id=command.command_id, execution_id=command.execution_id, step=command.step,
+        attempt=command.attempt, worker_id=worker_id,
+        envelope=envelope_to_proto(env, error_details=error_details),
+        set_json=encode_json(dict(set_updates) if set_updates else {"ctx": {}, "iter": {}}).decode(),
+        finished_at=_now())
+
+
+def error_result(command: messages_pb2.Command, code: str, message: str, *, worker_id: str,
+                 kind: str = "", retryable: bool = False,
+                 parent: Reference | None = None) -> messages_pb2.CallResult:
+    env = envelope("error", None, parent, None,
+                   {"code": code, "message": message, "kind": kind, "retryable": retryable})
+    return build_call_result(command, env, worker_id=worker_id)
+
+
+async def execute_command(command: messages_pb2.Command, store: ResultStore, tools: Tools, *,
+                          worker_id: str = "", default_timeout: float = 0.0,
+                          sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> messages_pb2.CallResult:
+    """Run a claimed command to its ``CallResult``. Never raises for task, template or
+    store failures (they become error envelopes); cancellation propagates."""
+    extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
+    try:
+        spec = _json_object(command.spec_json, "spec_json")
+        context = _json_object(command.context_json, "context_json")
+        tasks = command_tasks(spec)
+    except ValueError as exc:
+        logger.warning("invalid command: %s", exc, extra=extra)
+        return error_result(command, INVALID_COMMAND, str(exc), worker_id=worker_id, kind="ValueError")
+    try:
+        scope = await build_scope(context, spec, store)
+    except ValueError as exc:
+        return error_result(command, INVALID_COMMAND, str(exc), worker_id=worker_id, kind="ValueError")
+    except NoetlError as exc:
+        logger.warning("cannot resolve earlier results: %s", exc, extra=extra)
+        return error_result(command, REFERENCE_NOT_AVAILABLE, f"cannot read an earlier step's result: {exc}",
+                            worker_id=worker_id, kind=type(exc).__name__, retryable=True)
+
+    timeout = command.timeout_seconds or default_timeout or None
+    step_input = spec.get("input") if isinstance(spec.get("input"), Mapping) else None
+    workbook = spec.get("workbook") if isinstance(spec.get("workbook"), Mapping) else None
+
+    async def run_task(task: Mapping[str, Any], task_scope: RenderContext) -> ToolOutcome:
+        return await tools.run_task(task, task_scope, step_input=step_input, workbook=workbook,
+                                    timeout_sec=timeout)
+
+    persister = _Persister(store, command)
+    try:
+        result: PipelineResult = await run_pipeline(tasks, scope, run_task, on_result=persister.record,
+                                                    sleep=sleep)
+    except StoreFailure as exc:
+        logger.error("%s", exc, extra=extra)
+        _, parent = persister.references(None)
+        return error_result(command, REFERENCE_NOT_AVAILABLE, str(exc), worker_id=worker_id,
+                            kind="StoreFailure", retryable=True, parent=parent)
+
+    ref, parent = persister.references(result.last)
+    error = result.error.to_dict() if result.error is not None else None
+    env = envelope(result.status, ref, parent, result.data, error)
+    return build_call_result(command, env, worker_id=worker_id, set_updates=result.set_updates,
+                             error_details=result.error.details if result.error is not None else None)

@@ -1,0 +1,298 @@
+"""The worker role: pull command notices, claim, run, persist, report.
+
+    NOETL_COMMANDS --fetch--> CommandNotice --ClaimCommand(api)--> Command
+        FAILED_PRECONDITION / NOT_FOUND: ack and drop (another worker has it, or it is done)
+        UNAVAILABLE (or any other failure): nak with a delay (redelivered)
+        claimed: ack, run (renewing the claim lease every lease/3 s), persist results,
+                 publish EngineInput{call_result} on noetl.events.{shard}.call
+                 (Msg-Id {command_id}#{attempt}#result) until JetStream acks it
+
+Concurrency: ``WorkerSettings.concurrency`` slots, each with its own pull subscription
+on the shared durable consumer, fetching one notice when it is free: a worker never
+holds more notices than it has free slots, and a long-poll returns as soon as one
+notice arrives. If ``RenewLease`` says stop (cancelled, or the lease is no longer ours)
+the command's task is cancelled (its python child killed) and nothing is published.
+
+Shutdown: stop fetching, let running commands finish within part of the grace period,
+cancel the rest, then close the python pool, http client, tool pools, NATS and gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import grpc
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+
+from noetl_common import grpcutil, natsio
+from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, WorkerSettings
+from noetl_common.errors import NoetlError
+from noetl_common.service import Service
+from noetl_proto.v1 import messages_pb2, worker_pb2, worker_pb2_grpc
+from noetl_store import CachedResultStore, PostgresResultStore, ResultStore, encode_json, envelope_from_proto
+
+from .metrics import BUSY, CLAIMS, COMMANDS, RESULT_BYTES
+from .runner import error_result, execute_command
+from .tools import Credentials, HttpTool, PoolRegistry, PostgresTool, PythonPool, Tools
+
+logger = logging.getLogger(__name__)
+
+FETCH_POLL_SEC = 2.0
+CLAIM_TIMEOUT_SEC = 10.0
+NAK_DELAY_SEC = 1.0
+PUBLISH_BACKOFF_CAP_SEC = 5.0
+# Earlier step results kept in memory (by count: results may be large).
+RESULT_CACHE_ITEMS = 256
+WORKER_ERROR = "WORKER_ERROR"
+_LOST_CLAIM = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+_LOST_LEASE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
+
+
+class _Run:
+    """One command in flight: its task, and why it was told to stop (if it was)."""
+
+    def __init__(self, command: messages_pb2.Command) -> None:
+        self.command = command
+        self.task: asyncio.Task[messages_pb2.CallResult] | None = None
+        self.stop_reason = ""
+        self.stopped = asyncio.Event()
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = reason or "stopped by the api"
+        self.stopped.set()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+class WorkerService(Service):
+    role = "worker"
+    sharded = False
+
+    def __init__(self, core: CoreSettings, shard: ShardSettings, command: CommandSettings,
+                 worker: WorkerSettings, *, tools: Tools | None = None, store: ResultStore | None = None) -> None:
+        super().__init__(core, shard)
+        self.command_cfg = command
+        self.worker_cfg = worker
+        self.tools = tools
+        self.store = store
+        self.nc: NATS | None = None
+        self.js: JetStreamContext | None = None
+        self.api_channel: grpc.aio.Channel | None = None
+        self.api: worker_pb2_grpc.WorkerServiceStub | None = None
+        self._slots: list[asyncio.Task[Any]] = []
+        self._idle: set[int] = set()
+        self._draining = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.core.instance
+
+    def pool_size(self) -> int:
+        return self.worker_cfg.concurrency + 2
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def on_start(self) -> None:
+        self.core.require("postgres_dsn", "nats_url", "api_target")
+        assert self.pool is not None
+        if self.store is None:
+            self.store = CachedResultStore(PostgresResultStore(self.pool), max_items=RESULT_CACHE_ITEMS)
+        if self.tools is None:
+            python = PythonPool(self.worker_cfg.python_pool or self.worker_cfg.concurrency)
+            self.tools = Tools(python=python, http=HttpTool(),
+                               postgres=PostgresTool(Credentials(self.pool), PoolRegistry()))
+        if self.tools.python is not None:
+            await self.tools.python.start()
+        self.nc = await natsio.connect(self.core.nats_url, name=f"noetl-worker-{self.worker_id}")
+        self.js = self.nc.jetstream()
+        await natsio.ensure_streams(self.js)
+        self.api_channel = grpcutil.channel(self.core.api_target)
+        self.api = worker_pb2_grpc.WorkerServiceStub(self.api_channel)
+
+    async def on_serving(self) -> None:
+        for n in range(self.worker_cfg.concurrency):
+            self._slots.append(self.spawn(self._slot_loop(n), f"worker-slot-{n}"))
+        logger.info("worker %s running %d slots", self.worker_id, len(self._slots))
+
+    async def on_stop(self) -> None:
+        self._draining = True
+        grace = self.core.shutdown_grace_sec
+        idle = [t for n, t in enumerate(self._slots) if n in self._idle]
+        busy = [t for n, t in enumerate(self._slots) if n not in self._idle and not t.done()]
+        for task in idle:
+            task.cancel()
+        if busy:
+            logger.info("waiting up to %.1fs for %d running commands", grace * 0.6, len(busy))
+            _, pending = await asyncio.wait(busy, timeout=grace * 0.6)
+            for task in pending:
+                task.cancel()
+            idle.extend(pending)
+        if idle:
+            await asyncio.wait(idle, timeout=1.0)
+        if self.tools is not None:
+            await self.tools.close()
+        if self.store is not None:
+            await self.store.close()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.drain(), timeout=2.0)
+        if self.api_channel is not None:
+            await self.api_channel.close()
+
+    # ------------------------------------------------------------ slots
+
+    async def _slot_loop(self, n: int) -> None:
+        assert self.js is not None
+        sub = await self.js.pull_subscribe_bind(durable=natsio.WORKER_CONSUMER, stream=natsio.COMMANDS_STREAM)
+        while not self._draining:
+            self._idle.add(n)
+            try:
+                msgs = await sub.fetch(1, timeout=FETCH_POLL_SEC)
+            except (NatsTimeout, TimeoutError):
+                continue
+            except NatsError as exc:
+                logger.warning("fetching commands failed: %s", exc)
+                await self.sleep(0.5)
+                continue
+            finally:
+                self._idle.discard(n)
+            for msg in msgs:
+                try:
+                    await self.handle_notice(msg)
+                except Exception:
+                    logger.exception("handling a command notice failed; it will be redelivered")
+
+    async def handle_notice(self, msg: Msg) -> None:
+        try:
+            notice = messages_pb2.CommandNotice.FromString(msg.data)
+        except Exception as exc:  # protobuf DecodeError
+            logger.error("dropping an undecodable command notice: %s", exc)
+            await _settle(msg.term())
+            return
+        assert self.api is not None
+        try:
+            resp = await self.api.ClaimCommand(worker_pb2.ClaimCommandRequest(
+                command_id=notice.command_id, worker_id=self.worker_id, attempt=notice.attempt),
+                timeout=CLAIM_TIMEOUT_SEC)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code in _LOST_CLAIM:
+                CLAIMS.labels("lost").inc()
+                logger.debug("command %s not claimable (%s); dropping", notice.command_id, code)
+                await _settle(msg.ack())
+            else:
+                CLAIMS.labels("unavailable").inc()
+                logger.warning("claiming %s failed (%s); redelivering", notice.command_id, code)
+                await _settle(msg.nak(delay=NAK_DELAY_SEC))
+            return
+        CLAIMS.labels("claimed").inc()
+        await _settle(msg.ack())
+        if not resp.command.command_id:
+            logger.error("ClaimCommand for %s answered without a command; dropping", notice.command_id)
+            return
+        await self.run_command(resp.command)
+
+    # ------------------------------------------------------------ commands
+
+    async def run_command(self, command: messages_pb2.Command) -> None:
+        """Run a claimed command, renewing its lease, and publish its result."""
+        assert self.store is not None and self.tools is not None
+        extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
+        run = _Run(command)
+        BUSY.inc()
+        started = time.perf_counter()
+        renewer = asyncio.ensure_future(self._renew_loop(run))
+        try:
+            run.task = asyncio.ensure_future(execute_command(
+                command, self.store, self.tools, worker_id=self.worker_id,
+                default_timeout=self.worker_cfg.default_task_timeout_sec))
+            try:
+                result = await run.task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if run.stopped.is_set() and (current is None or not current.cancelling()):
+                    COMMANDS.labels(command.kind or "unknown", "stopped").inc()
+                    logger.info("command stopped: %s", run.stop_reason, extra=extra)
+                    return
+                raise
+            except Exception as exc:  # a worker bug: report it rather than leave the command hanging
+                logger.exception("command crashed the worker code", extra=extra)
+                result = error_result(command, WORKER_ERROR, f"worker error: {type(exc).__name__}: {exc}",
+                                      worker_id=self.worker_id, kind=type(exc).__name__)
+            await self._publish(run, result)
+            status = result.envelope.status or "unknown"
+            COMMANDS.labels(command.kind or "unknown", status).inc()
+            logger.debug("command done status=%s in %.1f ms", status, (time.perf_counter() - started) * 1000,
+                         extra=extra)
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            BUSY.dec()
+
+    async def _renew_loop(self, run: _Run) -> None:
+        assert self.api is not None
+        interval = max(0.05, self.command_cfg.lease_sec / 3)
+        command = run.command
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                resp = await self.api.RenewLease(worker_pb2.RenewLeaseRequest(
+                    command_id=command.command_id, worker_id=self.worker_id, attempt=command.attempt),
+                    timeout=interval)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code in _LOST_LEASE:
+                    run.stop(f"lease lost ({code})")
+                    return
+                logger.warning("renewing the lease of %s failed (%s)", command.command_id, code)
+                continue
+            if resp.stop:
+                run.stop(resp.stop_reason)
+                return
+
+    async def _publish(self, run: _Run, result: messages_pb2.CallResult) -> None:
+        """Publish until JetStream acks (capped backoff); gives up only when the command
+        was stopped or the worker's shutdown grace is spent."""
+        assert self.js is not None
+        command = run.command
+        payload = messages_pb2.EngineInput(call_result=result).SerializeToString()
+        subject = natsio.events_subject(command.shard_id, natsio.KIND_CALL)
+        msg_id = f"{command.command_id}#{command.attempt}#result"
+        delay = 0.05
+        give_up_at: float | None = None
+        while True:
+            try:
+                await natsio.publish(self.js, subject, payload, msg_id=msg_id)
+                break
+            except NoetlError as exc:
+                if run.stopped.is_set():
+                    logger.info("not publishing the result of %s: %s", command.command_id, run.stop_reason)
+                    return
+                if self.stopping:
+                    give_up_at = give_up_at or time.monotonic() + self.core.shutdown_grace_sec / 2
+                    if time.monotonic() > give_up_at:
+                        logger.error("giving up publishing the result of %s at shutdown: %s",
+                                     command.command_id, exc)
+                        return
+                logger.warning("publishing the result of %s failed (%s); retrying in %.2fs",
+                               command.command_id, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, PUBLISH_BACKOFF_CAP_SEC)
+        RESULT_BYTES.observe(len(encode_json(envelope_from_proto(result.envelope))))
+
+
+async def _settle(op: Any) -> None:
+    """Ack / nak / term a message; a failure only means it will be redelivered."""
+    try:
+        await op
+    except (NatsError, OSError) as exc:
+        logger.warning("settling a command notice failed: %s", exc)

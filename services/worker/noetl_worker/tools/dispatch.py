@@ -1,0 +1,174 @@
+"""Runs one task: renders its fields, dispatches on ``kind``, enforces the timeout.
+
+Rendering: the task's effective input is render(step input) merged with render(task
+input) (the task's keys win). The other fields render with the scope plus the input
+keys: ``render`` for structured values (url, params, headers, auth, ...),
+``render_text`` for SQL. Python ``code`` is never rendered. A template error fails the
+task with ``TEMPLATE_ERROR`` and the template's message. The python ``context`` global
+(the render scope) is sent to the sandbox only when the code mentions it.
+
+``kind: workbook`` runs ``workbook[name]`` (a task mapping, or an entry with a ``tool``)
+with its own input defaults overridden by the caller's rendered input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from noetl_dsl.templates import RenderContext, TemplateError, render, render_text
+
+from ..metrics import TASK_SECONDS
+from .http import HttpTool
+from .outcome import INVALID_TASK, TEMPLATE_ERROR, TIMEOUT, TOOL_ERROR, ToolOutcome
+from .postgres import PostgresTool
+from .python import PythonPool
+
+logger = logging.getLogger(__name__)
+
+HTTP_FIELDS = ("method", "url", "endpoint", "params", "headers", "json", "body", "payload", "data",
+               "timeout", "follow_redirects")
+MAX_WORKBOOK_DEPTH = 8
+# Python code that mentions one of these may read the `context` global.
+SCOPE_WORDS = ("context", "globals", "vars(", "eval", "exec")
+# Postgres cancels a statement at the task timeout itself; give it a moment to report.
+SQL_TIMEOUT_GRACE_SEC = 1.0
+
+
+def python_code(task: Mapping[str, Any]) -> str | None:
+    """The task's code: ``code``, or base64 text in ``code_b64`` / ``code_base64``."""
+    code = task.get("code")
+    if isinstance(code, str):
+        return code
+    for key in ("code_b64", "code_base64"):
+        raw = task.get(key)
+        if isinstance(raw, str) and raw:
+            try:
+                return base64.b64decode(raw, validate=True).decode("utf-8")
+            except (binascii.Error, UnicodeDecodeError) as exc:
+                raise ValueError(f"`{key}` is not base64 UTF-8 text: {exc}") from exc
+    return None
+
+
+def resolve_workbook_task(workbook: Mapping[str, Any] | None, name: Any) -> dict[str, Any]:
+    """The task mapping of ``workbook[name]``; ValueError when it does not exist."""
+    entry = (workbook or {}).get(str(name)) if name else None
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"workbook task {name!r} not found")
+    tool = entry.get("tool")
+    if "kind" not in entry and tool is not None:
+        if isinstance(tool, list):
+            if len(tool) != 1:
+                raise ValueError(f"workbook task {name!r}: a pipeline cannot be called as one task")
+            tool = tool[0]
+        if not isinstance(tool, Mapping):
+            raise ValueError(f"workbook task {name!r} has no tool")
+        return dict(tool)
+    return dict(entry)
+
+
+class Tools:
+    """The tools this worker runs. Missing tools answer ``INVALID_TASK``."""
+
+    def __init__(self, *, python: PythonPool | None = None, http: HttpTool | None = None,
+                 postgres: PostgresTool | None = None) -> None:
+        self.python = python
+        self.http = http
+        self.postgres = postgres
+
+    async def close(self) -> None:
+        if self.python is not None:
+            await self.python.close()
+        if self.http is not None:
+            await self.http.close()
+        if self.postgres is not None:
+            await self.postgres.pools.close()
+
+    async def run_task(self, task: Mapping[str, Any], scope: RenderContext, *,
+                       step_input: Mapping[str, Any] | None = None,
+                       workbook: Mapping[str, Any] | None = None,
+                       timeout_sec: float | None = None) -> ToolOutcome:
+        """Render and run one task; never raises for task failures (only cancellation)."""
+        try:
+            inputs = dict(render(step_input or {}, scope) or {})
+            own = render(task.get("input") or {}, scope)
+            if not isinstance(own, Mapping):
+                raise ValueError(f"task input must be a mapping, got {type(own).__name__}")
+            inputs.update(own)
+        except TemplateError as exc:
+            return ToolOutcome.failure(TEMPLATE_ERROR, str(exc), kind="TemplateError")
+        except (TypeError, ValueError) as exc:
+            return ToolOutcome.failure(INVALID_TASK, str(exc), kind=type(exc).__name__)
+        return await self._run(task, scope, inputs, workbook, timeout_sec or None, 0)
+
+    async def _run(self, task: Mapping[str, Any], scope: RenderContext, inputs: dict[str, Any],
+                   workbook: Mapping[str, Any] | None, timeout_sec: float | None, depth: int) -> ToolOutcome:
+        kind = str(task.get("kind") or "").lower()
+        start = time.perf_counter()
+        try:
+            return await self._dispatch(kind, task, scope, inputs, workbook, timeout_sec, depth)
+        except TemplateError as exc:
+            return ToolOutcome.failure(TEMPLATE_ERROR, str(exc), kind="TemplateError")
+        except (TypeError, ValueError) as exc:
+            return ToolOutcome.failure(INVALID_TASK, str(exc), kind=type(exc).__name__)
+        except TimeoutError:
+            return ToolOutcome.failure(TIMEOUT, f"task exceeded its timeout of {timeout_sec or 0:g} s",
+                                       kind="TimeoutError", retryable=True)
+        except Exception as exc:
+            logger.exception("%s task crashed", kind)
+            return ToolOutcome.failure(TOOL_ERROR, f"{type(exc).__name__}: {exc}", kind=type(exc).__name__)
+        finally:
+            if kind != "workbook":
+                TASK_SECONDS.labels(kind or "unknown").observe(time.perf_counter() - start)
+
+    async def _dispatch(self, kind: str, task: Mapping[str, Any], scope: RenderContext,
+                        inputs: dict[str, Any], workbook: Mapping[str, Any] | None,
+                        timeout_sec: float | None, depth: int) -> ToolOutcome:
+        if kind == "noop":
+            return ToolOutcome.success(inputs)
+        if kind == "workbook":
+            if depth >= MAX_WORKBOOK_DEPTH:
+                raise ValueError(f"workbook calls nested deeper than {MAX_WORKBOOK_DEPTH}")
+            target = resolve_workbook_task(workbook, task.get("name"))
+            defaults = render(target.get("input") or {}, scope)
+            merged = {**(defaults if isinstance(defaults, Mapping) else {}), **inputs}
+            return await self._run(target, scope, merged, workbook, timeout_sec, depth + 1)
+
+        fields = RenderContext({**scope, **inputs}, known=scope.known)
+        if kind == "python":
+            if self.python is None:
+                return _unsupported(kind)
+            code = python_code(task)
+            if code is None:
+                raise ValueError("python task has no `code`")
+            libs = task.get("libs") or {}
+            if not isinstance(libs, Mapping):
+                raise ValueError("python `libs` must be a mapping of alias -> module")
+            # The render scope can be large (workload, resolved results): ship it to the
+            # child only when the code can name it.
+            context = scope if any(word in code for word in SCOPE_WORDS) else {}
+            return await self.python.run(code, inputs, libs, timeout_sec, context=context)
+        if kind == "http":
+            if self.http is None:
+                return _unsupported(kind)
+            rendered = render({k: task[k] for k in HTTP_FIELDS if k in task}, fields)
+            return await asyncio.wait_for(self.http.run(rendered, timeout_sec=timeout_sec), timeout_sec)
+        if kind == "postgres":
+            if self.postgres is None:
+                return _unsupported(kind)
+            source = task.get("command") if task.get("command") is not None else task.get("query")
+            sql = render_text(str(source or ""), fields)
+            auth = render(task.get("auth"), fields)
+            limit = timeout_sec + SQL_TIMEOUT_GRACE_SEC if timeout_sec else None
+            return await asyncio.wait_for(self.postgres.run(sql, auth, timeout_sec=timeout_sec), limit)
+        return _unsupported(kind)
+
+
+def _unsupported(kind: str) -> ToolOutcome:
+    what = f"tool kind {kind!r}" if kind else "a task without `kind`"
+    return ToolOutcome.failure(INVALID_TASK, f"{what} is not supported by this worker", kind="ValueError")

@@ -1,0 +1,217 @@
+"""The postgres tool: run a task's SQL with the connection its ``auth`` credential names.
+
+* Credentials live in ``noetl.credential (name, kind, data jsonb)``; ``data`` holds a
+  ``dsn`` or host/port/user/password/dbname (``database`` and ``db_*`` spellings too).
+  Lookups are cached for a few seconds (a cache: dropping it changes latency only).
+* One ``AsyncConnectionPool`` per DSN per process (``PoolRegistry``), opened lazily on
+  first use after one direct connection attempt (so a bad DSN fails with the server's
+  message instead of a pool timeout), closed on shutdown. Connections are autocommit:
+  a multi-statement text runs as one implicit transaction.
+* The SQL text may hold several statements; the value describes the last statement
+  that returned rows (``{"status": "ok", "rows", "row_count", "columns"}``), else
+  ``{"status": "ok", "row_count"}`` of the last statement.
+* SQL errors carry the SQLSTATE and the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from noetl_common.db import transaction
+from noetl_common.errors import NoetlError, NotFound
+from noetl_store import to_jsonable
+
+from .outcome import CREDENTIAL_NOT_FOUND, INVALID_TASK, SQL_ERROR, TIMEOUT, TOOL_ERROR, ToolOutcome
+
+logger = logging.getLogger(__name__)
+
+_CONNINFO_KEYS: dict[str, tuple[str, ...]] = {
+    "host": ("host", "db_host", "hostname"),
+    "port": ("port", "db_port"),
+    "user": ("user", "username", "db_user"),
+    "password": ("password", "db_password"),
+    "dbname": ("dbname", "database", "db_name", "db"),
+    "sslmode": ("sslmode", "ssl_mode"),
+}
+# SQLSTATE classes worth retrying: connection, transaction rollback, resources, operator intervention.
+_RETRYABLE_CLASSES = ("08", "40", "53", "57P")
+
+
+def dsn_from(data: Mapping[str, Any]) -> str:
+    """A libpq connection string from a credential's data."""
+    dsn = data.get("dsn") or data.get("conninfo") or data.get("url")
+    if dsn:
+        return str(dsn)
+    params = {}
+    for key, names in _CONNINFO_KEYS.items():
+        for name in names:
+            if data.get(name) not in (None, ""):
+                params[key] = str(data[name])
+                break
+    if not params.get("host") and not params.get("dbname"):
+        raise ValueError("credential data has neither `dsn` nor host/dbname")
+    return make_conninfo(**params)
+
+
+class Credentials:
+    """Resolves credential names from ``noetl.credential`` (short TTL cache)."""
+
+    def __init__(self, pool: AsyncConnectionPool | None, *, ttl: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.ttl = ttl
+        self._clock = clock
+        self._cache: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    async def get(self, name: str) -> dict[str, Any]:
+        """``{"kind", "data"}`` of a credential; NotFound naming it when absent."""
+        hit = self._cache.get(name)
+        now = self._clock()
+        if hit is not None and now - hit[0] < self.ttl:
+            return hit[1]
+        if self.pool is None:
+            raise NotFound(f"credential {name!r} not found (the worker has no runtime database)")
+        async with transaction(self.pool) as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT kind, data FROM noetl.credential WHERE name = %s", (name,))
+            row = await cur.fetchone()
+        if row is None:
+            raise NotFound(f"credential {name!r} not found")
+        data = row["data"] if isinstance(row["data"], dict) else json.loads(row["data"])
+        cred = {"kind": row["kind"], "data": data}
+        self._cache[name] = (now, cred)
+        return cred
+
+
+class PoolRegistry:
+    """One autocommit connection pool per DSN for this process."""
+
+    def __init__(self, *, max_size: int = 8, timeout: float = 30.0) -> None:
+        self.max_size = max_size
+        self.timeout = timeout
+        self._pools: dict[str, AsyncConnectionPool] = {}
+        self._lock = asyncio.Lock()
+
+    async def get(self, dsn: str) -> AsyncConnectionPool:
+        pool = self._pools.get(dsn)
+        if pool is not None:
+            return pool
+        async with self._lock:
+            pool = self._pools.get(dsn)
+            if pool is None:
+                # Fail fast with the server's message when the DSN is wrong.
+                conn = await psycopg.AsyncConnection.connect(dsn, connect_timeout=10, autocommit=True)
+                await conn.close()
+                pool = AsyncConnectionPool(dsn, min_size=1, max_size=self.max_size, open=False,
+                                           timeout=self.timeout, name="noetl-worker-tool",
+                                           kwargs={"autocommit": True})
+                await pool.open(wait=False)
+                self._pools[dsn] = pool
+        return pool
+
+    async def close(self) -> None:
+        async with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            try:
+                await pool.close(timeout=2)
+            except Exception:  # pragma: no cover - shutdown best effort
+                logger.exception("closing a postgres tool pool failed")
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+
+def _sql_failure(exc: psycopg.Error) -> ToolOutcome:
+    diag = exc.diag
+    sqlstate = exc.sqlstate or ""
+    primary = (diag.message_primary or str(exc)).strip()
+    message = f"SQLSTATE {sqlstate}: {primary}" if sqlstate else primary
+    details = {k: v for k, v in {"sqlstate": sqlstate, "detail": diag.message_detail,
+                                 "hint": diag.message_hint, "position": diag.statement_position}.items() if v}
+    if sqlstate == "57014":  # query_canceled, e.g. by statement_timeout
+        return ToolOutcome.failure(TIMEOUT, message, kind=type(exc).__name__, retryable=True, details=details)
+    retryable = (isinstance(exc, psycopg.OperationalError) and not sqlstate) or \
+        any(sqlstate.startswith(c) for c in _RETRYABLE_CLASSES)
+    return ToolOutcome.failure(SQL_ERROR, message, kind=type(exc).__name__, retryable=retryable,
+                               details=details)
+
+
+class PostgresTool:
+    def __init__(self, credentials: Credentials, pools: PoolRegistry) -> None:
+        self.credentials = credentials
+        self.pools = pools
+
+    async def dsn_for(self, auth: Any) -> str:
+        """``auth`` is a credential name, or a mapping naming one (``credential``/``key``/
+        ``name``) or holding connection fields inline."""
+        if isinstance(auth, Mapping):
+            ref = auth.get("credential") or auth.get("key") or auth.get("name")
+            if ref and not (auth.get("dsn") or auth.get("host")):
+                return dsn_from((await self.credentials.get(str(ref)))["data"])
+            return dsn_from(auth)
+        return dsn_from((await self.credentials.get(str(auth)))["data"])
+
+    async def run(self, sql: str, auth: Any, *, timeout_sec: float | None = None) -> ToolOutcome:
+        if not sql or not sql.strip():
+            return ToolOutcome.failure(INVALID_TASK, "postgres task needs a `command` or `query`",
+                                       kind="ValueError")
+        if auth in (None, ""):
+            return ToolOutcome.failure(INVALID_TASK, "postgres task needs `auth` (a credential name)",
+                                       kind="ValueError")
+        try:
+            dsn = await self.dsn_for(auth)
+        except NotFound as exc:
+            return ToolOutcome.failure(CREDENTIAL_NOT_FOUND, str(exc), kind="NotFound")
+        except ValueError as exc:
+            return ToolOutcome.failure(INVALID_TASK, f"credential {auth!r}: {exc}", kind="ValueError")
+        except NoetlError as exc:
+            return ToolOutcome.failure(TOOL_ERROR, f"cannot read credential {auth!r}: {exc}",
+                                       kind=type(exc).__name__, retryable=True)
+        try:
+            pool = await self.pools.get(dsn)
+            async with pool.connection() as conn:
+                return ToolOutcome.success(await _execute(conn, sql, timeout_sec))
+        except psycopg.Error as exc:
+            return _sql_failure(exc)
+        except PoolTimeout as exc:
+            return ToolOutcome.failure(SQL_ERROR, f"no postgres connection available: {exc}",
+                                       kind="PoolTimeout", retryable=True)
+
+
+async def _execute(conn: psycopg.AsyncConnection[Any], sql: str, timeout_sec: float | None) -> dict[str, Any]:
+    if timeout_sec:
+        await conn.execute("SELECT set_config('statement_timeout', %s, false)",
+                           (str(max(1, int(timeout_sec * 1000))),))
+    try:
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(sql)  # no parameters: several statements may run in one go
+        rows_result: dict[str, Any] | None = None
+        row_count = cur.rowcount
+        while True:
+            row_count = cur.rowcount
+            if cur.description is not None:
+                rows = await cur.fetchall()
+                rows_result = {"status": "ok", "rows": to_jsonable(rows), "row_count": len(rows),
+                               "columns": [c.name for c in cur.description]}
+            if not cur.nextset():
+                break
+    finally:
+        if timeout_sec and not conn.closed:
+            with contextlib.suppress(psycopg.Error):
+                await conn.execute("RESET statement_timeout")
+    if rows_result is not None:
+        return rows_result
+    # psycopg reports -1 for statements without a row count (DDL): none affected.
+    return {"status": "ok", "row_count": max(row_count, 0)}

@@ -1,0 +1,140 @@
+"""The postgres tool against a real Postgres, with credentials in noetl.credential."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_common.db import make_pool
+from noetl_dsl.templates import RenderContext
+from noetl_worker.tools import Credentials, PoolRegistry, PostgresTool, Tools, dsn_from
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+async def runtime_pool(pg_dsn: str) -> AsyncIterator[AsyncConnectionPool]:
+    pool = make_pool(pg_dsn, min_size=1, max_size=2, name="test-pgtool")
+    await pool.open(wait=True, timeout=30)
+    parts = conninfo_to_dict(pg_dsn)
+    fields = {"host": parts.get("host"), "port": parts.get("port"), "user": parts.get("user"),
+              "password": parts.get("password"), "database": parts.get("dbname")}
+    async with pool.connection() as conn:
+        for name, data in (("pg_test_dsn", {"dsn": pg_dsn}), ("pg_test_fields", fields)):
+            await conn.execute(
+                "INSERT INTO noetl.credential (name, kind, data) VALUES (%s, 'postgres', %s::jsonb) "
+                "ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data", (name, json.dumps(data)))
+        await conn.commit()
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture(scope="module")
+async def tool(runtime_pool: AsyncConnectionPool) -> AsyncIterator[PostgresTool]:
+    t = PostgresTool(Credentials(runtime_pool), PoolRegistry(max_size=2))
+    yield t
+    await t.pools.close()
+
+
+async def test_select_rows_shape(tool: PostgresTool) -> None:
+    out = await tool.run("SELECT 1 AS a, 'x' AS b UNION ALL SELECT 2, 'y' ORDER BY a", "pg_test_dsn")
+    assert out.status == "ok", out.error
+    assert out.data == {"status": "ok", "rows": [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}], "row_count": 2,
+                        "columns": ["a", "b"]}
+
+
+async def test_values_are_plain_json(tool: PostgresTool) -> None:
+    out = await tool.run("SELECT DATE '2024-01-02' AS d, 1.50::numeric AS n, 3::numeric AS i, "
+                         "'{\"k\": [1]}'::jsonb AS j, NULL AS z", "pg_test_fields")
+    assert out.status == "ok", out.error
+    assert out.data["rows"] == [{"d": "2024-01-02", "n": 1.5, "i": 3, "j": {"k": [1]}, "z": None}]
+
+
+async def test_ddl_and_multiple_statements(tool: PostgresTool) -> None:
+    sql = ("DROP TABLE IF EXISTS public.worker_tool_t; CREATE TABLE public.worker_tool_t (id int PRIMARY KEY, v text);"
+           "INSERT INTO public.worker_tool_t VALUES (1, 'a'), (2, 'b');"
+           "UPDATE public.worker_tool_t SET v = 'c' WHERE id = 2;")
+    out = await tool.run(sql, "pg_test_dsn")
+    assert out.data == {"status": "ok", "row_count": 1}
+    out = await tool.run("CREATE TABLE IF NOT EXISTS public.worker_tool_t (id int)", "pg_test_dsn")
+    assert out.data == {"status": "ok", "row_count": 0}
+
+
+async def test_last_statement_returning_rows_wins(tool: PostgresTool) -> None:
+    sql = "SELECT 1 AS first; SELECT id, v FROM public.worker_tool_t ORDER BY id; DELETE FROM public.worker_tool_t WHERE false"
+    await tool.run("CREATE TABLE IF NOT EXISTS public.worker_tool_t (id int PRIMARY KEY, v text); "
+                   "INSERT INTO public.worker_tool_t VALUES (10, 'z') ON CONFLICT DO NOTHING", "pg_test_dsn")
+    out = await tool.run(sql, "pg_test_dsn")
+    assert out.status == "ok"
+    assert out.data["columns"] == ["id", "v"] and {"id": 10, "v": "z"} in out.data["rows"]
+
+
+async def test_syntax_error_surfaces_sqlstate_and_server_message(tool: PostgresTool) -> None:
+    """broken_sql.yaml."""
+    out = await tool.run("SELECT\n  COUNT(*) as row_count,\nFROM patient_info;", "pg_test_dsn")
+    assert out.status == "error" and out.error is not None
+    assert out.error.code == "SQL_ERROR" and out.error.kind == "SyntaxError"
+    assert "42601" in out.error.message
+    assert 'syntax error at or near "FROM"' in out.error.message
+    assert out.error.details["sqlstate"] == "42601" and not out.error.retryable
+
+
+async def test_unknown_table_error(tool: PostgresTool) -> None:
+    out = await tool.run("SELECT * FROM no_such_table_xyz", "pg_test_dsn")
+    assert out.error is not None and "42P01" in out.error.message and "no_such_table_xyz" in out.error.message
+
+
+async def test_unknown_credential_names_it(tool: PostgresTool) -> None:
+    out = await tool.run("SELECT 1", "pg_missing")
+    assert out.status == "error" and out.error is not None
+    assert out.error.code == "CREDENTIAL_NOT_FOUND"
+    assert out.error.message == "credential 'pg_missing' not found"
+
+
+async def test_statement_timeout(tool: PostgresTool) -> None:
+    out = await tool.run("SELECT pg_sleep(5)", "pg_test_dsn", timeout_sec=0.3)
+    assert out.error is not None and out.error.code == "TIMEOUT" and "57014" in out.error.message
+    again = await tool.run("SHOW statement_timeout", "pg_test_dsn")
+    assert again.data["rows"][0]["statement_timeout"] == "0"
+
+
+async def test_one_pool_per_dsn(tool: PostgresTool) -> None:
+    for _ in range(3):
+        await tool.run("SELECT 1", "pg_test_dsn")
+    assert len(tool.pools) <= 2  # one per distinct DSN (the dsn and the fields credentials)
+
+
+async def test_bad_dsn_fails_with_the_connection_error(runtime_pool: AsyncConnectionPool) -> None:
+    async with runtime_pool.connection() as conn:
+        await conn.execute("INSERT INTO noetl.credential (name, kind, data) VALUES ('pg_bad', 'postgres', "
+                           "'{\"host\": \"127.0.0.1\", \"port\": 1, \"dbname\": \"x\"}') ON CONFLICT DO NOTHING")
+        await conn.commit()
+    tool = PostgresTool(Credentials(runtime_pool), PoolRegistry())
+    out = await tool.run("SELECT 1", "pg_bad")
+    assert out.error is not None and out.error.code == "SQL_ERROR" and out.error.retryable
+    await tool.pools.close()
+
+
+async def test_rendered_through_tools(tool: PostgresTool) -> None:
+    """iterator_save_test shape: templated auth and SQL rendered as text."""
+    tools = Tools(postgres=tool)
+    scope = RenderContext({"pg_auth": "pg_test_dsn", "execution_id": 55, "iter": {"item": {"name": "o'k"}}})
+    task = {"kind": "postgres", "auth": "{{ pg_auth }}",
+            "command": "SELECT '{{ execution_id }}:{{ iter.item.name | replace(\"'\", \"''\") }}' AS id"}
+    out = await tools.run_task(task, scope)
+    assert out.status == "ok", out.error
+    assert out.data["rows"] == [{"id": "55:o'k"}]
+    bad = await tools.run_task({"kind": "postgres", "auth": "{{ nope }}", "query": "SELECT 1"}, scope)
+    assert bad.error is not None and bad.error.code == "TEMPLATE_ERROR" and "{{ nope }}" in bad.error.message
+
+
+def test_dsn_from_fields() -> None:
+    dsn = dsn_from({"db_host": "h", "db_port": 5433, "username": "u", "password": "p w", "database": "d"})
+    assert conninfo_to_dict(dsn) == {"host": "h", "port": "5433", "user": "u", "password": "p w", "dbname": "d"}
+    assert dsn_from({"dsn": "postgresql://x"}) == "postgresql://x"
+    with pytest.raises(ValueError):
+        dsn_from({"user": "u"})

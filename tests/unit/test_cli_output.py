@@ -1,0 +1,110 @@
+"""Formatting of executions and events (pure: protobuf in, text/dicts out)."""
+
+from __future__ import annotations
+
+import json
+
+from noetl_cli import output
+from noetl_proto.v1 import common_pb2, execution_pb2
+
+
+def make_execution(status: int = common_pb2.EXECUTION_STATUS_COMPLETED, error: str = "") -> execution_pb2.Execution:
+    ex = execution_pb2.Execution(execution_id=7340032123456789012, shard_id=3, playbook_path="tests/hello",
+                                 playbook_version=2, status=status, error=error)  # type: ignore[arg-type]
+    ex.created_at.FromSeconds(1_700_000_000)
+    ex.started_at.FromSeconds(1_700_000_000)
+    ex.ended_at.FromMilliseconds(1_700_000_001_500)
+    ex.steps.add(name="start", status=common_pb2.STEP_STATUS_COMPLETED, result_json='{"greeting": "hi", "n": 2}')
+    ex.steps.add(name="fetch", status=common_pb2.STEP_STATUS_FAILED, error="boom", result_json="")
+    ex.steps.add(name="end", status=common_pb2.STEP_STATUS_SKIPPED, result_json="not json")
+    return ex
+
+
+def test_execution_json_shape() -> None:
+    doc = output.execution_json(make_execution())
+    assert doc == {
+        "execution_id": "7340032123456789012",
+        "status": "COMPLETED",
+        "steps": {
+            "start": {"status": "COMPLETED", "result": {"greeting": "hi", "n": 2}},
+            "fetch": {"status": "FAILED", "result": None},
+            "end": {"status": "SKIPPED", "result": "not json"},
+        },
+        "error": None,
+    }
+    assert list(doc) == ["execution_id", "status", "steps", "error"]
+    json.dumps(doc)  # serialisable as is
+
+
+def test_execution_json_failed_with_error() -> None:
+    doc = output.execution_json(make_execution(common_pb2.EXECUTION_STATUS_FAILED, "step fetch failed"))
+    assert doc["status"] == "FAILED" and doc["error"] == "step fetch failed"
+    doc = output.execution_json(make_execution(common_pb2.EXECUTION_STATUS_CANCELLED))
+    assert doc["status"] == "CANCELLED" and doc["error"] is None
+
+
+def test_print_json_writes_one_document(capsys) -> None:  # type: ignore[no-untyped-def]
+    output.print_json(output.execution_json(make_execution()))
+    out = capsys.readouterr().out
+    assert json.loads(out)["execution_id"] == "7340032123456789012"
+
+
+def test_detail_json_adds_fields() -> None:
+    doc = output.execution_detail_json(make_execution())
+    assert doc["playbook_path"] == "tests/hello" and doc["playbook_version"] == 2
+    assert doc["steps"]["fetch"]["error"] == "boom"
+    assert doc["ended_at"].startswith("2023-11-14T22:13:21.500")
+
+
+def test_status_names() -> None:
+    assert output.execution_status(common_pb2.EXECUTION_STATUS_RUNNING) == "RUNNING"
+    assert output.step_status(common_pb2.STEP_STATUS_PENDING) == "PENDING"
+    assert output.execution_status(99) == "STATUS_99"
+    assert output.is_terminal(make_execution())
+    assert not output.is_terminal(make_execution(common_pb2.EXECUTION_STATUS_RUNNING))
+
+
+def test_summary() -> None:
+    text = output.execution_summary(make_execution(common_pb2.EXECUTION_STATUS_FAILED, "step fetch failed"))
+    lines = text.splitlines()
+    assert lines[0] == "execution 7340032123456789012 FAILED (tests/hello v2, 1.50s)"
+    assert "error: step fetch failed" in lines
+    assert "  fetch  FAILED  (boom)" in lines
+    assert "result of start:" in lines and '    "greeting": "hi",' in lines
+
+
+def test_summary_truncates_big_results() -> None:
+    ex = execution_pb2.Execution(execution_id=1, status=common_pb2.EXECUTION_STATUS_COMPLETED)
+    ex.steps.add(name="big", status=common_pb2.STEP_STATUS_COMPLETED, result_json=json.dumps("x" * 10_000))
+    assert "more characters; use --json" in output.execution_summary(ex)
+
+
+def test_progress_lines() -> None:
+    ex = make_execution()
+    assert output.progress_lines({}, ex) == ["  start  COMPLETED", "  fetch  FAILED", "  end    SKIPPED"]
+    assert output.progress_lines({"start": "COMPLETED", "fetch": "RUNNING", "end": "SKIPPED"}, ex) == [
+        "  fetch  FAILED"]
+    assert output.progress_lines(output.step_states(ex), ex) == []
+
+
+def test_event_line_and_json() -> None:
+    ev = common_pb2.EventRecord(
+        event_id=11, execution_id=1, shard_id=2, shard_seq=42, event_type="call.done", step="start",
+        command_id="c-1", meta_json='{"epoch_id": 3}',
+        result_json=json.dumps({"status": "ok", "reference": {"ref_id": 7, "type": "db", "uri": "pg://x/7"},
+                                "context": {"n": 2}}))
+    line = output.event_line(ev)
+    assert line.split()[:4] == ["42", "call.done", "start", "c-1"]
+    assert line.endswith('ok ref=db:7 ctx={"n":2}')
+    doc = output.event_json(ev)
+    assert doc["shard_seq"] == 42 and doc["meta"] == {"epoch_id": 3} and doc["result"]["status"] == "ok"
+    bare = common_pb2.EventRecord(shard_seq=1, event_type="playbook.started")
+    assert output.event_line(bare).split() == ["1", "playbook.started", "-", "-"]
+    rows = output.table([output.event_row(ev), output.event_row(bare)], header=output.EVENT_HEADER).splitlines()
+    assert rows[0].split() == ["SEQ", "TYPE", "STEP", "COMMAND", "RESULT"]
+    assert rows[1].index("call.done") == rows[2].index("playbook.started")
+
+
+def test_table() -> None:
+    assert output.table([("a", 1), ("bbb", 22)], header=("K", "V")) == "K    V\na    1\nbbb  22"
+    assert output.table([]) == ""

@@ -1,0 +1,51 @@
+"""Every upstream conformance playbook parses unchanged; the broken one is rejected."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from noetl_common.errors import PlaybookInvalid
+from noetl_dsl import TOOL_KINDS, Playbook, parse_playbook
+
+PLAYBOOKS = Path(__file__).resolve().parents[2].parent / "shared/conformance/noetl-e2e/playbooks"
+BROKEN = PLAYBOOKS / "broken_playbooks/should_error_tool_is_required.yaml"
+VALID = sorted(p for p in PLAYBOOKS.rglob("*.yaml") if p != BROKEN)
+
+
+def _id(path: Path) -> str:
+    return str(path.relative_to(PLAYBOOKS))
+
+
+def test_conformance_playbooks_are_present() -> None:
+    assert BROKEN.is_file(), f"conformance data missing under {PLAYBOOKS}"
+    assert len(VALID) >= 26
+
+
+@pytest.mark.parametrize("path", VALID, ids=_id)
+def test_conformance_playbook_parses(path: Path) -> None:
+    pb = parse_playbook(path.read_text())
+    assert isinstance(pb, Playbook)
+    assert pb.apiVersion.startswith("noetl.io/")
+    assert pb.path
+    assert pb.start_step in pb.step_names
+    for step in pb.workflow:
+        assert step.tasks, step.step
+        assert all(t.kind in TOOL_KINDS for t in step.tasks)
+        assert all(pb.has_step(a.step) for a in step.arcs)
+
+
+def test_broken_playbook_is_rejected_with_every_problem() -> None:
+    with pytest.raises(PlaybookInvalid, match=r"(tool.*required|no sql command provided)") as info:
+        parse_playbook(BROKEN.read_text())
+    exc = info.value
+    # The postgres task has no command (it sits on the step), and step 'end' has no tool.
+    assert exc.path == "workflow[1].tool.command"
+    problems = exc.message.split("; ")
+    assert len(problems) == 2
+    assert problems[0].startswith(
+        "workflow[1].tool.command: postgres tool requires 'command' or 'query': no sql command provided")
+    assert "found 'command' on the step itself" in problems[0]
+    assert problems[1] == "workflow[2].tool: tool is required (step 'end')"
+    assert re.search(r"(tool.*required|no sql command provided)", str(exc))

@@ -1,0 +1,205 @@
+"""execute_command end to end inside one process: a real python pool and the in-memory
+result store (the Postgres store runs the same path in tests/integration)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import pytest
+
+from noetl_common.errors import Unavailable
+from noetl_proto.v1 import messages_pb2
+from noetl_store import MemoryResultStore, envelope_from_proto
+from noetl_worker.runner import execute_command
+from noetl_worker.scope import template_names
+from noetl_worker.tools import PythonPool, Tools
+
+
+@pytest.fixture(scope="module")
+async def tools() -> AsyncIterator[Tools]:
+    pool = PythonPool(2)
+    await pool.start()
+    t = Tools(python=pool)
+    yield t
+    await t.close()
+
+
+def command(spec: dict[str, Any], context: dict[str, Any] | None = None, **kw: Any) -> messages_pb2.Command:
+    ctx = {"execution_id": 123, "workload": {}, "ctx": {}, "steps": {}, "known_steps": [], "event": {},
+           "iter": None, **(context or {})}
+    return messages_pb2.Command(command_id="123:step:1", execution_id=123, shard_id=3, step=spec.get("step", "step"),
+                                attempt=1, kind="python", spec_json=json.dumps(spec),
+                                context_json=json.dumps(ctx), **kw)
+
+
+def env_of(result: messages_pb2.CallResult) -> dict[str, Any]:
+    return envelope_from_proto(result.envelope)
+
+
+class CountingStore(MemoryResultStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requested: list[int] = []
+
+    async def get_many(self, ref_ids: Iterable[int]) -> dict[int, Any]:
+        ids = list(ref_ids)
+        self.requested.extend(ids)
+        return await super().get_many(ids)
+
+
+class BrokenStore(MemoryResultStore):
+    async def put(self, *args: Any, **kwargs: Any) -> Any:
+        raise Unavailable("postgres unavailable: connection refused")
+
+
+async def test_hello_world_step(tools: Tools) -> None:
+    store = MemoryResultStore()
+    spec = {"step": "test_step", "tool": {"kind": "python", "input": {"message": "{{ message }}"},
+                                          "code": 'print(f"HELLO_WORLD: {message}")\n'
+                                                  'result = {"status": "ok", "data": {"message": message}}\n'}}
+    result = await execute_command(command(spec, {"workload": {"message": "Hello World"}}), store, tools,
+                                   worker_id="w1")
+    env = env_of(result)
+    assert env["status"] == "ok" and env["context"] == {"status": "ok"}
+    assert env["parent_ref"] is None and "error" not in env
+    assert await store.get(env["reference"]["ref_id"]) == {"status": "ok", "data": {"message": "Hello World"}}
+    assert (result.command_id, result.execution_id, result.step, result.attempt, result.worker_id) == (
+        "123:step:1", 123, "test_step", 1, "w1")
+    assert json.loads(result.set_json) == {"ctx": {}, "iter": {}}
+    assert result.finished_at.seconds > 0
+
+
+async def test_pipeline_chains_references_and_reports_set(tools: Tools) -> None:
+    store = MemoryResultStore()
+    spec = {"step": "set_var", "tool": [
+        {"name": "first", "kind": "python", "code": "result = {'n': 1}"},
+        {"name": "set_vars", "kind": "python", "input": {"prev": "{{ first.n }}"},
+         "code": "result = {'test_counter': 41 + prev, 'message': 'Variable set successfully'}",
+         "spec": {"policy": {"rules": [{"else": {"then": {"do": "continue", "set": {
+             "ctx.test_counter": "{{ output.data.test_counter }}"}}}}]}}}]}
+    result = await execute_command(command(spec), store, tools)
+    env = env_of(result)
+    assert env["status"] == "ok" and env["context"]["test_counter"] == 42
+    last, parent = env["reference"]["ref_id"], env["parent_ref"]["ref_id"]
+    assert store.parent_of(last) == parent and await store.get(parent) == {"n": 1}
+    assert json.loads(result.set_json) == {"ctx": {"test_counter": 42}, "iter": {}}
+
+
+async def test_only_referenced_step_results_are_resolved(tools: Tools) -> None:
+    store = CountingStore()
+    a = await store.put({"tag": "AAA_KEEP"}, execution_id=123, step="producer_a", command_id="x", task="t",
+                        parent_ref_id=None)
+    b = await store.put({"tag": "BBB_DROP"}, execution_id=123, step="producer_b", command_id="y", task="t",
+                        parent_ref_id=None)
+    steps = {"producer_a": {"status": "ok", "reference": a.to_json(), "context": {"tag": "AAA_KEEP"}},
+             "producer_b": {"status": "ok", "reference": b.to_json(), "context": {"tag": "BBB_DROP"}}}
+    spec = {"step": "consumer", "tool": {"kind": "python", "input": {
+        "only_a": "{{ producer_a.tag }}", "missing": "{{ cold_path.x if cold_path else 'none' }}"},
+        "code": "result = {'consumed': only_a, 'missing': missing, 'ctx_keys': sorted(context)}"}}
+    context = {"steps": steps, "known_steps": ["producer_a", "producer_b", "consumer", "cold_path"]}
+    result = await execute_command(command(spec, context), store, tools)
+    value = await store.get(env_of(result)["reference"]["ref_id"])
+    assert value["consumed"] == "AAA_KEEP" and value["missing"] == "none"
+    assert store.requested == [a.ref_id]
+    assert "producer_b" not in value["ctx_keys"]
+
+
+def test_template_names_skip_code() -> None:
+    spec = {"tool": {"kind": "python", "code": "x = f'{{{{ not_a_template }}}}'", "input": {"a": "{{ s1.v }}"}},
+            "input": {"b": "{{ s2 }}"}, "workbook": {"w": {"kind": "noop", "input": {"c": "{{ s3 }}"}}}}
+    assert template_names(spec) == {"s1", "s2", "s3"}
+
+
+async def test_missing_reference_is_reference_not_available(tools: Tools) -> None:
+    spec = {"step": "s", "tool": {"kind": "python", "input": {"v": "{{ gone }}"}, "code": "result = v"}}
+    context = {"steps": {"gone": {"status": "ok", "reference": {"ref_id": 999, "type": "memory", "uri": ""}}}}
+    env = env_of(await execute_command(command(spec, context), MemoryResultStore(), tools))
+    assert env["status"] == "error" and env["error"]["code"] == "REFERENCE_NOT_AVAILABLE"
+    assert "999" in env["error"]["message"]
+
+
+async def test_store_failure_is_never_silent(tools: Tools) -> None:
+    spec = {"step": "s", "tool": {"kind": "python", "code": "result = 1"}}
+    env = env_of(await execute_command(command(spec), BrokenStore(), tools))
+    assert env["status"] == "error" and env["reference"] is None
+    assert env["error"]["code"] == "REFERENCE_NOT_AVAILABLE"
+    assert "connection refused" in env["error"]["message"]
+
+
+async def test_template_error_names_the_template(tools: Tools) -> None:
+    spec = {"step": "s", "tool": {"kind": "python", "input": {"v": "{{ nope.x }}"}, "code": "result = v"}}
+    env = env_of(await execute_command(command(spec), MemoryResultStore(), tools))
+    assert env["error"]["code"] == "TEMPLATE_ERROR"
+    assert "{{ nope.x }}" in env["error"]["message"]
+
+
+async def test_python_error_carries_traceback_in_details(tools: Tools) -> None:
+    spec = {"step": "s", "tool": {"kind": "python", "code": "raise Exception('Random failure (value: 3)')"}}
+    result = await execute_command(command(spec), MemoryResultStore(), tools)
+    env = env_of(result)
+    assert env["error"] == {"code": "TOOL_ERROR", "message": "Random failure (value: 3)", "kind": "Exception",
+                            "retryable": False}
+    assert "Traceback" in json.loads(result.envelope.error.details_json)["traceback"]
+
+
+async def test_workbook_task_defaults_overridden_by_caller_input(tools: Tools) -> None:
+    """control_flow_workbook: `kind: workbook, name: compute_flag`."""
+    workbook = {"compute_flag": {"name": "compute_flag", "tool": {
+        "kind": "python", "input": {"temperature_c": None, "unit": "C"},
+        "code": "is_hot = float(temperature_c) >= 25.0\n"
+                "result = {'is_hot': is_hot, 'message': 'hot' if is_hot else 'cold', 'unit': unit}"}}}
+    spec = {"step": "eval_flag", "tool": {"kind": "workbook", "name": "compute_flag",
+                                          "input": {"temperature_c": "{{ temperature_c }}"}}, "workbook": workbook}
+    env = env_of(await execute_command(command(spec, {"workload": {"temperature_c": 30}}), MemoryResultStore(), tools))
+    assert env["context"] == {"is_hot": True, "message": "hot", "unit": "C"}
+
+
+async def test_unknown_workbook_task(tools: Tools) -> None:
+    spec = {"step": "s", "tool": {"kind": "workbook", "name": "nope"}, "workbook": {}}
+    env = env_of(await execute_command(command(spec), MemoryResultStore(), tools))
+    assert env["error"]["code"] == "INVALID_TASK" and "nope" in env["error"]["message"]
+
+
+async def test_loop_iteration_scope_and_step_input(tools: Tools) -> None:
+    spec = {"step": "start", "tool": {"kind": "python", "input": {},
+                                      "code": "return {'doubled': input_data['num'] * 2, 'i': iter_num}"},
+            "input": {"num": "{{ num }}", "iter_num": "{{ iter.num }}"}, "loop": {"iterator": "num"}}
+    env = env_of(await execute_command(command(spec, {"iter": {"num": 4}}), MemoryResultStore(), tools))
+    assert env["context"] == {"doubled": 8, "i": 4}
+
+
+async def test_noop_and_unsupported_kind(tools: Tools) -> None:
+    store = MemoryResultStore()
+    env = env_of(await execute_command(command({"tool": {"kind": "noop", "input": {"x": "{{ ctx.a }}"}}},
+                                               {"ctx": {"a": 5}}), store, tools))
+    assert await store.get(env["reference"]["ref_id"]) == {"x": 5}
+    env = env_of(await execute_command(command({"tool": {"kind": "duckdb"}}), store, tools))
+    assert env["error"]["code"] == "INVALID_TASK" and "duckdb" in env["error"]["message"]
+
+
+async def test_command_timeout_applies_per_task(tools: Tools) -> None:
+    spec = {"step": "s", "tool": {"kind": "python", "code": "import time\ntime.sleep(10)"}}
+    env = env_of(await execute_command(command(spec, timeout_seconds=0.3), MemoryResultStore(), tools))
+    assert env["error"]["code"] == "TIMEOUT"
+    assert env["error"]["message"] == "task exceeded its timeout of 0.3 s"
+
+
+async def test_invalid_command_json(tools: Tools) -> None:
+    bad = messages_pb2.Command(command_id="c", execution_id=1, step="s", spec_json="{nope", context_json="{}")
+    env = env_of(await execute_command(bad, MemoryResultStore(), tools))
+    assert env["error"]["code"] == "INVALID_COMMAND"
+    env = env_of(await execute_command(command({"tool": []}), MemoryResultStore(), tools))
+    assert env["error"]["code"] == "INVALID_COMMAND"
+
+
+async def test_context_global_is_sent_only_when_code_names_it(tools: Tools) -> None:
+    store = MemoryResultStore()
+    uses = {"tool": {"kind": "python", "code": "result = sorted(context['workload'])"}}
+    env = env_of(await execute_command(command(uses, {"workload": {"big": "x" * 1000}}), store, tools))
+    assert await store.get(env["reference"]["ref_id"]) == ["big"]
+    sneaky = "import builtins\nscope = getattr(builtins, 'glo' + 'bals')()\nresult = len(scope['con' + 'text'])"
+    env = env_of(await execute_command(command({"tool": {"kind": "python", "code": sneaky}},
+                                               {"workload": {"big": "x"}}), store, tools))
+    assert env["context"] == {"value": 0}  # not named in the code: not shipped
