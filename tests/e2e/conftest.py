@@ -1,0 +1,45 @@
+"""End-to-end fixtures: one local stack (seven role processes, real Postgres and NATS)
+per session, with the credentials the conformance playbooks name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import CREDENTIALS, Runner, start_stack
+
+from noetl_cli import devstack
+from noetl_cli.client import Api
+from noetl_proto.v1 import catalog_pb2
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[devstack.StackState]:
+    home = Path(tempfile.mkdtemp(prefix="noetl-e2e-"))
+    os.chmod(home, 0o755)
+    state = start_stack(home)
+    try:
+        api = Api(state.api)
+        dsn = state.postgres_dsn
+        for name in CREDENTIALS:
+            api.credentials.PutCredential(catalog_pb2.PutCredentialRequest(
+                name=name, kind="postgres", data_json=json.dumps({"dsn": dsn})), timeout=10)
+        api.close()
+        yield state
+    finally:
+        devstack.down(home)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def runner(stack: devstack.StackState) -> Iterator[Runner]:
+    r = Runner(stack)
+    yield r
+    r.api.close()
+
+

@@ -1,0 +1,114 @@
+"""End-to-end helpers: the seven roles as separate OS processes (the same launcher as
+`noetl-rt dev up`), a real Postgres and a real NATS JetStream on free loopback ports,
+and a small gRPC client that runs playbooks and returns resolved results."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psycopg
+
+from noetl_cli import devstack
+from noetl_cli.client import Api
+from noetl_proto.v1 import common_pb2, execution_pb2
+
+REPO = Path(__file__).resolve().parents[2]
+PLAYBOOKS = (REPO.parent / "shared" / "conformance" / "noetl-e2e" / "playbooks").resolve()
+TERMINAL = {common_pb2.EXECUTION_STATUS_COMPLETED, common_pb2.EXECUTION_STATUS_FAILED,
+            common_pb2.EXECUTION_STATUS_CANCELLED}
+
+# Settings that make failover and sweeps quick in tests (all overridable by the env).
+FAST_ENV = {
+    "NOETL_SHARD_HEARTBEAT_SEC": "1",
+    "NOETL_SHARD_LEASE_SEC": "3",
+    "NOETL_EXECUTION_SWEEP_INTERVAL_SEC": "0.5",
+    "NOETL_COMMAND_LEASE_SEC": "5",
+    "NOETL_COMMAND_REPUBLISH_AFTER_SEC": "3",
+    "NOETL_LOG_LEVEL": "INFO",
+}
+
+# Credentials the conformance playbooks name; the harness points them at the test Postgres.
+CREDENTIALS = ("pg_local", "pg_noetl_k8s", "pg_k8s")
+
+
+@dataclass
+class Outcome:
+    execution_id: int
+    status: str
+    error: str
+    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def result(self, step: str) -> Any:
+        return self.steps[step]["result"]
+
+
+class Runner:
+    def __init__(self, state: devstack.StackState) -> None:
+        self.state = state
+        self.api = Api(state.api)
+
+    def submit(self, text: str, payload: dict[str, Any] | None = None, *, key: str = "",
+               timeout: float = 0.0) -> execution_pb2.SubmitExecutionResponse:
+        return self.api.executions.SubmitExecution(execution_pb2.SubmitExecutionRequest(
+            playbook_yaml=text, payload_json=json.dumps(payload or {}), idempotency_key=key,
+            timeout_seconds=timeout), timeout=30)
+
+    def wait(self, execution_id: int, timeout: float = 60.0) -> Outcome:
+        deadline = time.monotonic() + timeout
+        while True:
+            ex = self.api.executions.GetExecution(
+                execution_pb2.GetExecutionRequest(execution_id=execution_id, include_results=True), timeout=10
+            ).execution
+            if ex.status in TERMINAL:
+                steps = {s.name: {"status": common_pb2.StepStatus.Name(s.status).removeprefix("STEP_STATUS_"),
+                                  "result": json.loads(s.result_json) if s.result_json else None,
+                                  "error": s.error, "visits": s.visits, "attempts": s.attempts}
+                         for s in ex.steps}
+                return Outcome(execution_id, common_pb2.ExecutionStatus.Name(ex.status).removeprefix(
+                    "EXECUTION_STATUS_"), ex.error, steps)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"execution {execution_id} not terminal after {timeout}s: "
+                                     f"{common_pb2.ExecutionStatus.Name(ex.status)} {list(ex.steps)}")
+            time.sleep(0.05)
+
+    def run(self, playbook: str | Path, payload: dict[str, Any] | None = None, timeout: float = 60.0) -> Outcome:
+        text = Path(playbook).read_text() if isinstance(playbook, Path) else playbook
+        return self.wait(self.submit(text, payload).execution_id, timeout)
+
+    def events(self, execution_id: int) -> list[execution_pb2.EventRecord]:  # type: ignore[name-defined]
+        return list(self.api.executions.GetEvents(
+            execution_pb2.GetEventsRequest(execution_id=execution_id, page_size=10_000), timeout=10).events)
+
+    def sql(self, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with psycopg.connect(self.state.postgres_dsn, autocommit=True) as conn:
+            return list(conn.execute(query, params).fetchall())
+
+    def cli(self, *args: str, timeout: float = 120.0) -> Any:
+        import subprocess
+
+        env = {**os.environ, "NOETL_API": self.state.api}
+        return subprocess.run([sys.executable, "-m", "noetl_cli", *args], capture_output=True, text=True,
+                              env=env, timeout=timeout, cwd=str(REPO))
+
+
+def start_stack(home: Path, scale: dict[str, int] | None = None,
+                env: dict[str, str] | None = None) -> devstack.StackState:
+    merged = {**FAST_ENV, **(env or {})}
+    return devstack.up(home, scale, env=merged, timeout=120)
+
+
+def conformance(rel: str) -> Path:
+    path = PLAYBOOKS / rel
+    assert path.exists(), f"conformance playbook missing: {path}"
+    return path
+
+
+def rpc_code(exc: BaseException) -> grpc.StatusCode | None:
+    return exc.code() if isinstance(exc, grpc.RpcError) else None  # type: ignore[attr-defined]
