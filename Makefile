@@ -52,7 +52,7 @@ proto: install
 
 ## the committed generated code must match the protos
 proto-check: install
-	@$(BIN)/python scripts/gen_proto.py >/dev/null
+	@$(BIN)/python scripts/gen_proto.py >/dev/null 2>&1
 	@git diff --quiet -- libs/noetl_proto || { echo "libs/noetl_proto is stale: run 'make proto' and commit"; git --no-pager diff --stat -- libs/noetl_proto; exit 1; }
 
 clean:

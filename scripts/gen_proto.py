@@ -25,9 +25,13 @@ IMPORT_RE2 = re.compile(r"^import noetl\.v1\.", re.MULTILINE)
 def main() -> int:
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "noetl" / "v1").glob("*.proto"))
     well_known = Path(protoc.__file__).parent / "_proto"
+    # mypy-protobuf's plugins live next to this interpreter (the venv), which need not be on PATH.
+    bindir = Path(sys.executable).parent
     with tempfile.TemporaryDirectory() as tmp:
         args = [
             "protoc",
+            f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
+            f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
             f"-I{PROTO_ROOT}",
             f"-I{well_known}",
             f"--python_out={tmp}",

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from importlib import resources
-from typing import Any
+from typing import Any, TypeAlias
 
 import psycopg
-from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg.rows import DictRow, dict_row
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .errors import Conflict, NoetlError, NotFound, Unavailable
 from .ids import snowflake_at
@@ -26,6 +26,11 @@ logger = logging.getLogger(__name__)
 
 MIGRATION_LOCK_KEY = 0x6E6F65746C  # "noetl"
 PARTITION_LOCK_KEY = 0x6E6F65746C + 1
+
+#: A connection of the runtime's pools: rows come back as dicts.
+Conn: TypeAlias = psycopg.AsyncConnection[DictRow]
+#: The runtime's connection pool (``make_pool``).
+Pool: TypeAlias = AsyncConnectionPool[Conn]
 
 
 def translate(exc: BaseException) -> NoetlError:
@@ -36,15 +41,16 @@ def translate(exc: BaseException) -> NoetlError:
         return Conflict(str(exc).strip())
     if isinstance(exc, psycopg.errors.ForeignKeyViolation):
         return NotFound(str(exc).strip())
-    if isinstance(exc, psycopg.OperationalError | psycopg.pool.PoolTimeout):
+    if isinstance(exc, psycopg.OperationalError | PoolTimeout):
         return Unavailable(f"postgres unavailable: {str(exc).strip()}")
     return NoetlError(f"postgres error: {str(exc).strip()}")
 
 
-def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "noetl") -> AsyncConnectionPool:
+def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "noetl") -> Pool:
     """A closed async pool with dict rows; open it with ``await pool.open(wait=True)``."""
     return AsyncConnectionPool(
         conninfo=dsn,
+        connection_class=Conn,
         min_size=min_size,
         max_size=max_size,
         open=False,
@@ -55,14 +61,12 @@ def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "n
 
 
 @contextlib.asynccontextmanager
-async def transaction(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+async def transaction(pool: Pool) -> AsyncIterator[Conn]:
     """A connection inside one transaction; psycopg errors come out translated."""
     try:
         async with pool.connection() as conn, conn.transaction():
             yield conn
-    except psycopg.Error as exc:
-        raise translate(exc) from exc
-    except psycopg.pool.PoolTimeout as exc:
+    except psycopg.Error as exc:  # PoolTimeout included
         raise translate(exc) from exc
 
 
@@ -162,18 +166,21 @@ def ensure_event_partitions_sync(conn: psycopg.Connection[Any], first: date, day
     return created
 
 
-async def ensure_event_partitions(pool: AsyncConnectionPool, first: date, days: int) -> list[str]:
+async def ensure_event_partitions(pool: Pool, first: date, days: int) -> list[str]:
     """Async twin of ``ensure_event_partitions_sync`` for the services' loops."""
     created = []
-    async with pool.connection() as conn:
-        cur = await conn.execute(_EXISTING_PARTITIONS)
-        existing = {r["relname"] for r in await cur.fetchall()}
-        await conn.commit()
-        for day in _missing_days(existing, first, days):
-            async with conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock(%s)", (PARTITION_LOCK_KEY,))
-                await conn.execute(_partition_ddl(day).encode())
-            created.append(partition_name(day))
+    try:
+        async with pool.connection() as conn:
+            cur = await conn.execute(_EXISTING_PARTITIONS)
+            existing = {r["relname"] for r in await cur.fetchall()}
+            await conn.commit()
+            for day in _missing_days(existing, first, days):
+                async with conn.transaction():
+                    await conn.execute("SELECT pg_advisory_xact_lock(%s)", (PARTITION_LOCK_KEY,))
+                    await conn.execute(_partition_ddl(day).encode())
+                created.append(partition_name(day))
+    except psycopg.Error as exc:
+        raise translate(exc) from exc
     if created:
         logger.info("created event partitions %s", created)
     return created

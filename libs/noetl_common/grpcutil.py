@@ -8,9 +8,11 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
 from prometheus_client import Counter, Histogram
 
 from .errors import (
@@ -39,6 +41,12 @@ GRPC_SECONDS = Histogram(
     "noetl_grpc_request_seconds", "gRPC request duration (server side)", ["method"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+
+
+def set_timestamp(field: Timestamp, value: datetime | None) -> None:
+    """Set a message's Timestamp field from a datetime; ``None`` leaves the field unset."""
+    if value is not None:
+        field.FromDatetime(value)
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:

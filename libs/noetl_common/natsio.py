@@ -145,12 +145,21 @@ async def ensure_streams(js: JetStreamContext, *, events_max_age_sec: float = 7 
 
 
 async def publish(js: JetStreamContext, subject: str, payload: bytes, *, msg_id: str | None = None,
-                  headers: dict[str, str] | None = None, timeout: float = 5.0) -> Any:
-    """Publish to JetStream and wait for the ack (the message is stored)."""
+                  headers: dict[str, str] | None = None, ack_wait: float = 5.0) -> Any:
+    """Publish to JetStream and wait up to ``ack_wait`` seconds for the ack (the message is stored)."""
     hdrs = dict(headers or {})
     if msg_id:
         hdrs["Nats-Msg-Id"] = msg_id
     try:
-        return await js.publish(subject, payload, timeout=timeout, headers=hdrs or None)
+        return await js.publish(subject, payload, timeout=ack_wait, headers=hdrs or None)
     except (NatsError, OSError) as exc:
         raise translate(exc) from exc
+
+
+async def hint(nc: NATS, subject: str) -> None:
+    """Publish a best-effort core-NATS hint. Hints only save latency (every reader has a
+    polling backstop), so a failure is logged and swallowed."""
+    try:
+        await nc.publish(subject, b"")
+    except (NatsError, OSError) as exc:
+        logger.debug("hint on %s not sent: %s", subject, exc)

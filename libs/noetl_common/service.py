@@ -22,14 +22,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Gauge, start_http_server
-from psycopg_pool import AsyncConnectionPool
 
 from noetl_proto.v1 import shard_manager_pb2 as sm_pb2
 from noetl_proto.v1 import shard_manager_pb2_grpc as sm_grpc
 
 from . import grpcutil
 from .config import CoreSettings, ShardSettings
-from .db import make_pool
+from .db import Pool, make_pool
 from .errors import ConfigError, NoetlError
 from .logs import setup_logging
 from .shards import ShardOwnership
@@ -54,7 +53,7 @@ class Service:
     def __init__(self, core: CoreSettings, shard: ShardSettings) -> None:
         self.core = core
         self.shard_cfg = shard
-        self.pool: AsyncConnectionPool | None = None
+        self.pool: Pool | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.grpc_address = ""

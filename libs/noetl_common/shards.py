@@ -22,9 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from psycopg_pool import AsyncConnectionPool
-
-from .db import transaction
+from .db import Pool, transaction
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +35,7 @@ class HeldShard:
 
 
 class ShardOwnership:
-    def __init__(self, pool: AsyncConnectionPool, role: str, *, lease_sec: float, margin_sec: float,
+    def __init__(self, pool: Pool, role: str, *, lease_sec: float, margin_sec: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = pool
         self.role = role

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -46,7 +47,7 @@ class ShardTasks:
             if shard not in self._running:
                 worker = self._factory(shard, epoch)
                 task = asyncio.create_task(worker.run(), name=f"{self._name}-{shard}")
-                task.add_done_callback(lambda t, s=shard: self._done(s, t))
+                task.add_done_callback(functools.partial(self._done, shard))
                 self._running[shard] = (worker, task)
 
     def _done(self, shard: int, task: asyncio.Task[None]) -> None:

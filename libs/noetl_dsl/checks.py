@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from noetl_common.errors import PlaybookInvalid
 from pydantic import BaseModel, ValidationError
+
+from noetl_common.errors import PlaybookInvalid
 
 from . import templates
 from .model import Task, normalise_next

@@ -21,6 +21,7 @@ from typing import Any
 import jinja2
 from jinja2 import meta, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from noetl_common.errors import NoetlError
 
 _MARKERS = ("{{", "{%", "{#")

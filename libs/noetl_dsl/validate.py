@@ -13,8 +13,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
-from noetl_common.errors import PlaybookInvalid
 from pydantic import ValidationError
+
+from noetl_common.errors import PlaybookInvalid
 
 from . import templates
 from .checks import (

@@ -15,9 +15,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool
 
-from noetl_common.db import transaction
+from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError, NotFound
 
 from ._codec import decode_json, encode_json
@@ -65,7 +64,7 @@ SELECT ref_id, tier, uri FROM chain ORDER BY depth
 class PostgresResultStore(ResultStore):
     """Result store on the runtime database. The pool is the caller's (not closed here)."""
 
-    def __init__(self, pool: AsyncConnectionPool) -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
 
     async def put(self, value: Any, *, execution_id: int, step: str, command_id: str, task: str,

@@ -1,5 +1,6 @@
-"""Envelope dict <-> protobuf ``ResultEnvelope`` (the worker sends the proto in
-``CallResult``; the engine records the dict in ``noetl.event.result``)."""
+"""Envelope dict <-> protobuf ``ResultEnvelope``: the one converter. The worker sends
+the proto in ``CallResult``; the engine turns it back into the dict it records in
+``noetl.event.result`` (and folds with ``noetl_flow``)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,20 @@ def envelope_to_proto(env: Mapping[str, Any], *, error_details: Mapping[str, Any
 
 
 def envelope_from_proto(pb: common_pb2.ResultEnvelope) -> dict[str, Any]:
-    """The envelope dict (v3 keys only) of a protobuf ``ResultEnvelope``."""
+    """The envelope dict (v3 keys only) of a protobuf ``ResultEnvelope``: exactly what the
+    engine records in ``noetl.event.result`` and ``noetl_flow`` reads.
+
+    ``{status, reference: {ref_id, type, uri} | None, parent_ref: {ref_id} | None,
+    context[, error: {code, message, kind, retryable}]}``. An empty status reads as
+    ``"ok"``; a reference without a ``ref_id`` (0) reads as absent; ``error`` is present
+    only when the message carries one (its ``details_json`` stays out of events).
+    """
     env: dict[str, Any] = {
-        "status": pb.status,
+        "status": pb.status or "ok",
         "reference": ({"ref_id": pb.reference.ref_id, "type": pb.reference.type, "uri": pb.reference.uri}
-                      if pb.HasField("reference") else None),
-        "parent_ref": {"ref_id": pb.parent_ref.ref_id} if pb.HasField("parent_ref") else None,
+                      if pb.HasField("reference") and pb.reference.ref_id else None),
+        "parent_ref": ({"ref_id": pb.parent_ref.ref_id}
+                       if pb.HasField("parent_ref") and pb.parent_ref.ref_id else None),
         "context": json.loads(pb.context_json) if pb.context_json else {},
     }
     if pb.HasField("error"):

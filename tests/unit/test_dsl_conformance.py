@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from noetl_common.errors import PlaybookInvalid
 from noetl_dsl import TOOL_KINDS, Playbook, parse_playbook
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from noetl_dsl import Playbook, parse_playbook, predecessors, reachable_from, successors
 
 PLAYBOOKS = Path(__file__).resolve().parents[2].parent / "shared/conformance/noetl-e2e/playbooks"

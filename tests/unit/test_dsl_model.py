@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from noetl_dsl import Arc, Loop, Playbook, Step, Task, parse_playbook
 
 PLAYBOOKS = Path(__file__).resolve().parents[2].parent / "shared/conformance/noetl-e2e/playbooks"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+
 from noetl_common.errors import PlaybookInvalid
 from noetl_dsl import parse_playbook
 

@@ -11,9 +11,8 @@ from datetime import datetime
 from typing import Any
 
 import yaml
-from psycopg_pool import AsyncConnectionPool
 
-from noetl_common.db import transaction
+from noetl_common.db import Pool, transaction
 from noetl_common.errors import NotFound
 from noetl_dsl import Playbook, load_playbook, parse_playbook
 from noetl_flow import Flow
@@ -49,7 +48,7 @@ def parse(content: str) -> Playbook:
 
 
 class Catalog:
-    def __init__(self, pool: AsyncConnectionPool, cache_size: int = 256) -> None:
+    def __init__(self, pool: Pool, cache_size: int = 256) -> None:
         self._pool = pool
         self._cache: OrderedDict[int, Compiled] = OrderedDict()
         self._cache_size = cache_size

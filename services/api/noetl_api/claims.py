@@ -13,9 +13,7 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from psycopg_pool import AsyncConnectionPool
-
-from noetl_common.db import transaction
+from noetl_common.db import Pool, transaction
 from noetl_common.errors import Conflict, NotFound
 from noetl_dsl import merged_workload
 
@@ -25,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class Claims:
-    def __init__(self, pool: AsyncConnectionPool, catalog: Catalog, lease_sec: float) -> None:
+    def __init__(self, pool: Pool, catalog: Catalog, lease_sec: float) -> None:
         self._pool = pool
         self._catalog = catalog
         self._lease = lease_sec

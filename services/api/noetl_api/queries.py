@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 from typing import Any
 
-from psycopg_pool import AsyncConnectionPool
-
+from noetl_common.db import Pool
 from noetl_common.errors import InvalidInput, NotFound
 from noetl_store import ResultStore
 
@@ -15,7 +15,7 @@ TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 
 
 class Queries:
-    def __init__(self, pool: AsyncConnectionPool, results: ResultStore) -> None:
+    def __init__(self, pool: Pool, results: ResultStore) -> None:
         self._pool = pool
         self._results = results
 
@@ -72,7 +72,8 @@ class Queries:
         token = str(rows[-1]["execution_id"]) if len(rows) == size else ""
         return [{**r, "steps": []} for r in rows], token
 
-    async def events(self, execution_id: int, after_event_id: int, page_size: int) -> list[dict[str, Any]]:
+    async def events(self, execution_id: int, after_event_id: int,
+                     page_size: int) -> builtins.list[dict[str, Any]]:
         size = min(max(page_size or 1000, 1), 10_000)
         async with self._pool.connection() as conn:
             cur = await conn.execute(

@@ -10,7 +10,14 @@ from noetl_common.config import CommandSettings, CoreSettings, ExecutionSettings
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.service import Service
 from noetl_common.shardtasks import ShardTasks
-from noetl_proto.v1 import catalog_pb2, catalog_pb2_grpc, execution_pb2, execution_pb2_grpc, worker_pb2, worker_pb2_grpc
+from noetl_proto.v1 import (
+    catalog_pb2,
+    catalog_pb2_grpc,
+    execution_pb2,
+    execution_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from noetl_store import CachedResultStore, PostgresResultStore
 
 from .catalog import Catalog

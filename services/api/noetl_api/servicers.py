@@ -6,16 +6,15 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from datetime import datetime
 from typing import Any
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.client import Client as NATS
 
 from noetl_common import natsio
 from noetl_common.db import transaction
 from noetl_common.errors import InvalidInput, NotFound, Unavailable
+from noetl_common.grpcutil import set_timestamp
 from noetl_proto.v1 import (
     catalog_pb2,
     catalog_pb2_grpc,
@@ -33,14 +32,6 @@ from .queries import TERMINAL, Queries
 from .submissions import Submitter
 
 
-def ts(value: datetime | None) -> Timestamp | None:
-    if value is None:
-        return None
-    out = Timestamp()
-    out.FromDatetime(value)
-    return out
-
-
 def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
     ex = execution_pb2.Execution(
         execution_id=row["execution_id"], shard_id=row["shard_id"] or 0,
@@ -50,8 +41,7 @@ def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
         last_shard_seq=row.get("last_shard_seq") or 0,
     )
     for field in ("created_at", "started_at", "ended_at"):
-        if row.get(field) is not None:
-            getattr(ex, field).CopyFrom(ts(row[field]))
+        set_timestamp(getattr(ex, field), row.get(field))
     for s in row.get("steps", []):
         step = ex.steps.add(name=s["step"], status=common_pb2.StepStatus.Value(f"STEP_STATUS_{s['status']}"),
                             attempts=s["attempts"] or 0, visits=s["visits"] or 0, error=s.get("error") or "",
@@ -59,8 +49,7 @@ def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
         if s.get("result_ref_id"):
             step.result_ref.CopyFrom(common_pb2.ResultReference(ref_id=s["result_ref_id"], type="db"))
         for field in ("started_at", "ended_at"):
-            if s.get(field) is not None:
-                getattr(step, field).CopyFrom(ts(s[field]))
+            set_timestamp(getattr(step, field), s.get(field))
     return ex
 
 
@@ -68,7 +57,7 @@ def _entry_pb(e: CatalogEntry, with_content: bool = True) -> catalog_pb2.Catalog
     out = catalog_pb2.CatalogEntry(catalog_id=e.catalog_id, path=e.path, version=e.version, kind=e.kind,
                                    name=e.name, content=e.content if with_content else "",
                                    content_sha256=e.content_sha256)
-    out.created_at.CopyFrom(ts(e.created_at))
+    set_timestamp(out.created_at, e.created_at)
     return out
 
 
@@ -161,7 +150,7 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
                                 command_id=r["command_id"] or "",
                                 result_json=json.dumps(r["result"]) if r["result"] is not None else "",
                                 meta_json=json.dumps(r["meta"] or {}))
-            ev.created_at.CopyFrom(ts(r["created_at"]))
+            set_timestamp(ev.created_at, r["created_at"])
         return out
 
 
@@ -225,7 +214,7 @@ class CredentialServicer(catalog_pb2_grpc.CredentialServiceServicer):
         out = catalog_pb2.ListCredentialsResponse()
         for r in rows:
             info = out.credentials.add(name=r["name"], kind=r["kind"])
-            info.updated_at.CopyFrom(ts(r["updated_at"]))
+            set_timestamp(info.updated_at, r["updated_at"])
         return out
 
 
@@ -244,7 +233,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             step=row["step"], attempt=row["attempt"], kind=row["kind"],
             spec_json=json.dumps(got["spec"], default=str), context_json=json.dumps(got["context"], default=str),
             timeout_seconds=row["timeout_sec"] or 0.0)
-        cmd.lease_until.CopyFrom(ts(row["lease_until"]))
+        set_timestamp(cmd.lease_until, row["lease_until"])
         return worker_pb2.ClaimCommandResponse(command=cmd)
 
     async def RenewLease(self, request: worker_pb2.RenewLeaseRequest,
@@ -252,8 +241,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         until, reason = await self._claims.renew(request.command_id, request.worker_id, request.attempt,
                                                  request.progress_json)
         out = worker_pb2.RenewLeaseResponse(stop=until is None, stop_reason=reason)
-        if until is not None:
-            out.lease_until.CopyFrom(ts(until))
+        set_timestamp(out.lease_until, until)
         return out
 
 

@@ -32,7 +32,8 @@ def defined_names(playbook: Playbook, workload: dict[str, Any]) -> set[str]:
         if step.loop is not None and step.loop.iterator:
             names.add(step.loop.iterator)
         for task in step.tasks:
-            names.add(task.name)
+            if task.name is not None:
+                names.add(task.name)
             names |= _set_keys(task.raw)
     return names
 
@@ -48,6 +49,14 @@ def _set_keys(task: dict[str, Any]) -> set[str]:
         then = rule.get("then") or (rule.get("else") or {}).get("then") or {}
         keys |= {k.split(".", 1)[0] for k in (then.get("set") or {}) if isinstance(k, str)}
     return keys
+
+
+def check_supported(playbook: Playbook) -> None:
+    """Reject what this runtime cannot run yet, before anything is written."""
+    problems = [(f"workflow[{i}].loop", f"loops are not supported by this runtime yet (step '{step.step}')")
+                for i, step in enumerate(playbook.workflow) if step.loop is not None]
+    if problems:
+        raise PlaybookInvalid(problems[0][0], "; ".join(f"{p}: {m}" for p, m in problems))
 
 
 def check_templates(playbook: Playbook, workload: dict[str, Any]) -> None:

@@ -12,17 +12,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.js import JetStreamContext
-from psycopg_pool import AsyncConnectionPool
 
 from noetl_common import natsio
-from noetl_common.db import transaction
+from noetl_common.db import Pool, transaction
 from noetl_common.errors import InvalidInput, NoetlError, PlaybookInvalid
 from noetl_common.ids import SnowflakeGenerator, shard_for
 from noetl_dsl import merged_workload
 from noetl_proto.v1 import messages_pb2
 
 from .catalog import Catalog, CatalogEntry, parse
-from .static_checks import check_templates, credential_refs
+from .static_checks import check_supported, check_templates, credential_refs
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ def parse_payload(text: str) -> dict[str, Any]:
 
 
 class Submitter:
-    def __init__(self, pool: AsyncConnectionPool, catalog: Catalog, ids: SnowflakeGenerator,
+    def __init__(self, pool: Pool, catalog: Catalog, ids: SnowflakeGenerator,
                  js: JetStreamContext, *, shard_count: int, default_timeout_sec: float) -> None:
         self._pool = pool
         self._catalog = catalog
@@ -76,6 +75,7 @@ class Submitter:
         else:
             raise InvalidInput("either playbook_yaml or a playbook reference (path) is required")
         workload = merged_workload(playbook, payload)
+        check_supported(playbook)
         check_templates(playbook, workload)
         await self._check_credentials(playbook, workload)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Gauge
-from psycopg_pool import AsyncConnectionPool
 
 from noetl_common import natsio
+from noetl_common.db import Pool, transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
 from noetl_flow.projection import fold
@@ -24,11 +24,12 @@ from . import store
 logger = logging.getLogger(__name__)
 
 LAG = Gauge("noetl_projection_lag_ms", "Age of the newest projected event when it was projected", ["shard"])
+MAX_LAG_MS = 2**31 - 1  # projection_checkpoint.lag_ms is an int (~24.8 days)
 PROJECTED = Counter("noetl_projected_events_total", "Events folded into the read models", ["shard"])
 
 
 class ShardProjector:
-    def __init__(self, pool: AsyncConnectionPool, nc: NATS, ownership: ShardOwnership, shard: int, epoch: int,
+    def __init__(self, pool: Pool, nc: NATS, ownership: ShardOwnership, shard: int, epoch: int,
                  *, batch_size: int, poll_sec: float) -> None:
         self.pool = pool
         self.nc = nc
@@ -73,8 +74,12 @@ class ShardProjector:
                 await sub.unsubscribe()
 
     async def project_once(self) -> int:
+        """Fold one batch past the watermark in one fenced transaction; returns events read.
+
+        Raises LeaseLost when the lease is not ours any more, and a NoetlError (psycopg
+        errors translated) on failures the loop retries."""
         touched: list[int] = []
-        async with self.pool.connection() as conn, conn.transaction():
+        async with transaction(self.pool) as conn:
             await store.fence(conn, self.shard, self.ownership.runtime_id, self.epoch)
             after = await store.watermark(conn, self.shard)
             events = await store.events_after(conn, self.shard, after, self.batch_size)
@@ -90,9 +95,10 @@ class ShardProjector:
             await store.save_views(conn, [views[e] for e in touched])
             last = events[-1]
             lag = int((datetime.now(UTC) - last["created_at"]).total_seconds() * 1000)
-            await store.advance(conn, self.shard, int(last["shard_seq"]), max(lag, 0))
-        LAG.labels(str(self.shard)).set(max(lag, 0))
+            lag = min(max(lag, 0), MAX_LAG_MS)
+            await store.advance(conn, self.shard, int(last["shard_seq"]), lag)
+        LAG.labels(str(self.shard)).set(lag)
         PROJECTED.labels(str(self.shard)).inc(len(events))
         for eid in touched:
-            await self.nc.publish(natsio.progress_subject(eid), b"")
+            await natsio.hint(self.nc, natsio.progress_subject(eid))
         return len(events)

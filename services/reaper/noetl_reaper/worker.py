@@ -10,10 +10,10 @@ import time
 
 from nats.js import JetStreamContext
 from prometheus_client import Counter
-from psycopg_pool import AsyncConnectionPool
 
 from noetl_common import natsio
 from noetl_common.config import CommandSettings
+from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError
 from noetl_proto.v1 import messages_pb2
 
@@ -23,7 +23,7 @@ REAPED = Counter("noetl_reaped_commands_total", "Commands reported or republishe
 
 
 class ShardReaper:
-    def __init__(self, pool: AsyncConnectionPool, js: JetStreamContext, shard: int, epoch: int,
+    def __init__(self, pool: Pool, js: JetStreamContext, shard: int, epoch: int,
                  cfg: CommandSettings, interval: float) -> None:
         self.pool = pool
         self.js = js
@@ -46,7 +46,9 @@ class ShardReaper:
                 await asyncio.wait_for(self._stop.wait(), timeout=self.interval)
 
     async def reap_once(self) -> tuple[int, int]:
-        async with self.pool.connection() as conn:
+        """Report expired claims and republish stale queued commands; returns their counts.
+        Failures come out as NoetlError (psycopg and nats errors translated)."""
+        async with transaction(self.pool) as conn:
             cur = await conn.execute(
                 "SELECT command_id, execution_id, attempt, worker_id FROM noetl.command WHERE shard_id = %s"
                 " AND status = 'claimed' AND lease_until < now() ORDER BY lease_until LIMIT 500", (self.shard,))
@@ -56,7 +58,6 @@ class ShardReaper:
                 " AND status = 'queued' AND updated_at < now() - make_interval(secs => %s)"
                 " ORDER BY updated_at LIMIT 500", (self.shard, self.cfg.republish_after_sec))
             stale = list(await cur.fetchall())
-            await conn.commit()
         for row in expired:
             msg = messages_pb2.EngineInput(expired=messages_pb2.CommandExpired(
                 command_id=row["command_id"], execution_id=row["execution_id"], attempt=row["attempt"],

@@ -5,11 +5,10 @@ member side of the leases."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-from psycopg_pool import AsyncConnectionPool
-
-from noetl_common.db import transaction
+from noetl_common.db import Pool, transaction
 
 from .balance import assign
 
@@ -21,10 +20,12 @@ JOIN_LOCK = 0x6E6F65746C + 7
 
 
 class Membership:
-    def __init__(self, pool: AsyncConnectionPool, *, shard_count: int, lease_sec: float) -> None:
+    def __init__(self, pool: Pool, *, shard_count: int, lease_sec: float,
+                 roles: Sequence[str] = SHARDED_ROLES) -> None:
         self._pool = pool
         self.shard_count = shard_count
         self.lease_sec = lease_sec
+        self.roles = tuple(roles)  # the sharded roles this leader assigns
 
     async def join(self, role: str, instance: str, address: str, metrics: str, pid: int) -> dict[str, Any]:
         async with transaction(self._pool) as conn:
@@ -117,20 +118,20 @@ class Membership:
             await conn.execute(
                 "INSERT INTO noetl.shard_lease (role, shard_id) SELECT r, s FROM unnest(%s::text[]) r,"
                 " generate_series(0, %s - 1) s ON CONFLICT DO NOTHING",
-                (list(SHARDED_ROLES), self.shard_count))
+                (list(self.roles), self.shard_count))
             cur = await conn.execute(
                 "SELECT runtime_id, role FROM noetl.runtime WHERE status = 'alive' AND role = ANY(%s)",
-                (list(SHARDED_ROLES),))
-            live: dict[str, list[int]] = {r: [] for r in SHARDED_ROLES}
+                (list(self.roles),))
+            live: dict[str, list[int]] = {r: [] for r in self.roles}
             for r in await cur.fetchall():
                 live[r["role"]].append(r["runtime_id"])
             cur = await conn.execute(
                 "SELECT role, shard_id, owner_runtime_id FROM noetl.shard_lease WHERE role = ANY(%s)"
-                " AND shard_id < %s", (list(SHARDED_ROLES), self.shard_count))
-            current: dict[str, dict[int, int | None]] = {r: {} for r in SHARDED_ROLES}
+                " AND shard_id < %s", (list(self.roles), self.shard_count))
+            current: dict[str, dict[int, int | None]] = {r: {} for r in self.roles}
             for r in await cur.fetchall():
                 current[r["role"]][r["shard_id"]] = r["owner_runtime_id"]
-        for role in SHARDED_ROLES:
+        for role in self.roles:
             if not live[role]:
                 continue
             target = assign(self.shard_count, live[role], current[role])

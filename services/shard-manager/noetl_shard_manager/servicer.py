@@ -8,15 +8,11 @@ import grpc
 
 from noetl_common.config import ShardSettings
 from noetl_common.errors import InvalidInput
+from noetl_common.grpcutil import set_timestamp
 from noetl_proto.v1 import shard_manager_pb2 as pb
 from noetl_proto.v1 import shard_manager_pb2_grpc
 
 from .membership import Membership
-
-
-def _ts(target, value) -> None:  # type: ignore[no-untyped-def]
-    if value is not None:
-        target.FromDatetime(value)
 
 
 class ShardManagerServicer(shard_manager_pb2_grpc.ShardManagerServiceServicer):
@@ -34,7 +30,7 @@ class ShardManagerServicer(shard_manager_pb2_grpc.ShardManagerServiceServicer):
         out = pb.JoinResponse(runtime_id=row["runtime_id"], node_id=row["node_id"], shard_count=self._cfg.count,
                               heartbeat_seconds=self._cfg.heartbeat_sec, lease_seconds=self._cfg.lease_sec)
         for a in await self._m.assignments(request.role, row["runtime_id"]):
-            _ts(out.assignments.add(shard_id=a["shard_id"], epoch=a["epoch"]).leased_until, a["leased_until"])
+            set_timestamp(out.assignments.add(shard_id=a["shard_id"], epoch=a["epoch"]).leased_until, a["leased_until"])
         return out
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
@@ -42,7 +38,7 @@ class ShardManagerServicer(shard_manager_pb2_grpc.ShardManagerServiceServicer):
             return pb.HeartbeatResponse(rejoin=True)
         out = pb.HeartbeatResponse()
         for a in await self._m.assignments(request.role, request.runtime_id):
-            _ts(out.assignments.add(shard_id=a["shard_id"], epoch=a["epoch"]).leased_until, a["leased_until"])
+            set_timestamp(out.assignments.add(shard_id=a["shard_id"], epoch=a["epoch"]).leased_until, a["leased_until"])
         return out
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
@@ -60,9 +56,9 @@ class ShardManagerServicer(shard_manager_pb2_grpc.ShardManagerServiceServicer):
             member = out.members.add(runtime_id=m["runtime_id"], role=m["role"], instance=m["instance"],
                                      address=m["address"] or "", metrics_address=m["metrics_address"] or "",
                                      alive=bool(m["alive"]), pid=m["pid"] or 0)
-            _ts(member.heartbeat_at, m["heartbeat_at"])
+            set_timestamp(member.heartbeat_at, m["heartbeat_at"])
         for s in d["shards"]:
             owner = out.shards.add(role=s["role"], shard_id=s["shard_id"], owner_runtime_id=s["owner_runtime_id"] or 0,
                                    owner_instance=s["owner_instance"] or "", epoch=s["epoch"])
-            _ts(owner.leased_until, s["leased_until"])
+            set_timestamp(owner.leased_until, s["leased_until"])
         return out

@@ -25,17 +25,17 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
-from psycopg_pool import AsyncConnectionPool
 
-from noetl_common import envelopes, natsio
+from noetl_common import natsio
 from noetl_common.config import CommandSettings, ExecutionSettings
+from noetl_common.db import Pool
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import snowflake_at
 from noetl_common.shards import ShardOwnership
 from noetl_dsl import merged_workload
 from noetl_flow import CallResultInput, ExecState, StartInput, Transition
 from noetl_proto.v1 import messages_pb2
-from noetl_store import ResultStore
+from noetl_store import ResultStore, envelope_from_proto
 
 from ..catalog import Catalog
 from . import sql
@@ -54,7 +54,7 @@ MAX_BATCH = 500
 
 @dataclass
 class EngineDeps:
-    pool: AsyncConnectionPool
+    pool: Pool
     nc: NATS
     js: JetStreamContext
     catalog: Catalog
@@ -238,7 +238,7 @@ class ShardEngine:
             await self._publish(publish)
         if events:
             BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
-            await self.d.nc.publish(natsio.projector_subject(self.shard), b"")
+            await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
         BATCH_INPUTS.observe(len(inputs))
         BATCH_SECONDS.observe(time.perf_counter() - started)
 
@@ -274,7 +274,7 @@ class ShardEngine:
         flow = compiled.flow
         if inp.kind == "call_result":
             r = inp.msg
-            envelope = envelopes.to_dict(r.envelope)
+            envelope = envelope_from_proto(r.envelope)
             res = CallResultInput(r.command_id, r.attempt, envelope,
                                   json.loads(r.set_json) if r.set_json else {}, r.worker_id)
             workload = await self._workload_for(state, requests)

@@ -28,7 +28,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from noetl_common.db import transaction
+from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError, NotFound
 from noetl_store import to_jsonable
 
@@ -67,7 +67,7 @@ def dsn_from(data: Mapping[str, Any]) -> str:
 class Credentials:
     """Resolves credential names from ``noetl.credential`` (short TTL cache)."""
 
-    def __init__(self, pool: AsyncConnectionPool | None, *, ttl: float = 10.0,
+    def __init__(self, pool: Pool | None, *, ttl: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.ttl = ttl
@@ -83,8 +83,7 @@ class Credentials:
         if self.pool is None:
             raise NotFound(f"credential {name!r} not found (the worker has no runtime database)")
         async with transaction(self.pool) as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            await cur.execute("SELECT kind, data FROM noetl.credential WHERE name = %s", (name,))
+            cur = await conn.execute("SELECT kind, data FROM noetl.credential WHERE name = %s", (name,))
             row = await cur.fetchone()
         if row is None:
             raise NotFound(f"credential {name!r} not found")
