@@ -12,6 +12,12 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
+from nats.aio.client import Client as NATS
+
+from . import natsio
+from .config import CoreSettings, ShardSettings
+from .service import Service
+
 logger = logging.getLogger(__name__)
 
 
@@ -72,3 +78,32 @@ class ShardTasks:
 
     async def stop_all(self) -> None:
         await asyncio.gather(*(self._stop(s) for s in list(self._running)))
+
+
+class ShardedService(Service):
+    """A role whose work is one ``ShardWorker`` per held shard (projector, reaper,
+    checkpointer, ...). Subclasses implement ``make_shard_worker``; ``nats`` roles get
+    ``self.nc`` connected in ``on_start`` and drained on stop."""
+
+    sharded = True
+    uses_nats: bool = True
+
+    def __init__(self, core: CoreSettings, shard: ShardSettings) -> None:
+        super().__init__(core, shard)
+        self.nc: NATS | None = None
+        self.tasks = ShardTasks(self.role, self.make_shard_worker)
+
+    def make_shard_worker(self, shard: int, epoch: int) -> ShardWorker:
+        raise NotImplementedError
+
+    async def on_start(self) -> None:
+        if self.uses_nats:
+            self.nc = await natsio.connect(self.core.nats_url, name=self.core.instance)
+
+    async def on_shards(self, gained: dict[int, int], lost: set[int]) -> None:
+        await self.tasks.apply(gained, lost)
+
+    async def on_stop(self) -> None:
+        await self.tasks.stop_all()
+        if self.nc is not None:
+            await self.nc.drain()

@@ -194,3 +194,17 @@ def _plain(value: Any) -> Any:
     if isinstance(value, jinja2.runtime.Undefined):
         value._fail_with_undefined_error()
     return value
+
+
+def set_path(target: dict[str, Any], path: str, value: Any) -> None:
+    """``a.b.c`` -> ``target["a"]["b"]["c"] = value``, creating dicts on the way (how
+    ``set: {ctx.a.b: ...}`` keys are applied, by the engine and by task policies)."""
+    parts = path.split(".")
+    node = target
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[parts[-1]] = value

@@ -27,7 +27,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from noetl_dsl import Playbook, Step, predecessors, reachable_from
-from noetl_dsl.templates import RenderContext, TemplateError, evaluate_when, referenced_names, render
+from noetl_dsl.templates import (
+    RenderContext,
+    TemplateError,
+    evaluate_when,
+    referenced_names,
+    render,
+    set_path,
+)
 
 from .state import (
     CANCELLED,
@@ -313,24 +320,12 @@ def _apply_set(ctx: dict[str, Any], rendered: Mapping[str, Any]) -> None:
         path = key[4:] if key.startswith("ctx.") else key
         if key.startswith(("iter.", "_")):
             continue
-        _set_path(ctx, path, value)
+        set_path(ctx, path, value)
 
 
 def _apply_updates(ctx: dict[str, Any], updates: Mapping[str, Any]) -> None:
     for key, value in updates.items():
-        _set_path(ctx, key, value)
-
-
-def _set_path(target: dict[str, Any], path: str, value: Any) -> None:
-    parts = path.split(".")
-    node = target
-    for part in parts[:-1]:
-        nxt = node.get(part)
-        if not isinstance(nxt, dict):
-            nxt = {}
-            node[part] = nxt
-        node = nxt
-    node[parts[-1]] = value
+        set_path(ctx, key, value)
 
 
 def _timeout(step: Step) -> float:

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from noetl_dsl.templates import RenderContext, TemplateError, evaluate_when, render
+from noetl_dsl.templates import RenderContext, TemplateError, evaluate_when, render, set_path
 
 from .tools.outcome import INVALID_TASK, POLICY_FAIL, TEMPLATE_ERROR, ErrorDetail, ToolOutcome
 
@@ -133,19 +133,6 @@ def backoff_delay(action: Action, attempt: int) -> float:
     else:
         wait = base
     return min(wait, MAX_DELAY_SEC)
-
-
-def set_path(target: dict[str, Any], path: str, value: Any) -> None:
-    """``a.b.c`` -> target["a"]["b"]["c"] = value (creating dicts on the way)."""
-    parts = path.split(".")
-    node = target
-    for part in parts[:-1]:
-        nxt = node.get(part)
-        if not isinstance(nxt, dict):
-            nxt = {}
-            node[part] = nxt
-        node = nxt
-    node[parts[-1]] = value
 
 
 class _State:
