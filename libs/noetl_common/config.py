@@ -85,8 +85,10 @@ class ExecutionSettings(BaseSettings):
     default_timeout_sec: float = Field(default=3600.0, gt=0)
     # Sweep committed submissions whose nudge was lost.
     sweep_interval_sec: float = Field(default=2.0, gt=0)
-    # Admission: running + pending executions above this answer RESOURCE_EXHAUSTED.
+    # Admission: running + pending executions, or queued commands, at or above these
+    # answer RESOURCE_EXHAUSTED with a retry hint.
     max_active: int = Field(default=10_000, ge=1)
+    max_queued_commands: int = Field(default=100_000, ge=1)
 
 
 class ProjectionSettings(BaseSettings):

@@ -25,6 +25,8 @@ SEQ_BITS = 12
 MAX_NODE = (1 << NODE_BITS) - 1
 MAX_SEQ = (1 << SEQ_BITS) - 1
 _MASK64 = (1 << 64) - 1
+# Node id reserved for shard-level system events (checkpoint barriers); never handed out.
+SYSTEM_NODE = MAX_NODE
 
 
 def mix64(value: int) -> int:
@@ -85,3 +87,12 @@ class SnowflakeGenerator:
                 self._seq = 0
             self._last_ms = now
             return snowflake_at(now, self._node, self._seq)
+
+
+def barrier_execution_id(checkpoint_epoch: int, shard: int) -> int:
+    """The synthetic execution id a shard's ``checkpoint.committed`` event is filed under:
+    the epoch's timestamp on the reserved node, the shard as sequence. Deterministic per
+    (epoch, shard), so a unique index makes the barrier exactly-once, and it lands in the
+    partition of the epoch's day."""
+    ms = (checkpoint_epoch >> (NODE_BITS + SEQ_BITS)) + NOETL_EPOCH_MS
+    return snowflake_at(ms, SYSTEM_NODE, shard & MAX_SEQ)

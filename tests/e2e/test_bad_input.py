@@ -19,10 +19,10 @@ HEADER = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata:\n  name: bad\n  pat
 @pytest.fixture
 def counts(runner: Runner) -> Iterator[None]:
     """Nothing may be written for a rejected submission."""
-    before = runner.sql("SELECT (SELECT count(*) FROM noetl.execution_request), (SELECT count(*) FROM noetl.event),"
+    before = runner.sql("SELECT (SELECT count(*) FROM noetl.execution_request), (SELECT count(*) FROM noetl.event WHERE event_type <> 'checkpoint.committed'),"
                         " (SELECT count(*) FROM noetl.command)")[0]
     yield
-    after = runner.sql("SELECT (SELECT count(*) FROM noetl.execution_request), (SELECT count(*) FROM noetl.event),"
+    after = runner.sql("SELECT (SELECT count(*) FROM noetl.execution_request), (SELECT count(*) FROM noetl.event WHERE event_type <> 'checkpoint.committed'),"
                        " (SELECT count(*) FROM noetl.command)")[0]
     assert after == before
 

@@ -20,6 +20,7 @@ from noetl_proto.v1 import (
 )
 from noetl_store import CachedResultStore, PostgresResultStore
 
+from .admission import Admission
 from .catalog import Catalog
 from .claims import Claims
 from .engine.shard import EngineDeps, ShardEngine
@@ -74,9 +75,11 @@ class ApiService(Service):
         if self.engines is None:
             assert self.pool is not None and self.nc is not None and self.ownership is not None
             self.ids = SnowflakeGenerator(self.node_id)
+            admission = Admission(self.pool, max_active=self.executions.max_active,
+                                  max_queued=self.executions.max_queued_commands)
             self.execution_servicer.bind(Submitter(
                 self.pool, self.catalog, self.ids, self.js, shard_count=self.shard_cfg.count,
-                default_timeout_sec=self.executions.default_timeout_sec))
+                default_timeout_sec=self.executions.default_timeout_sec, admission=admission))
             deps = EngineDeps(self.pool, self.nc, self.js, self.catalog, self.results, self.ownership,
                               self.commands, self.executions)
             self.engines = ShardTasks("engine", lambda shard, epoch: ShardEngine(deps, shard, epoch))

@@ -20,6 +20,7 @@ from noetl_common.ids import SnowflakeGenerator, shard_for
 from noetl_dsl import merged_workload
 from noetl_proto.v1 import messages_pb2
 
+from .admission import Admission
 from .catalog import Catalog, CatalogEntry, parse
 from .static_checks import check_supported, check_templates, credential_refs
 
@@ -48,7 +49,9 @@ def parse_payload(text: str) -> dict[str, Any]:
 
 class Submitter:
     def __init__(self, pool: Pool, catalog: Catalog, ids: SnowflakeGenerator,
-                 js: JetStreamContext, *, shard_count: int, default_timeout_sec: float) -> None:
+                 js: JetStreamContext, *, shard_count: int, default_timeout_sec: float,
+                 admission: Admission | None = None) -> None:
+        self._admission = admission
         self._pool = pool
         self._catalog = catalog
         self._ids = ids
@@ -78,6 +81,8 @@ class Submitter:
         check_supported(playbook)
         check_templates(playbook, workload)
         await self._check_credentials(playbook, workload)
+        if self._admission is not None:
+            await self._admission.check()
 
         execution_id = self._ids.next_id()
         shard = shard_for(execution_id, self._shards)
@@ -96,6 +101,8 @@ class Submitter:
             existing = await self._existing(idempotency_key)
             assert existing is not None
             return existing
+        if self._admission is not None:
+            self._admission.admitted()
         await self.nudge(shard, execution_id)
         logger.info("submitted execution %s (%s v%s) shard %s", execution_id, entry.path, entry.version, shard)
         return Submission(execution_id, shard, entry, False)

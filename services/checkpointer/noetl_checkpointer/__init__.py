@@ -1,2 +1,2 @@
-"""The checkpointer role. Built so far: membership and shard leases.
-Not built yet: epoch barriers (checkpoint.committed) and sealing noetl.checkpoint."""
+"""The checkpointer role: 1 s epoch barriers per shard, sealed in noetl.checkpoint once
+both the engine and the projection have passed them."""

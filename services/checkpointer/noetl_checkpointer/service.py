@@ -1,16 +1,26 @@
-"""The checkpointer process (work loop still minimal: it holds its shard leases)."""
+"""The checkpointer process: epoch barriers per held shard."""
 
 from __future__ import annotations
 
 from noetl_common.config import CheckpointSettings, CoreSettings, ShardSettings
-from noetl_common.service import Service
+from noetl_common.ids import SnowflakeGenerator
+from noetl_common.shardtasks import ShardedService
+
+from .worker import ShardCheckpointer
 
 
-class CheckpointerService(Service):
+class CheckpointerService(ShardedService):
     role = "checkpointer"
-    sharded = True
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, settings: CheckpointSettings) -> None:
-        core.require("postgres_dsn", "shard_manager_target")
-        super().__init__(core, shard)
+        core.require("postgres_dsn", "nats_url", "shard_manager_target")
         self.settings = settings
+        self.ids: SnowflakeGenerator | None = None
+        super().__init__(core, shard)
+
+    def make_shard_worker(self, shard: int, epoch: int) -> ShardCheckpointer:
+        assert self.pool is not None and self.nc is not None and self.ownership is not None
+        if self.ids is None or self.ids.node_id != self.node_id:
+            self.ids = SnowflakeGenerator(self.node_id)  # one per process: epochs are unique per node
+        return ShardCheckpointer(self.pool, self.nc.jetstream(), self.ownership, self.ids,
+                                 shard, epoch, interval_sec=self.settings.interval_ms / 1000)

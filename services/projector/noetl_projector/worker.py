@@ -23,6 +23,7 @@ from . import store
 
 logger = logging.getLogger(__name__)
 
+SYSTEM_EVENTS = frozenset({"checkpoint.committed"})
 LAG = Gauge("noetl_projection_lag_ms", "Age of the newest projected event when it was projected", ["shard"])
 MAX_LAG_MS = 2**31 - 1  # projection_checkpoint.lag_ms is an int (~24.8 days)
 PROJECTED = Counter("noetl_projected_events_total", "Events folded into the read models", ["shard"])
@@ -87,7 +88,8 @@ class ShardProjector:
                 return 0
             by_exec: dict[int, list[dict[str, Any]]] = defaultdict(list)
             for ev in events:
-                by_exec[ev["execution_id"]].append(ev)
+                if ev["event_type"] not in SYSTEM_EVENTS:  # shard-level barriers have no read model
+                    by_exec[ev["execution_id"]].append(ev)
             views = await store.load_views(conn, self.shard, list(by_exec))
             for eid, evs in by_exec.items():
                 if fold(views[eid], evs):

@@ -32,7 +32,7 @@ class Membership:
             await conn.execute("SELECT pg_advisory_xact_lock(%s)", (JOIN_LOCK,))
             cur = await conn.execute(
                 "INSERT INTO noetl.runtime (role, instance, address, metrics_address, pid, node_id)"
-                " SELECT %s, %s, %s, %s, %s, min(n) FROM generate_series(0, 1023) n"
+                " SELECT %s, %s, %s, %s, %s, min(n) FROM generate_series(0, 1022) n"
                 " WHERE n NOT IN (SELECT node_id FROM noetl.runtime WHERE status = 'alive' AND node_id IS NOT NULL)"
                 " RETURNING runtime_id, node_id",
                 (role, instance, address, metrics, pid),

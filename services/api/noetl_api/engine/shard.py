@@ -30,7 +30,7 @@ from noetl_common import natsio
 from noetl_common.config import CommandSettings, ExecutionSettings
 from noetl_common.db import Pool
 from noetl_common.errors import LeaseLost, NoetlError
-from noetl_common.ids import snowflake_at
+from noetl_common.ids import barrier_execution_id, snowflake_at
 from noetl_common.shards import ShardOwnership
 from noetl_dsl import merged_workload
 from noetl_flow import CallResultInput, ExecState, StartInput, Transition
@@ -47,9 +47,13 @@ BATCH_SECONDS = Histogram("noetl_engine_batch_seconds", "Engine batch transactio
                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 BATCH_INPUTS = Histogram("noetl_engine_batch_inputs", "Inputs folded per engine batch",
                          buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
+REPLAYED = Counter("noetl_engine_replayed_inputs_total",
+                   "Inputs consumed after a takeover that were already in the stream when the shard was taken "
+                   "(delivered to the previous owner but not committed by it)", ["shard"])
 REPUBLISHED = Counter("noetl_engine_republished_commands_total", "Commands republished on takeover or re-issue")
 
 MAX_BATCH = 500
+EV_CHECKPOINT = "checkpoint.committed"
 
 
 @dataclass
@@ -83,6 +87,7 @@ class ShardEngine:
         self._cache: OrderedDict[int, ExecState] = OrderedDict()
         self._sub: Any = None
         self._next_tick = 0.0
+        self._replay_until = 0  # stream tail when the shard was taken
 
     def stop(self) -> None:
         self._stopped.set()
@@ -141,6 +146,10 @@ class ShardEngine:
                 raise LeaseLost(f"shard {self.shard} epoch {self.epoch} is not ours")
             queued = await sql.queued_commands(conn, self.shard)
             await conn.commit()
+        try:
+            self._replay_until = int((await self.d.js.stream_info(natsio.EVENTS_STREAM)).state.last_seq)
+        except Exception as exc:  # metrics only
+            logger.debug("stream info unavailable: %s", exc)
         if queued:
             REPUBLISHED.inc(len(queued))
             await self._publish([(q["command_id"], q["execution_id"], q["attempt"], q["kind"]) for q in queued])
@@ -184,6 +193,12 @@ class ShardEngine:
         started = time.perf_counter()
         inputs = [i for _, data in msgs if (i := _decode(data)) is not None] + synthetic
         last_stream_seq = max((s for s, _ in msgs), default=0)
+        if self._replay_until:
+            replayed = sum(1 for s, _ in msgs if s <= self._replay_until)
+            if replayed:
+                REPLAYED.labels(str(self.shard)).inc(replayed)
+            if last_stream_seq >= self._replay_until:
+                self._replay_until = 0
         events: list[tuple[Any, ...]] = []
         touched: dict[int, tuple[ExecState, int]] = {}
         new_commands: list[tuple[int, int, Any]] = []
@@ -193,12 +208,22 @@ class ShardEngine:
             lease = await sql.fence(conn, self.shard, self.d.ownership.runtime_id, self.epoch, last_stream_seq)
             seq = int(lease["event_seq"])
             sweep_from = int(lease["sweep_from"])
-            ids = {i.execution_id for i in inputs}
+            barrier_epoch, barrier_seq = int(lease["barrier_epoch"]), int(lease["barrier_seq"])
+            ids = {i.execution_id for i in inputs if i.kind != "barrier"}
             states: dict[int, ExecState] = {e: self._cache[e] for e in ids if e in self._cache}
             states.update(await sql.load_states(conn, [e for e in ids if e not in states]))
             need_requests = [e for e in ids if e not in states or e not in self.d.workloads]
             requests = await sql.load_requests(conn, need_requests)
             for inp in inputs:
+                if inp.kind == "barrier":
+                    epoch = int(inp.msg.checkpoint_epoch)
+                    if epoch > barrier_epoch:  # exactly once per epoch; stale or repeated barriers are dropped
+                        seq += 1
+                        barrier_epoch, barrier_seq = epoch, seq
+                        events.append((barrier_execution_id(epoch, self.shard), self.shard, seq,
+                                       EV_CHECKPOINT, None, None, None,
+                                       json.dumps({"checkpoint_epoch": epoch, "epoch_id": epoch})))
+                    continue
                 t = await self._apply(inp, states, requests)
                 if t is None:
                     continue
@@ -206,9 +231,10 @@ class ShardEngine:
                 states[eid] = t.state
                 for ev in t.events:
                     seq += 1
+                    meta = {**ev.meta, "epoch_id": barrier_epoch}
                     events.append((eid, self.shard, seq, ev.event_type, ev.step, ev.command_id,
                                    json.dumps(ev.result) if ev.result is not None else None,
-                                   json.dumps(ev.meta)))
+                                   json.dumps(meta)))
                 touched[eid] = (t.state, seq)
                 new_commands.extend((eid, t.state.catalog_id, c) for c in t.commands)
                 publish.extend((c.command_id, eid, c.attempt, c.kind) for c in t.commands)
@@ -223,7 +249,7 @@ class ShardEngine:
             started_ids = [e for e in requests if e in touched]
             horizon = snowflake_at(int((time.time() - 60) * 1000))
             new_sweep = min(max(started_ids, default=sweep_from), horizon)
-            await sql.finish_batch(conn, self.shard, seq, new_sweep)
+            await sql.finish_batch(conn, self.shard, seq, new_sweep, barrier_epoch, barrier_seq)
         # committed: the cache mirrors what is in Postgres now
         for eid, (state, _) in touched.items():
             if state.terminal:
@@ -346,6 +372,8 @@ def _decode(data: bytes) -> _Input | None:
         return _Input(kind, msg.cancel.execution_id, msg.cancel)
     if kind == "expired":
         return _Input(kind, msg.expired.execution_id, msg.expired)
+    if kind == "barrier":
+        return _Input(kind, 0, msg.barrier)
     return None
 
 

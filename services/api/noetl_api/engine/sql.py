@@ -17,7 +17,7 @@ ROLE = "api"
 FENCE = (
     "UPDATE noetl.shard_lease SET stream_seq = GREATEST(stream_seq, %s), updated_at = now()"
     " WHERE role = %s AND shard_id = %s AND owner_runtime_id = %s AND epoch = %s"
-    " RETURNING event_seq, stream_seq, sweep_from"
+    " RETURNING event_seq, stream_seq, sweep_from, barrier_epoch, barrier_seq"
 )
 
 
@@ -31,11 +31,12 @@ async def fence(conn: psycopg.AsyncConnection[Any], shard: int, owner: int, epoc
     return row
 
 
-async def finish_batch(conn: psycopg.AsyncConnection[Any], shard: int, event_seq: int, sweep_from: int) -> None:
+async def finish_batch(conn: psycopg.AsyncConnection[Any], shard: int, event_seq: int, sweep_from: int,
+                       barrier_epoch: int, barrier_seq: int) -> None:
     await conn.execute(
-        "UPDATE noetl.shard_lease SET event_seq = %s, sweep_from = GREATEST(sweep_from, %s)"
-        " WHERE role = %s AND shard_id = %s",
-        (event_seq, sweep_from, ROLE, shard),
+        "UPDATE noetl.shard_lease SET event_seq = %s, sweep_from = GREATEST(sweep_from, %s),"
+        " barrier_epoch = %s, barrier_seq = %s WHERE role = %s AND shard_id = %s",
+        (event_seq, sweep_from, barrier_epoch, barrier_seq, ROLE, shard),
     )
 
 
