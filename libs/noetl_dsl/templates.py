@@ -3,11 +3,14 @@
 * A string that is exactly one ``{{ expression }}`` renders to the expression's native
   value (``'{{ initial_value }}'`` -> ``100``, ``'{{ workload }}'`` -> a dict). Anything
   else renders to a string. Strings are never re-parsed as literals.
-* Unknown top-level names are errors that name the template (StrictUndefined); names
-  the caller declares as *known but absent* (steps that have not run) render as None,
-  so ``{{ a.x if a else b.x }}`` works on the branch that did not run.
-* Missing attributes of known values are Undefined: ``| default(...)`` and ``is defined``
-  work, printing or comparing them is an error naming the template.
+* Unknown top-level names are errors that name the template; names the caller declares
+  as *known but absent* (steps that have not run) render as None, so
+  ``{{ a.x if a else b.x }}`` works on the branch that did not run.
+* Missing attributes and keys of known values are lenient, as upstream NoETL playbooks
+  expect (``{{ step.data }}`` on a result without ``data``): chained access stays
+  undefined, a whole-value expression renders to None and text renders it empty,
+  ``| default(...)`` and ``is defined`` work; comparing or computing with an undefined
+  value is an error naming the template.
 * Compiled templates are cached (bounded LRU).
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 import jinja2
 from jinja2 import meta, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import missing
 
 from noetl_common.errors import NoetlError
 
@@ -37,18 +41,64 @@ class TemplateError(NoetlError):
         super().__init__(f"template {short!r}: {message}")
 
 
-class _Undefined(jinja2.StrictUndefined):
-    """StrictUndefined whose message names the missing variable or attribute."""
+class _Undefined(jinja2.ChainableUndefined):
+    """Strict for unknown top-level names (any use but ``default``/``is defined`` fails,
+    naming the variable); lenient for a missing attribute or key of a known value (the
+    chain stays undefined, prints empty, is falsy). Comparing or computing with either
+    is an error."""
 
     __slots__ = ()
+
+    def _top(self) -> bool:
+        return self._undefined_obj is missing
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or self._top():
+            return self._fail_with_undefined_error()
+        return self
+
+    def __getitem__(self, _name: Any) -> Any:
+        if self._top():
+            return self._fail_with_undefined_error()
+        return self
+
+    def __str__(self) -> str:
+        if self._top():
+            self._fail_with_undefined_error()
+        return ""
+
+    def __bool__(self) -> bool:
+        if self._top():
+            self._fail_with_undefined_error()
+        return False
+
+    def __iter__(self) -> Any:
+        if self._top():
+            self._fail_with_undefined_error()
+        return iter(())
+
+    __lt__ = __le__ = __gt__ = __ge__ = jinja2.StrictUndefined.__lt__  # type: ignore[assignment]
 
 
 def _tojson(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
+class _Env(ImmutableSandboxedEnvironment):
+    """``{{ result.items }}`` means the key ``items`` when a mapping has it (playbooks
+    read result fields that shadow dict methods); attributes are the fallback."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if isinstance(obj, Mapping):
+            try:
+                return obj[attribute]
+            except (KeyError, TypeError):
+                pass
+        return super().getattr(obj, attribute)
+
+
 def _make_env() -> jinja2.Environment:
-    env = ImmutableSandboxedEnvironment(undefined=_Undefined, autoescape=False, keep_trailing_newline=True)
+    env = _Env(undefined=_Undefined, autoescape=False, keep_trailing_newline=True)
     env.filters["tojson"] = _tojson
     env.filters["to_json"] = _tojson
     env.filters["fromjson"] = json.loads
@@ -142,10 +192,7 @@ def render_str(source: str, ctx: Mapping[str, Any]) -> Any:
     scope = ctx.for_template(names) if isinstance(ctx, RenderContext) else {n: ctx[n] for n in names if n in ctx}
     try:
         if expr is not None:
-            out = expr(**scope)
-            if isinstance(out, jinja2.Undefined):
-                out._fail_with_undefined_error()
-            return _plain(out)
+            return _plain(expr(**scope))
         assert template is not None
         return template.render(**scope)
     except jinja2.UndefinedError as exc:
@@ -190,9 +237,12 @@ def evaluate_when(source: Any, ctx: Mapping[str, Any]) -> bool:
 
 
 def _plain(value: Any) -> Any:
-    """Convert jinja runtime types (Markup, LoopContext results) to plain Python values."""
-    if isinstance(value, jinja2.runtime.Undefined):
+    """A whole-value expression that is undefined renders to None when it is a missing
+    attribute, and fails when it is an unknown top-level name."""
+    if isinstance(value, _Undefined) and value._top():
         value._fail_with_undefined_error()
+    if isinstance(value, jinja2.runtime.Undefined):
+        return None
     return value
 
 

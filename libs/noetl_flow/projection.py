@@ -90,12 +90,14 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
         s.ended_at = None
         s.error = None
         s.result_ref_id = None
-    elif kind in (r.EV_CALL_DONE, r.EV_CALL_ERROR) and name:
+    elif kind in (r.EV_CALL_DONE, r.EV_CALL_ERROR) and name and meta.get("index") is not None:
+        pass  # a loop iteration: the loop step completes on loop.done
+    elif kind in (r.EV_CALL_DONE, r.EV_CALL_ERROR, r.EV_LOOP_DONE) and name:
         s = view.step(name)
-        s.status = COMPLETED if kind == r.EV_CALL_DONE else FAILED
+        s.status = FAILED if kind == r.EV_CALL_ERROR or result.get("status") == "error" else COMPLETED
         ref = result.get("reference") or {}
         s.result_ref_id = ref.get("ref_id")
-        s.error = _message(result) if kind == r.EV_CALL_ERROR else None
+        s.error = _message(result) if s.status == FAILED else None
         s.ended_at = at
     elif kind == r.EV_REISSUED and name:
         s = view.step(name)

@@ -17,6 +17,9 @@ Rules (NoETL canonical DSL):
 * Fan-in: a step with two or more predecessors is *armed* when an arc reaches it and
   dispatched once no running step can still reach it (a barrier over every branch
   that was actually taken).
+* Loops (``loops.py``): a loop step runs its tool once per item (or per cursor slot)
+  and routes once, on ``loop.done`` (``event.name == 'loop.failed'`` when iterations
+  failed: only arcs whose ``when`` holds for that fire, else the execution fails).
 * The execution completes when nothing is running and nothing is armed.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from noetl_dsl import Playbook, Step, predecessors, reachable_from
@@ -36,6 +40,7 @@ from noetl_dsl.templates import (
     set_path,
 )
 
+from . import loops
 from .state import (
     CANCELLED,
     COMPLETED,
@@ -60,6 +65,15 @@ EV_CALL_ERROR = "call.error"
 EV_DUPLICATE = "call.duplicate"
 EV_REISSUED = "command.reissued"
 EV_DEAD = "command.dead_lettered"
+EV_LOOP_DONE = loops.EV_LOOP_DONE
+
+
+@dataclass
+class Inputs:
+    """What templates evaluated by the engine may read besides the state."""
+
+    workload: Mapping[str, Any]
+    values: dict[str, Any]
 
 
 class Flow:
@@ -71,6 +85,10 @@ class Flow:
         self.joins = {name for name, p in preds.items() if len(p) >= 2}
         self.reach = {name: reachable_from(playbook, name) for name in playbook.step_names}
         self.step_names = list(playbook.step_names)
+        # Names read by loop collection/cursor templates: they are rendered when a loop
+        # step is entered, which may happen while routing any step.
+        self._loop_names = frozenset(n for s in playbook.workflow if s.loop is not None
+                                     for n in loops.template_names(s) if n in self.reach)
         self._needs_cache: dict[str, frozenset[str]] = {}
 
     # ------------------------------------------------------------ inputs
@@ -80,8 +98,13 @@ class Flow:
                           deadline_ms=inp.deadline_ms, parent_execution_id=inp.parent_execution_id)
         t = Transition(state)
         t.emit(EV_STARTED, meta=dict(inp.meta))
-        self._enter(t, self.pb.start_step, {"name": EV_STARTED, "step": None})
-        self._settle(t)
+        io = Inputs(workload, {})
+        try:
+            self._enter(t, self.pb.start_step, {"name": EV_STARTED, "step": None}, io)
+        except TemplateError as exc:
+            self._fail(t, f"step '{self.pb.start_step}': {exc}")
+            return t
+        self._settle(t, io)
         return t
 
     def needs(self, state: ExecState, res: CallResultInput) -> dict[str, dict[str, Any] | None]:
@@ -93,10 +116,13 @@ class Flow:
         names = self._template_names(pending.step)
         out: dict[str, dict[str, Any] | None] = {}
         for name in names:
-            if name == pending.step:
+            run = state.steps.get(name)
+            if name == pending.step and pending.index is None:
                 out[name] = res.envelope.get("reference")
-            elif name in state.steps and state.steps[name].result is not None:
-                out[name] = (state.steps[name].result or {}).get("reference")
+            elif run is not None and run.result is not None and run.loop is None:
+                out[name] = (run.result or {}).get("reference")
+            elif run is not None and run.result is not None:  # a finished loop: resolved by reference too
+                out[name] = (run.result or {}).get("reference")
         return out
 
     def on_result(self, state: ExecState, res: CallResultInput, workload: Mapping[str, Any],
@@ -113,19 +139,26 @@ class Flow:
         step_name = pending.step
         run = st.steps[step_name]
         del st.pending[res.command_id]
+        meta: dict[str, Any] = {"attempt": res.attempt, "worker": res.worker_id}
+        if pending.index is not None:
+            meta["index"] = pending.index
         t.emit(EV_CALL_DONE if ok else EV_CALL_ERROR, step=step_name, command_id=res.command_id,
-               result=res.envelope, meta={"attempt": res.attempt, "worker": res.worker_id})
+               result=res.envelope, meta=meta)
         t.updates.append(CommandUpdate(res.command_id, "done" if ok else "failed"))
-        run.result = res.envelope
-        run.status = STEP_DONE if ok else STEP_FAILED
-        run.error = None if ok else _error_text(res.envelope)
         _apply_updates(st.ctx, (res.set_updates or {}).get("ctx") or {})
+        io = Inputs(workload, dict(values))
         try:
-            self._route(t, step_name, ok, workload, values)
+            if pending.index is not None and run.loop is not None:
+                finished = loops.on_iteration(self, t, step_name, run, pending.index, res.envelope, ok, io)
+                if finished is not None:
+                    self._complete(t, step_name, finished, io, loop_done=True)
+            else:
+                run.result = res.envelope
+                self._complete(t, step_name, ok, io)
         except TemplateError as exc:
             self._fail(t, f"step '{step_name}': {exc}")
             return t
-        self._settle(t)
+        self._settle(t, io)
         return t
 
     def on_cancel(self, state: ExecState, reason: str) -> Transition:
@@ -159,7 +192,7 @@ class Flow:
             t.emit(EV_REISSUED, step=pending.step, command_id=command_id,
                    meta={"attempt": attempt + 1, "reason": reason})
             t.updates.append(CommandUpdate(command_id, "queued", attempt=attempt + 1))
-            t.republish.append((command_id, attempt + 1, self._kind(self.pb.step(pending.step))))
+            t.republish.append((command_id, attempt + 1, self.kind(self.pb.step(pending.step))))
             return t
         del st.pending[command_id]
         message = f"step '{pending.step}' command {command_id} dead-lettered after {attempt} attempts ({reason})"
@@ -174,15 +207,24 @@ class Flow:
 
     # ------------------------------------------------------------ routing
 
-    def _route(self, t: Transition, step_name: str, ok: bool, workload: Mapping[str, Any],
-               values: Mapping[str, Any]) -> None:
+    def _complete(self, t: Transition, step_name: str, ok: bool, io: Inputs, *, loop_done: bool = False) -> None:
+        """A step finished (its single command, or its loop): record, then route."""
+        run = t.state.steps[step_name]
+        run.status = STEP_DONE if ok else STEP_FAILED
+        run.error = None if ok else _error_text(run.result or {})
+        if loop_done:  # a loop with failed iterations routes as `loop.failed` (arcs may catch it)
+            event_name = EV_LOOP_DONE if ok else "loop.failed"
+        else:
+            event_name = EV_CALL_DONE if ok else EV_CALL_ERROR
+        self._route(t, step_name, ok, io, {"name": event_name, "step": step_name})
+
+    def _route(self, t: Transition, step_name: str, ok: bool, io: Inputs, event: dict[str, Any]) -> None:
         st = t.state
         step = self.pb.step(step_name)
-        event = {"name": EV_CALL_DONE if ok else EV_CALL_ERROR, "step": step_name}
-        scope = self._scope(st, workload, values, event)
+        scope = self._scope(st, io, event)
         if ok and step.set:
             _apply_set(st.ctx, render(step.set, scope))
-            scope = self._scope(st, workload, values, event)
+            scope = self._scope(st, io, event)
         fired = 0
         for arc in self._arcs(step):
             if not ok and arc.when is None:
@@ -192,8 +234,8 @@ class Flow:
             fired += 1
             if arc.set:
                 _apply_set(st.ctx, render(arc.set, scope))
-                scope = self._scope(st, workload, values, event)
-            self._arrive(t, arc.step, event)
+                scope = self._scope(st, io, event)
+            self._arrive(t, arc.step, event, io)
             if step.next_mode == "exclusive":
                 break
         if not ok and fired == 0:
@@ -206,14 +248,14 @@ class Flow:
             return [_ImplicitArc("end")]
         return []
 
-    def _arrive(self, t: Transition, target: str, event: dict[str, Any]) -> None:
+    def _arrive(self, t: Transition, target: str, event: dict[str, Any], io: Inputs) -> None:
         if target in self.joins:
             if target not in t.state.armed:
                 t.state.armed.append(target)
             return
-        self._enter(t, target, event)
+        self._enter(t, target, event, io)
 
-    def _enter(self, t: Transition, name: str, event: dict[str, Any]) -> None:
+    def _enter(self, t: Transition, name: str, event: dict[str, Any], io: Inputs) -> None:
         st = t.state
         step = self.pb.step(name)
         run = st.steps.setdefault(name, StepRun())
@@ -222,39 +264,59 @@ class Flow:
         run.attempt = 1
         run.result = None
         run.error = None
+        run.loop = None
+        if step.loop is not None:
+            run.command_id = ""
+            done = loops.start(self, t, step, run, event, self._scope(st, io, event))
+            if done is not None:  # an empty collection: the loop is done at once
+                self._complete(t, name, done, io, loop_done=True)
+            return
         command_id = f"{st.execution_id}:{name}:{run.visits}"
         run.command_id = command_id
-        st.pending[command_id] = Pending(step=name, attempt=1)
-        kind = self._kind(step)
-        context = {
+        kind = self.kind(step)
+        self.dispatch(t, name, command_id, kind, event, extra=None)
+        t.emit(EV_STEP_ENTER, step=name, command_id=command_id,
+               meta={"visit": run.visits, "attempt": 1, "kind": kind})
+
+    def dispatch(self, t: Transition, step: str, command_id: str, kind: str, event: dict[str, Any],
+                 extra: dict[str, Any] | None, index: int | None = None) -> None:
+        """Insert a command (and its pending entry) with a snapshot of the render context."""
+        st = t.state
+        st.pending[command_id] = Pending(step=step, attempt=1, index=index)
+        context: dict[str, Any] = {
             "ctx": copy.deepcopy(st.ctx),
             "steps": {n: r.result for n, r in st.steps.items() if r.result is not None},
             "event": {"name": event.get("name"), "step": event.get("step")},
             "iter": None,
         }
-        t.commands.append(NewCommand(command_id, name, kind, 1, context, _timeout(step)))
-        t.emit(EV_STEP_ENTER, step=name, command_id=command_id,
-               meta={"visit": run.visits, "attempt": 1, "kind": kind})
+        if extra:
+            context.update(extra)
+        t.commands.append(NewCommand(command_id, step, kind, 1, context, _timeout(self.pb.step(step))))
 
-    def _settle(self, t: Transition) -> None:
+    def _settle(self, t: Transition, io: Inputs) -> None:
         """Release fan-in barriers nobody can reach any more; complete when idle."""
         st = t.state
         if st.terminal:
             return
         progressed = True
-        while progressed and st.armed:
+        while progressed and st.armed and not st.terminal:
             progressed = False
             active = st.active_steps()
             for target in list(st.armed):
                 if not any(target in self.reach.get(a, ()) for a in active if a != target):
                     st.armed.remove(target)
-                    self._enter(t, target, {"name": "fanin", "step": target})
+                    try:
+                        self._enter(t, target, {"name": "fanin", "step": target}, io)
+                    except TemplateError as exc:
+                        self._fail(t, f"step '{target}': {exc}")
+                        return
                     progressed = True
-        if not st.pending and not st.armed:
+        if not st.terminal and not st.pending and not st.armed:
             self._finish(t, COMPLETED, EV_COMPLETED, None)
 
     def _fail(self, t: Transition, message: str) -> None:
-        self._finish(t, FAILED, EV_FAILED, message)
+        if not t.state.terminal:
+            self._finish(t, FAILED, EV_FAILED, message)
 
     def _finish(self, t: Transition, status: str, event_type: str, message: str | None) -> None:
         st = t.state
@@ -274,11 +336,10 @@ class Flow:
 
     # ------------------------------------------------------------ helpers
 
-    def _scope(self, st: ExecState, workload: Mapping[str, Any], values: Mapping[str, Any],
-               event: dict[str, Any]) -> RenderContext:
-        data: dict[str, Any] = dict(workload)
-        data.update(values)
-        data.update(workload=dict(workload), ctx=st.ctx, execution_id=st.execution_id, event=event)
+    def _scope(self, st: ExecState, io: Inputs, event: dict[str, Any]) -> RenderContext:
+        data: dict[str, Any] = dict(io.workload)
+        data.update(io.values)
+        data.update(workload=dict(io.workload), ctx=st.ctx, execution_id=st.execution_id, event=event)
         return RenderContext(data, known=self.step_names)
 
     def _template_names(self, step_name: str) -> frozenset[str]:
@@ -288,12 +349,12 @@ class Flow:
             names = referenced_names(step.set or {})
             for arc in step.arcs:
                 names |= referenced_names(arc.when) | referenced_names(arc.set or {})
-            cached = frozenset(n for n in names if n in self.reach)
+            cached = frozenset(n for n in names if n in self.reach) | self._loop_names
             self._needs_cache[step_name] = cached
         return cached
 
     @staticmethod
-    def _kind(step: Step) -> str:
+    def kind(step: Step) -> str:
         tasks = step.tasks
         return tasks[0].kind if len(tasks) == 1 and not step.is_pipeline else "pipeline"
 

@@ -22,6 +22,35 @@ STEP_CANCELLED = "cancelled"
 
 
 @dataclass
+class LoopRun:
+    """One entry into a loop step (a loop instance). O(in-flight): iteration results live
+    in ``noetl.loop_result``, items in ``noetl.loop_item``; only counters are kept here."""
+
+    instance: str
+    mode: str  # sequential | parallel | cursor
+    iterator: str
+    total: int  # collection size, or cursor slots
+    max_in_flight: int
+    next_index: int = 0
+    in_flight: int = 0
+    done: int = 0
+    failed: int = 0
+    # cursor loops: rows processed by all slots, and the rendered cursor spec
+    rows: int = 0
+    rows_failed: int = 0
+    cursor: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.in_flight == 0 and self.next_index >= self.total
+
+    def stats(self) -> dict[str, int]:
+        if self.mode == "cursor":
+            return {"total": self.rows, "success": self.rows - self.rows_failed, "failed": self.rows_failed}
+        return {"total": self.total, "success": self.done, "failed": self.failed}
+
+
+@dataclass
 class StepRun:
     status: str = STEP_RUNNING
     visits: int = 0
@@ -30,12 +59,15 @@ class StepRun:
     # Envelope of the accepted result: {status, reference, parent_ref, context[, error]}.
     result: dict[str, Any] | None = None
     error: str | None = None
+    loop: LoopRun | None = None
 
 
 @dataclass
 class Pending:
     step: str
     attempt: int = 1
+    # Loop iteration index (collection loops) or slot (cursor loops); None for plain steps.
+    index: int | None = None
 
 
 @dataclass
@@ -64,7 +96,11 @@ class ExecState:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ExecState:
         data = dict(data)
-        steps = {k: StepRun(**v) for k, v in data.pop("steps", {}).items()}
+        steps = {}
+        for k, v in data.pop("steps", {}).items():
+            v = dict(v)
+            loop = v.pop("loop", None)
+            steps[k] = StepRun(loop=LoopRun(**loop) if loop else None, **v)
         pending = {k: Pending(**v) for k, v in data.pop("pending", {}).items()}
         return cls(steps=steps, pending=pending, **data)
 

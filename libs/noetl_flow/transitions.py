@@ -61,6 +61,13 @@ class Transition:
     updates: list[CommandUpdate] = field(default_factory=list)
     # Commands to publish again after commit (re-issued): (command_id, attempt, kind).
     republish: list[tuple[str, int, str]] = field(default_factory=list)
+    # Loop bookkeeping the engine writes in the same transaction:
+    # collections to store once per loop instance (instance, items),
+    loop_items: list[tuple[str, list[Any]]] = field(default_factory=list)
+    # accepted iteration results (instance, index, status, ref_id),
+    loop_results: list[tuple[str, int, str, int | None]] = field(default_factory=list)
+    # loop.done envelopes whose reference needs a result_ref row (the engine fills ref_id).
+    loop_refs: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
 
     def emit(self, event_type: str, **kw: Any) -> NewEvent:
         ev = NewEvent(event_type, **kw)

@@ -44,9 +44,18 @@ RETURNING ref_id, (SELECT uri FROM ref) AS uri
 """
 
 _GET = """
-SELECT r.ref_id, r.tier, p.data
+SELECT r.ref_id, r.tier, r.uri, p.data
 FROM noetl.result_ref r LEFT JOIN noetl.result_payload p ON p.ref_id = r.ref_id
 WHERE r.ref_id = ANY(%(ids)s)
+"""
+
+# A finished loop (tier "loop", uri loop://{execution_id}/{instance}): its iteration
+# results in index order, each resolved from its own reference.
+_LOOP = """
+SELECT lr.idx, lr.status, p.data
+FROM noetl.loop_result lr LEFT JOIN noetl.result_payload p ON p.ref_id = lr.ref_id
+WHERE lr.execution_id = %(execution_id)s AND lr.loop_instance = %(instance)s
+ORDER BY lr.idx
 """
 
 _CHAIN = """
@@ -96,7 +105,7 @@ class PostgresResultStore(ResultStore):
         row = rows[0]
         if row["data"] is None:
             raise NotFound(f"result reference {ref_id} has no payload in tier {row['tier']!r}")
-        return decode_json(row["data"])
+        return await self._value(row)
 
     async def get_many(self, ref_ids: Iterable[int]) -> dict[int, Any]:
         """One query for many references; missing ones (and references whose payload is
@@ -104,8 +113,20 @@ class PostgresResultStore(ResultStore):
         ids = list(dict.fromkeys(int(i) for i in ref_ids))
         if not ids:
             return {}
-        found = {int(r["ref_id"]): decode_json(r["data"]) for r in await self._fetch(ids) if r["data"] is not None}
+        found = {int(r["ref_id"]): await self._value(r) for r in await self._fetch(ids) if r["data"] is not None}
         return {i: found[i] for i in ids if i in found}
+
+    async def _value(self, row: dict[str, Any]) -> Any:
+        value = decode_json(row["data"])
+        if row["tier"] != "loop":
+            return value
+        execution_id, _, instance = str(row["uri"]).removeprefix("loop://").partition("/")
+        async with transaction(self.pool) as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_LOOP, {"execution_id": int(execution_id), "instance": instance})
+            items = await cur.fetchall()
+        results = [decode_json(r["data"]) if r["data"] is not None else None for r in items]
+        return {"results": results, "stats": (value or {}).get("stats", {})}
 
     async def _fetch(self, ids: list[int]) -> list[dict[str, Any]]:
         async with transaction(self.pool) as conn:

@@ -70,11 +70,11 @@ def test_unknown_credential_is_caught_at_submit(runner: Runner, counts: None) ->
 def test_missing_attribute_at_run_time_fails_the_step_naming_the_template(runner: Runner) -> None:
     text = HEADER + ("workflow:\n  - step: start\n    tool: {kind: python, code: 'result = {\"a\": 1}'}\n"
                      "    next: {arcs: [{step: use}]}\n"
-                     "  - step: use\n    tool:\n      kind: python\n      input: {v: '{{ start.missing }}'}\n"
+                     "  - step: use\n    tool:\n      kind: python\n      input: {v: '{{ start.missing + 1 }}'}\n"
                      "      code: 'result = v'\n")
     out = runner.run(text)
     assert out.status == "FAILED"
-    assert "{{ start.missing }}" in out.steps["use"]["error"] and "missing" in out.steps["use"]["error"]
+    assert "{{ start.missing + 1 }}" in out.steps["use"]["error"] and "missing" in out.steps["use"]["error"]
     assert "use" in out.error
 
 

@@ -47,6 +47,16 @@ class Claims:
                     raise NotFound(f"command {command_id} not found")
                 raise Conflict(f"command {command_id} is {current['status']} (attempt {current['attempt']},"
                                f" worker {current['worker_id'] or '-'}), not claimable as attempt {attempt}")
+            loop = (row["context"] or {}).get("loop") or {}
+            item: Any = None
+            if loop and loop.get("mode") != "cursor":
+                cur = await conn.execute(
+                    "SELECT item FROM noetl.loop_item WHERE execution_id = %s AND loop_instance = %s AND idx = %s",
+                    (row["execution_id"], loop["instance"], loop["index"]))
+                found = await cur.fetchone()
+                if found is None:
+                    raise NotFound(f"loop item {loop['instance']}[{loop['index']}] of command {command_id} not found")
+                item = found["item"]
             req = None
             if row["execution_id"] not in self._workloads:
                 cur = await conn.execute("SELECT payload FROM noetl.execution_request WHERE execution_id = %s",
@@ -70,6 +80,15 @@ class Claims:
         }
         context = dict(row["context"])
         context.update(execution_id=row["execution_id"], workload=workload, known_steps=playbook.step_names)
+        if loop:
+            index = int(loop["index"])
+            if loop.get("mode") == "cursor":
+                # A slot re-issued after its worker died resumes with the row it had claimed.
+                context["resume"] = (row.get("progress") or {}).get("row")
+                context["iter"] = {"_index": index}
+            else:
+                context["iter"] = {str(loop["iterator"]): item, "_index": index}
+            context["loop_index"] = index
         return {"row": row, "spec": spec, "context": context}
 
     async def renew(self, command_id: str, worker_id: str, attempt: int,

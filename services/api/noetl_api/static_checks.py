@@ -53,8 +53,9 @@ def _set_keys(task: dict[str, Any]) -> set[str]:
 
 def check_supported(playbook: Playbook) -> None:
     """Reject what this runtime cannot run yet, before anything is written."""
-    problems = [(f"workflow[{i}].loop", f"loops are not supported by this runtime yet (step '{step.step}')")
-                for i, step in enumerate(playbook.workflow) if step.loop is not None]
+    problems = [(f"workflow[{i}].loop", f"cursor loops are not supported by this runtime yet (step '{step.step}')")
+                for i, step in enumerate(playbook.workflow)
+                if step.loop is not None and (step.loop.cursor is not None or step.loop.mode == "cursor")]
     if problems:
         raise PlaybookInvalid(problems[0][0], "; ".join(f"{p}: {m}" for p, m in problems))
 

@@ -146,6 +146,7 @@ class ShardEngine:
                 raise LeaseLost(f"shard {self.shard} epoch {self.epoch} is not ours")
             queued = await sql.queued_commands(conn, self.shard)
             await conn.commit()
+        REPLAYED.labels(str(self.shard))  # the series exists (0) from the takeover on
         try:
             self._replay_until = int((await self.d.js.stream_info(natsio.EVENTS_STREAM)).state.last_seq)
         except Exception as exc:  # metrics only
@@ -204,6 +205,7 @@ class ShardEngine:
         new_commands: list[tuple[int, int, Any]] = []
         updates: list[Any] = []
         publish: list[tuple[str, int, int, str]] = []
+        loop_results: list[tuple[int, str, int, str, int | None]] = []
         async with self.d.pool.connection() as conn, conn.transaction():
             lease = await sql.fence(conn, self.shard, self.d.ownership.runtime_id, self.epoch, last_stream_seq)
             seq = int(lease["event_seq"])
@@ -222,16 +224,23 @@ class ShardEngine:
                         barrier_epoch, barrier_seq = epoch, seq
                         events.append((barrier_execution_id(epoch, self.shard), self.shard, seq,
                                        EV_CHECKPOINT, None, None, None,
-                                       json.dumps({"checkpoint_epoch": epoch, "epoch_id": epoch})))
+                                       json.dumps({"checkpoint_epoch": epoch, "epoch_id": epoch,
+                                                   "lease_epoch": self.epoch})))
                     continue
                 t = await self._apply(inp, states, requests)
                 if t is None:
                     continue
                 eid = t.state.execution_id
                 states[eid] = t.state
+                for instance, items in t.loop_items:
+                    await sql.store_loop_items(conn, eid, instance, items)
+                for _instance, step_name, envelope in t.loop_refs:  # before the events are serialised
+                    envelope["reference"]["ref_id"] = await sql.loop_reference(
+                        conn, eid, step_name, envelope["reference"]["uri"], envelope["context"])
+                loop_results.extend((eid, *r) for r in t.loop_results)
                 for ev in t.events:
                     seq += 1
-                    meta = {**ev.meta, "epoch_id": barrier_epoch}
+                    meta = {**ev.meta, "epoch_id": barrier_epoch, "lease_epoch": self.epoch}
                     events.append((eid, self.shard, seq, ev.event_type, ev.step, ev.command_id,
                                    json.dumps(ev.result) if ev.result is not None else None,
                                    json.dumps(meta)))
@@ -245,6 +254,7 @@ class ShardEngine:
             await sql.save_states(conn, self.shard,
                                   [(s, last, _deadline(s)) for s, last in touched.values()])
             await sql.insert_commands(conn, self.shard, new_commands)
+            await sql.store_loop_results(conn, loop_results)
             await sql.update_commands(conn, updates)
             started_ids = [e for e in requests if e in touched]
             horizon = snowflake_at(int((time.time() - 60) * 1000))
@@ -385,7 +395,5 @@ def _deadline(state: ExecState) -> datetime | None:
 
 def _merge(first: Transition, second: Transition) -> None:
     first.state = second.state
-    first.events.extend(second.events)
-    first.commands.extend(second.commands)
-    first.updates.extend(second.updates)
-    first.republish.extend(second.republish)
+    for name in ("events", "commands", "updates", "republish", "loop_items", "loop_results", "loop_refs"):
+        getattr(first, name).extend(getattr(second, name))

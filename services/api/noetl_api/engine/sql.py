@@ -137,3 +137,36 @@ async def update_commands(conn: psycopg.AsyncConnection[Any], updates: Iterable[
             " updated_at = now() WHERE command_id = %s",
             rows,
         )
+
+
+async def store_loop_items(conn: psycopg.AsyncConnection[Any], execution_id: int, instance: str,
+                           items: list[Any]) -> None:
+    """A loop's collection, rendered once at entry, one row per item (COPY)."""
+    async with conn.cursor().copy("COPY noetl.loop_item (execution_id, loop_instance, idx, item) FROM STDIN") as copy:
+        for idx, item in enumerate(items):
+            await copy.write_row((execution_id, instance, idx, json.dumps(item, default=str)))
+
+
+async def store_loop_results(conn: psycopg.AsyncConnection[Any],
+                             rows: Iterable[tuple[int, str, int, str, int | None]]) -> None:
+    rows = list(rows)
+    if not rows:
+        return
+    async with conn.cursor() as cur:
+        await cur.executemany(
+            "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
+            " VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING", rows)
+
+
+async def loop_reference(conn: psycopg.AsyncConnection[Any], execution_id: int, step: str, uri: str,
+                         stats: dict[str, Any]) -> int:
+    """A result_ref row (tier ``loop``) for a finished loop: its payload is the stats; the
+    result store reads the ordered iteration results from ``noetl.loop_result``."""
+    data = json.dumps({"stats": stats}).encode()
+    cur = await conn.execute(
+        "INSERT INTO noetl.result_ref (execution_id, step, tier, uri, size_bytes) VALUES (%s, %s, 'loop', %s, %s)"
+        " RETURNING ref_id", (execution_id, step, uri, len(data)))
+    row = await cur.fetchone()
+    assert row is not None
+    await conn.execute("INSERT INTO noetl.result_payload (ref_id, data) VALUES (%s, %s)", (row["ref_id"], data))
+    return int(row["ref_id"])

@@ -1,0 +1,184 @@
+"""Loop steps (seed 003; ARCHITECTURE.md section 8), as pure functions over the state.
+
+Collection loop (``loop.in`` + ``iterator``, ``spec.mode`` sequential | parallel):
+  * ``loop.in`` is rendered ONCE when the step is entered; the items go to the engine as
+    ``Transition.loop_items`` (stored in ``noetl.loop_item``), never re-rendered;
+  * iterations are dispatched up to ``max_in_flight`` (1 when sequential), each a command
+    ``{execution}:{step}:{visit}:{index}`` whose item the api attaches at claim time;
+  * each accepted iteration result is one ``call.done``/``call.error`` event plus a row in
+    ``noetl.loop_result`` (ordered by index), so the engine holds counters only;
+  * when the last one is in, ``loop.done`` (exactly once per loop instance) carries a
+    reference of type ``loop`` to the ordered results, and the step routes its arcs.
+
+Cursor loop (``loop.cursor`` or ``spec.mode: cursor``): the claim SQL is rendered ONCE,
+``max_in_flight`` slot commands (kind ``cursor``) each claim rows until none is left;
+``loop.done`` fires when the last slot drains.
+
+A loop step's value, as later steps see it, is
+``{"results": [...in iteration order...], "stats": {"total", "success", "failed"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from noetl_dsl import Step
+from noetl_dsl.templates import RenderContext, TemplateError, referenced_names, render, render_text
+
+from .state import LoopRun, StepRun
+from .transitions import Transition
+
+if TYPE_CHECKING:
+    from .router import Flow, Inputs
+
+EV_LOOP_DONE = "loop.done"
+
+
+class LoopError(TemplateError):
+    """A loop's collection or cursor spec is unusable (the step fails with this message)."""
+
+    def __init__(self, message: str) -> None:
+        self.template = ""
+        self.message = message
+        Exception.__init__(self, message)
+
+EV_STEP_ENTER = "step.enter"
+DEFAULT_PARALLEL = 16
+CURSOR_KIND = "cursor"
+
+
+def template_names(step: Step) -> set[str]:
+    """Names the loop's collection / cursor templates read (rendered at entry)."""
+    assert step.loop is not None
+    names = referenced_names(step.loop.in_)
+    if step.loop.cursor:
+        names |= referenced_names(step.loop.cursor)
+    return names
+
+
+def is_cursor(step: Step) -> bool:
+    return step.loop is not None and (step.loop.cursor is not None or step.loop.mode == "cursor")
+
+
+def start(flow: Flow, t: Transition, step: Step, run: StepRun, event: dict[str, Any],
+          scope: RenderContext) -> bool | None:
+    """Enter a loop step. Returns None while iterations run, or the loop's outcome (ok)
+    when there is nothing to run (an empty collection)."""
+    loop = step.loop
+    assert loop is not None
+    instance = f"{step.step}:{run.visits}"
+    iterator = loop.iterator or "item"
+    if is_cursor(step):
+        cursor = dict(loop.cursor or {})
+        if not cursor.get("claim"):
+            raise LoopError(f"loop.cursor of step '{step.step}' needs a 'claim' statement")
+        rendered = {
+            "kind": str(cursor.get("kind") or "postgres"),
+            "auth": render(cursor.get("auth"), scope),
+            "claim": render_text(str(cursor["claim"]), scope),
+            "options": render(cursor.get("options") or {}, scope),
+        }
+        slots = loop.max_in_flight or 1
+        run.loop = LoopRun(instance=instance, mode="cursor", iterator=iterator, total=slots, max_in_flight=slots,
+                           cursor=rendered)
+        t.emit(EV_STEP_ENTER, step=step.step,
+               meta={"visit": run.visits, "loop_instance": instance, "mode": "cursor", "total": slots})
+    else:
+        items = _collection(render(loop.in_, scope), step.step)
+        mode = loop.mode if loop.mode in ("sequential", "parallel") else "sequential"
+        width = 1 if mode == "sequential" else (loop.max_in_flight or DEFAULT_PARALLEL)
+        run.loop = LoopRun(instance=instance, mode=mode, iterator=iterator, total=len(items), max_in_flight=width)
+        t.loop_items.append((instance, items))
+        t.emit(EV_STEP_ENTER, step=step.step,
+               meta={"visit": run.visits, "loop_instance": instance, "mode": mode, "total": len(items)})
+    if run.loop.total == 0:
+        return finish(t, step.step, run)
+    _refill(flow, t, step.step, run, event)
+    return None
+
+
+def on_iteration(flow: Flow, t: Transition, step_name: str, run: StepRun, index: int,
+                 envelope: Mapping[str, Any], ok: bool, io: Inputs) -> bool | None:
+    """Fold one accepted iteration (or cursor slot) result. Returns the loop's outcome
+    when this was the last one, else None (more were dispatched if any remain)."""
+    lr = run.loop
+    assert lr is not None
+    lr.in_flight -= 1
+    if ok:
+        lr.done += 1
+    else:
+        lr.failed += 1
+    ref = envelope.get("reference") or {}
+    t.loop_results.append((lr.instance, index, "ok" if ok else "error", ref.get("ref_id")))
+    if lr.mode == "cursor":
+        context = envelope.get("context") or {}
+        lr.rows += int(context.get("processed") or 0)
+        lr.rows_failed += int(context.get("failed") or 0)
+    if lr.finished:
+        io.values[step_name] = {"stats": lr.stats()}
+        return finish(t, step_name, run)
+    if not t.state.terminal:
+        _refill(flow, t, step_name, run, {"name": "loop.next", "step": step_name})
+    return None
+
+
+def finish(t: Transition, step_name: str, run: StepRun) -> bool:
+    """Emit ``loop.done`` with a reference to the ordered results; returns ok."""
+    lr = run.loop
+    assert lr is not None
+    stats = lr.stats()
+    failed_units = lr.failed + (lr.rows_failed if lr.mode == "cursor" else 0)
+    ok = failed_units == 0
+    envelope: dict[str, Any] = {
+        "status": "ok" if ok else "error",
+        "reference": {"ref_id": None, "type": "loop", "uri": f"loop://{t.state.execution_id}/{lr.instance}"},
+        "parent_ref": None,
+        "context": dict(stats),
+    }
+    if not ok:
+        what = "row(s)" if lr.mode == "cursor" and lr.rows_failed else "iteration(s)"
+        count = lr.rows_failed if what == "row(s)" else lr.failed
+        total = stats["total"] if what == "row(s)" else lr.total
+        envelope["error"] = {"code": "LOOP_FAILED", "message": f"{count} of {total} {what} failed"}
+    run.result = envelope
+    t.loop_refs.append((lr.instance, step_name, envelope))
+    t.emit(EV_LOOP_DONE, step=step_name, result=envelope,
+           meta={"loop_instance": lr.instance, **stats})
+    return ok
+
+
+def _refill(flow: Flow, t: Transition, step_name: str, run: StepRun, event: dict[str, Any]) -> None:
+    lr = run.loop
+    assert lr is not None
+    step = flow.pb.step(step_name)
+    kind = CURSOR_KIND if lr.mode == "cursor" else flow.kind(step)
+    while lr.in_flight < lr.max_in_flight and lr.next_index < lr.total:
+        index = lr.next_index
+        lr.next_index += 1
+        lr.in_flight += 1
+        command_id = f"{t.state.execution_id}:{step_name}:{run.visits}:{index}"
+        loop_ctx: dict[str, Any] = {"instance": lr.instance, "index": index, "iterator": lr.iterator,
+                                    "mode": lr.mode}
+        extra: dict[str, Any] = {"loop": loop_ctx}
+        if lr.mode == "cursor":
+            extra["cursor"] = lr.cursor
+        flow.dispatch(t, step_name, command_id, kind, event, extra, index=index)
+
+
+def _collection(value: Any, step: str) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise LoopError(f"loop.in of step '{step}' rendered to a string that is not a JSON list") from exc
+    if isinstance(value, list | tuple):
+        return list(value)
+    if isinstance(value, Mapping):
+        return [{"key": k, "value": v} for k, v in value.items()]
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return list(range(value))
+    raise LoopError(f"loop.in of step '{step}' rendered to {type(value).__name__}, expected a list")
