@@ -11,6 +11,7 @@ Streams:
 Core (non-JetStream) subjects carry hints only, never facts:
   ``noetl.progress.{execution_id}``  the read model of an execution changed
   ``noetl.projector.{shard}``        new events were appended to a shard
+  ``noetl.cancel.{shard}``           commands were cancelled: {"command_ids": [...]}
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def progress_subject(execution_id: int) -> str:
 
 def projector_subject(shard: int) -> str:
     return f"noetl.projector.{shard}"
+
+
+def cancel_subject(shard: int) -> str:
+    return f"noetl.cancel.{shard}"
 
 
 def translate(exc: BaseException) -> NoetlError:
@@ -156,10 +161,10 @@ async def publish(js: JetStreamContext, subject: str, payload: bytes, *, msg_id:
         raise translate(exc) from exc
 
 
-async def hint(nc: NATS, subject: str) -> None:
+async def hint(nc: NATS, subject: str, payload: bytes = b"") -> None:
     """Publish a best-effort core-NATS hint. Hints only save latency (every reader has a
     polling backstop), so a failure is logged and swallowed."""
     try:
-        await nc.publish(subject, b"")
+        await nc.publish(subject, payload)
     except (NatsError, OSError) as exc:
         logger.debug("hint on %s not sent: %s", subject, exc)

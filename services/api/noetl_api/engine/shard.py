@@ -272,6 +272,13 @@ class ShardEngine:
             self._cache.popitem(last=False)
         if publish:
             await self._publish(publish)
+        cancelled = [u.command_id for u in updates if u.status == "cancelled"]
+        if cancelled:  # a hint: running tasks stop now rather than at their next lease renewal
+            await natsio.hint(self.d.nc, natsio.cancel_subject(self.shard),
+                              json.dumps({"command_ids": cancelled}).encode())
+        ended = [eid for eid, (state, _) in touched.items() if state.status == "cancelled"]
+        if ended:
+            await self._cancel_children(ended)
         if events:
             BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
             await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
@@ -352,6 +359,23 @@ class ShardEngine:
             return {}
         compiled = await self.d.catalog.compiled(state.catalog_id)
         return self._workload(state.execution_id, req, compiled.playbook)
+
+    async def _cancel_children(self, parents: list[int]) -> None:
+        """Cancel cascades to sub-playbook executions (their own shards' engines act on it)."""
+        async with self.d.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT execution_id, shard_id FROM noetl.execution_request WHERE parent_execution_id = ANY(%s)",
+                (parents,))
+            children = list(await cur.fetchall())
+            await conn.commit()
+        for child in children:
+            msg = messages_pb2.EngineInput(cancel=messages_pb2.CancelRequested(
+                execution_id=child["execution_id"], reason="parent execution cancelled"))
+            try:
+                await natsio.publish(self.d.js, natsio.events_subject(child["shard_id"], natsio.KIND_CANCEL),
+                                     msg.SerializeToString(), msg_id=f"cancel#{child['execution_id']}")
+            except NoetlError as exc:
+                logger.warning("cancel of child execution %s not published: %s", child["execution_id"], exc)
 
     async def _publish(self, items: list[tuple[str, int, int, str]]) -> None:
         async def one(cid: str, eid: int, attempt: int, kind: str) -> None:
