@@ -117,11 +117,28 @@ def on_iteration(flow: Flow, t: Transition, step_name: str, run: StepRun, index:
         lr.rows += int(context.get("processed") or 0)
         lr.rows_failed += int(context.get("failed") or 0)
     if lr.finished:
-        io.values[step_name] = {"stats": lr.stats()}
+        io.values.setdefault(step_name, {"stats": lr.stats()})
         return finish(t, step_name, run)
     if not t.state.terminal:
         _refill(flow, t, step_name, run, {"name": "loop.next", "step": step_name})
     return None
+
+
+def finishing(lr: LoopRun, envelope: Mapping[str, Any]) -> dict[str, int] | None:
+    """The loop's stats if this result is the last one (None while more are to come)."""
+    if lr.in_flight != 1 or lr.next_index < lr.total:
+        return None
+    after = LoopRun(**{**lr.__dict__})
+    after.in_flight = 0
+    if envelope.get("status") == "error":
+        after.failed += 1
+    else:
+        after.done += 1
+    if lr.mode == "cursor":
+        context = envelope.get("context") or {}
+        after.rows += int(context.get("processed") or 0)
+        after.rows_failed += int(context.get("failed") or 0)
+    return after.stats()
 
 
 def finish(t: Transition, step_name: str, run: StepRun) -> bool:

@@ -119,9 +119,15 @@ class Flow:
             run = state.steps.get(name)
             if name == pending.step and pending.index is None:
                 out[name] = res.envelope.get("reference")
-            elif run is not None and run.result is not None and run.loop is None:
-                out[name] = (run.result or {}).get("reference")
-            elif run is not None and run.result is not None:  # a finished loop: resolved by reference too
+            elif name == pending.step and run is not None and run.loop is not None:
+                # This iteration finishes the loop: its own set/arcs read the whole loop
+                # value, so the engine resolves the instance's ordered results plus this one.
+                finishing = loops.finishing(run.loop, res.envelope)
+                if finishing is not None:
+                    out[name] = {"loop": {"instance": run.loop.instance, "index": pending.index,
+                                          "status": "error" if res.envelope.get("status") == "error" else "ok",
+                                          "ref": res.envelope.get("reference")}, "stats": finishing}
+            elif run is not None and run.result is not None:
                 out[name] = (run.result or {}).get("reference")
         return out
 

@@ -112,3 +112,84 @@ def conformance(rel: str) -> Path:
 
 def rpc_code(exc: BaseException) -> grpc.StatusCode | None:
     return exc.code() if isinstance(exc, grpc.RpcError) else None  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- loops, pagination, composition
+# (helpers for test_loops.py, test_pagination.py, test_composition.py)
+
+
+def execute(runner: Runner, statement: str, params: tuple[Any, ...] = ()) -> None:
+    """Run a statement that returns no rows (DDL, DML) on the stack's Postgres."""
+    with psycopg.connect(runner.state.postgres_dsn, autocommit=True) as conn:
+        conn.execute(statement, params)  # type: ignore[arg-type]
+
+
+def put_credential(runner: Runner, name: str) -> None:
+    """Register a postgres credential `name` pointing at the stack's Postgres."""
+    from noetl_proto.v1 import catalog_pb2
+
+    runner.api.credentials.PutCredential(catalog_pb2.PutCredentialRequest(
+        name=name, kind="postgres", data_json=json.dumps({"dsn": runner.state.postgres_dsn})), timeout=10)
+
+
+def register_playbook(runner: Runner, playbook: Path) -> Any:
+    """Register a playbook file in the catalog (CatalogService.RegisterPlaybook); returns the entry."""
+    from noetl_proto.v1 import catalog_pb2
+
+    return runner.api.catalog.RegisterPlaybook(
+        catalog_pb2.RegisterPlaybookRequest(content=playbook.read_text()), timeout=30).entry
+
+
+def cancel(runner: Runner, execution_id: int, reason: str = "cancelled by test") -> bool:
+    return bool(runner.api.executions.CancelExecution(execution_pb2.CancelExecutionRequest(
+        execution_id=execution_id, reason=reason), timeout=10).accepted)
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `predicate()` until it returns something truthy (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
+        time.sleep(interval)
+
+
+def event_counts(runner: Runner, execution_id: int, step: str | None = None) -> dict[str, int]:
+    """{event_type: count} in noetl.event for one execution (optionally one step)."""
+    rows = runner.sql("SELECT event_type, count(*) FROM noetl.event WHERE execution_id = %s"
+                      " AND (%s::text IS NULL OR step = %s) GROUP BY event_type",
+                      (execution_id, step, step))
+    return {str(t): int(n) for t, n in rows}
+
+
+def command_counts(runner: Runner, execution_id: int) -> dict[str, int]:
+    """{status: count} of noetl.command rows for one execution."""
+    rows = runner.sql("SELECT status, count(*) FROM noetl.command WHERE execution_id = %s GROUP BY status",
+                      (execution_id,))
+    return {str(s): int(n) for s, n in rows}
+
+
+def meta(event: Any) -> dict[str, Any]:
+    return json.loads(event.meta_json) if event.meta_json else {}
+
+
+def worker_busy(state: devstack.StackState) -> float:
+    """Commands the stack's workers are running now (sum of their `noetl_worker_busy` gauges)."""
+    import urllib.request
+
+    total = 0.0
+    for proc in state.processes("worker"):
+        if not proc.metrics:
+            continue
+        with urllib.request.urlopen(f"http://{proc.metrics}/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("noetl_worker_busy "):
+                    total += float(line.split()[1])
+    return total
+
+
+def worker_log(state: devstack.StackState) -> str:
+    return "".join(Path(p.log).read_text(errors="replace") for p in state.processes("worker") if p.log)

@@ -70,7 +70,7 @@ async def test_error_without_rules_fails_with_the_task_error() -> None:
 
 
 def test_task_names_default() -> None:
-    assert task_names([{"name": "x"}, {"kind": "python"}]) == ["x", "task_2"]
+    assert task_names([{"name": "x"}, {"kind": "python"}]) == ["x", "task_1"]
 
 
 # ---------------------------------------------------------------- continue + set

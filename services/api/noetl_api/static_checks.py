@@ -2,6 +2,8 @@
 
 * Every credential a task names statically (literal, or rendered from the workload
   alone) must exist.
+* Every sub-playbook a task names by a literal ``path`` must be in the catalog
+  (``playbook_refs``; the lookup is the submitter's).
 * Every name a task's input (or other rendered field) reads must be something that
   can exist at run time: a workload key, a step, a task of the same pipeline, a
   variable a policy or ``set`` of the same pipeline defines, a loop iterator, or one
@@ -14,7 +16,8 @@ from typing import Any
 
 from noetl_common.errors import PlaybookInvalid
 from noetl_dsl import Playbook, referenced_names, static_auth_refs
-from noetl_dsl.templates import _ENV
+from noetl_dsl.model import workbook_entry_task
+from noetl_dsl.templates import _ENV, is_template
 
 RUNTIME_NAMES = frozenset({
     "ctx", "workload", "execution_id", "event", "iter", "input_data", "context", "output",
@@ -51,13 +54,33 @@ def _set_keys(task: dict[str, Any]) -> set[str]:
     return keys
 
 
-def check_supported(playbook: Playbook) -> None:
-    """Reject what this runtime cannot run yet, before anything is written."""
-    problems = [(f"workflow[{i}].loop", f"cursor loops are not supported by this runtime yet (step '{step.step}')")
-                for i, step in enumerate(playbook.workflow)
-                if step.loop is not None and (step.loop.cursor is not None or step.loop.mode == "cursor")]
-    if problems:
-        raise PlaybookInvalid(problems[0][0], "; ".join(f"{p}: {m}" for p, m in problems))
+def playbook_refs(playbook: Playbook) -> list[tuple[str, str, int]]:
+    """(field path, catalog path, version) of every sub-playbook task (``kind: playbook``,
+    in steps and the workbook) whose ``path`` is a literal; templated paths are checked
+    when they run."""
+    refs: list[tuple[str, str, int]] = []
+    for where, task in _tasks(playbook):
+        path = task.get("path")
+        if task.get("kind") != "playbook" or not isinstance(path, str) or not path.strip() or is_template(path):
+            continue
+        version = task.get("version")
+        refs.append((f"{where}.path", path.strip(), version if isinstance(version, int) else 0))
+    return refs
+
+
+def _tasks(playbook: Playbook) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i, step in enumerate(playbook.workflow):
+        raw = step.raw_tool
+        if isinstance(raw, list):
+            out += [(f"workflow[{i}].tool[{j}]", t) for j, t in enumerate(raw) if isinstance(t, dict)]
+        elif isinstance(raw, dict):
+            out.append((f"workflow[{i}].tool", raw))
+    for i, entry in enumerate(playbook.workbook):
+        task = workbook_entry_task(entry) if isinstance(entry, dict) else None
+        if task is not None:
+            out.append((f"workbook[{i}].tool" if "tool" in entry else f"workbook[{i}]", task))
+    return out
 
 
 def check_templates(playbook: Playbook, workload: dict[str, Any]) -> None:

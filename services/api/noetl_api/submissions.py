@@ -15,14 +15,14 @@ from nats.js import JetStreamContext
 
 from noetl_common import natsio
 from noetl_common.db import Pool, transaction
-from noetl_common.errors import InvalidInput, NoetlError, PlaybookInvalid
+from noetl_common.errors import InvalidInput, NoetlError, NotFound, PlaybookInvalid
 from noetl_common.ids import SnowflakeGenerator, shard_for
 from noetl_dsl import merged_workload
 from noetl_proto.v1 import messages_pb2
 
 from .admission import Admission
 from .catalog import Catalog, CatalogEntry, parse
-from .static_checks import check_supported, check_templates, credential_refs
+from .static_checks import check_templates, credential_refs, playbook_refs
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +78,9 @@ class Submitter:
         else:
             raise InvalidInput("either playbook_yaml or a playbook reference (path) is required")
         workload = merged_workload(playbook, payload)
-        check_supported(playbook)
         check_templates(playbook, workload)
         await self._check_credentials(playbook, workload)
+        await self._check_playbook_refs(playbook)
         if self._admission is not None:
             await self._admission.check()
 
@@ -126,6 +126,19 @@ class Submitter:
             return None
         compiled = await self._catalog.compiled(row["catalog_id"])
         return Submission(row["execution_id"], row["shard_id"], compiled.entry, True)
+
+    async def _check_playbook_refs(self, playbook: Any) -> None:
+        missing: list[tuple[str, str]] = []
+        for field, path, version in playbook_refs(playbook):
+            if path == playbook.path:
+                continue  # a playbook calling itself: registered by this very submit
+            try:
+                await self._catalog.get(path, version)
+            except NotFound:
+                missing.append((field, f"sub-playbook {path!r}" + (f" version {version}" if version else "")))
+        if missing:
+            raise PlaybookInvalid(missing[0][0], "; ".join(
+                f"{field}: {what} is not in the catalog (register it first)" for field, what in missing))
 
     async def _check_credentials(self, playbook: Any, workload: dict[str, Any]) -> None:
         refs = credential_refs(playbook, workload)

@@ -3,9 +3,11 @@
     main.py        entry point (``noetl-worker`` / ``python -m noetl_worker``)
     service.py     WorkerService: NATS pull slots, ClaimCommand / RenewLease, publishing
     runner.py      execute_command: one claimed command -> CallResult (persist-before-emit)
+    cursor.py      run_cursor_slot: one slot of a cursor loop (claim -> report -> commit -> run)
+    cursor_drivers/  the cursor driver registry (register_driver / lookup); postgres
     scope.py       the render scope of a command (resolves only referenced step results)
     pipeline.py    task pipelines and task policies (pure logic)
-    tools/         python (warm sandbox pool), http, postgres, noop, workbook
+    tools/         python (warm sandbox pool), http, postgres, noop, workbook, playbook
     sandbox.py     the child interpreter of the python pool
     metrics.py     Prometheus metrics
 

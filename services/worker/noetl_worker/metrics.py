@@ -26,3 +26,5 @@ TASK_SECONDS = _metric(Histogram, "noetl_worker_task_seconds", "Task (tool call)
 RESULT_BYTES = _metric(Histogram, "noetl_event_result_bytes", "Size of result envelopes published (bytes)",
                        buckets=(64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536))
 CLAIMS = _metric(Counter, "noetl_worker_claims_total", "ClaimCommand outcomes", ("outcome",))
+CURSOR_ROWS = _metric(Counter, "noetl_worker_cursor_rows_total", "Rows run by cursor loop slots", ("status",))
+CANCEL_HINTS = _metric(Counter, "noetl_worker_cancel_hints_total", "Commands stopped by a cancel hint")

@@ -76,8 +76,8 @@ ResultHook = Callable[[TaskRun], Awaitable[None]]
 
 
 def task_names(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Each task's ``name`` (``task_N`` when it has none, N 1-based)."""
-    return [str(t.get("name") or f"task_{i + 1}") for i, t in enumerate(tasks)]
+    """Each task's ``name`` (``task_<index>`` when it has none, 0-based, as the DSL names them)."""
+    return [str(t.get("name") or f"task_{i}") for i, t in enumerate(tasks)]
 
 
 def rules_of(task: Mapping[str, Any]) -> list[Any]:

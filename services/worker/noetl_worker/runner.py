@@ -24,7 +24,7 @@ from noetl_store import Reference, ResultStore, encode_json, envelope, envelope_
 
 from .pipeline import PipelineResult, TaskRun, run_pipeline
 from .scope import build_scope
-from .tools import ToolOutcome, Tools
+from .tools import CallInfo, ToolOutcome, Tools
 from .tools.outcome import INVALID_COMMAND, REFERENCE_NOT_AVAILABLE
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class _Persister:
 
     async def record(self, run: TaskRun) -> None:
         outcome = run.outcome
-        _log_run(self.command, run)
+        log_task_run(self.command, run)
         if not outcome.ok and outcome.data is None:
             return  # nothing to keep: the error itself travels in the envelope
         parent = self.stored[-1][1].ref_id if self.stored else None
@@ -66,7 +66,7 @@ class _Persister:
         return None, self.stored[-1][1]
 
 
-def _log_run(command: messages_pb2.Command, run: TaskRun) -> None:
+def log_task_run(command: messages_pb2.Command, run: TaskRun) -> None:
     extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
     if run.outcome.stdout:
         logger.debug("task %s output:\n%s", run.name, run.outcome.stdout.rstrip(), extra=extra)
@@ -85,6 +85,42 @@ def _json_object(text: str, field: str) -> dict[str, Any]:
     return value
 
 
+class TaskCaller:
+    """Runs one task attempt of a command's pipeline with the tools, the step's input,
+    workbook and timeout, and a ``CallInfo`` whose key is deterministic per task run:
+    ``{prefix}#{task}`` for a task's first run in this pipeline, ``{prefix}#{task}#{n}``
+    for its n-th (policy retries, jumps), so every attempt of the command derives the
+    same keys in the same order."""
+
+    def __init__(self, command: messages_pb2.Command, spec: Mapping[str, Any], tools: Tools, *,
+                 timeout: float | None, cancelled: asyncio.Event | None = None, key_prefix: str = "") -> None:
+        self.command = command
+        self.tools = tools
+        self.timeout = timeout
+        self.cancelled = cancelled
+        self.prefix = key_prefix or command.command_id
+        self.step_input = spec.get("input") if isinstance(spec.get("input"), Mapping) else None
+        self.workbook = spec.get("workbook") if isinstance(spec.get("workbook"), Mapping) else None
+        self._runs: dict[str, int] = {}
+
+    def call_info(self, name: str) -> CallInfo:
+        n = self._runs[name] = self._runs.get(name, 0) + 1
+        key = f"{self.prefix}#{name}" + (f"#{n}" if n > 1 else "")
+        return CallInfo(self.command.execution_id, self.command.command_id, self.command.step, key, self.cancelled)
+
+    async def __call__(self, task: Mapping[str, Any], scope: RenderContext) -> ToolOutcome:
+        call = self.call_info(str(scope.get("_task") or task.get("name") or "task"))
+        return await self.tools.run_task(task, scope, step_input=self.step_input, workbook=self.workbook,
+                                         timeout_sec=self.timeout, call=call)
+
+
+def parse_command(command: messages_pb2.Command) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """(spec, context, tasks) of a command; ValueError naming what is malformed."""
+    spec = _json_object(command.spec_json, "spec_json")
+    context = _json_object(command.context_json, "context_json")
+    return spec, context, command_tasks(spec)
+
+
 def command_tasks(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The tasks of a command's ``tool`` (one task, or a list: a pipeline)."""
     tool = spec.get("tool")
@@ -92,6 +128,8 @@ def command_tasks(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     tasks = [dict(t) for t in raw if isinstance(t, Mapping)]
     if not tasks or len(tasks) != len(raw):
         raise ValueError("spec_json: `tool` must be a task object or a non-empty list of task objects")
+    if not isinstance(tool, list) and not tasks[0].get("name") and spec.get("step"):
+        tasks[0]["name"] = str(spec["step"])  # a single unnamed tool is named after its step (as the DSL does)
     return tasks
 
 
@@ -120,16 +158,13 @@ def error_result(command: messages_pb2.Command, code: str, message: str, *, work
     return build_call_result(command, env, worker_id=worker_id)
 
 
-async def execute_command(command: messages_pb2.Command, store: ResultStore, tools: Tools, *,
-                          worker_id: str = "", default_timeout: float = 0.0,
-                          sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> messages_pb2.CallResult:
-    """Run a claimed command to its ``CallResult``. Never raises for task, template or
-    store failures (they become error envelopes); cancellation propagates."""
+async def prepare(command: messages_pb2.Command, store: ResultStore, *, worker_id: str = ""
+                  ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], RenderContext] | messages_pb2.CallResult:
+    """(spec, context, tasks, render scope) of a command, or the error ``CallResult`` when
+    the command is malformed or an earlier result cannot be read."""
     extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
     try:
-        spec = _json_object(command.spec_json, "spec_json")
-        context = _json_object(command.context_json, "context_json")
-        tasks = command_tasks(spec)
+        spec, context, tasks = parse_command(command)
     except ValueError as exc:
         logger.warning("invalid command: %s", exc, extra=extra)
         return error_result(command, INVALID_COMMAND, str(exc), worker_id=worker_id, kind="ValueError")
@@ -141,18 +176,27 @@ async def execute_command(command: messages_pb2.Command, store: ResultStore, too
         logger.warning("cannot resolve earlier results: %s", exc, extra=extra)
         return error_result(command, REFERENCE_NOT_AVAILABLE, f"cannot read an earlier step's result: {exc}",
                             worker_id=worker_id, kind=type(exc).__name__, retryable=True)
+    return spec, context, tasks, scope
 
-    timeout = command.timeout_seconds or default_timeout or None
-    step_input = spec.get("input") if isinstance(spec.get("input"), Mapping) else None
-    workbook = spec.get("workbook") if isinstance(spec.get("workbook"), Mapping) else None
 
-    async def run_task(task: Mapping[str, Any], task_scope: RenderContext) -> ToolOutcome:
-        return await tools.run_task(task, task_scope, step_input=step_input, workbook=workbook,
-                                    timeout_sec=timeout)
-
+async def execute_command(command: messages_pb2.Command, store: ResultStore, tools: Tools, *,
+                          worker_id: str = "", default_timeout: float = 0.0,
+                          cancelled: asyncio.Event | None = None,
+                          sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> messages_pb2.CallResult:
+    """Run a claimed command to its ``CallResult``. Never raises for task, template or
+    store failures (they become error envelopes); cancellation propagates. ``cancelled``
+    is set when the api cancelled the command (tools that started work elsewhere, like
+    sub-playbooks, cancel it then)."""
+    extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
+    prepared = await prepare(command, store, worker_id=worker_id)
+    if isinstance(prepared, messages_pb2.CallResult):
+        return prepared
+    spec, _, tasks, scope = prepared
+    caller = TaskCaller(command, spec, tools, timeout=command.timeout_seconds or default_timeout or None,
+                        cancelled=cancelled)
     persister = _Persister(store, command)
     try:
-        result: PipelineResult = await run_pipeline(tasks, scope, run_task, on_result=persister.record,
+        result: PipelineResult = await run_pipeline(tasks, scope, caller, on_result=persister.record,
                                                     sleep=sleep)
     except StoreFailure as exc:
         logger.error("%s", exc, extra=extra)

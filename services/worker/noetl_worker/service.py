@@ -13,6 +13,15 @@ holds more notices than it has free slots, and a long-poll returns as soon as on
 notice arrives. If ``RenewLease`` says stop (cancelled, or the lease is no longer ours)
 the command's task is cancelled (its python child killed) and nothing is published.
 
+Cancel hints: the engine publishes ``{"command_ids": [...]}`` on core-NATS
+``noetl.cancel.{shard}`` after committing cancellations; a running command listed there
+stops at once, exactly as on a lease renewal answering "cancelled" (which remains the
+backstop when a hint is lost). A cancelled command also cancels the sub-playbooks it
+started; a command that merely lost its lease leaves them to its next attempt.
+
+Cursor slots (kind ``cursor``, ``cursor.py``) report each claimed row with a
+``RenewLease`` carrying ``progress_json = {"row": row}`` before the claim commits.
+
 Shutdown: stop fetching, let running commands finish within part of the grace period,
 cancel the rest, then close the python pool, http client, tool pools, NATS and gRPC.
 """
@@ -21,8 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import grpc
@@ -34,14 +45,16 @@ from nats.js import JetStreamContext
 
 from noetl_common import grpcutil, natsio
 from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, WorkerSettings
-from noetl_common.errors import NoetlError
+from noetl_common.errors import NoetlError, Unavailable
 from noetl_common.service import Service
-from noetl_proto.v1 import messages_pb2, worker_pb2, worker_pb2_grpc
+from noetl_proto.v1 import execution_pb2_grpc, messages_pb2, worker_pb2, worker_pb2_grpc
 from noetl_store import CachedResultStore, PostgresResultStore, ResultStore, encode_json, envelope_from_proto
 
-from .metrics import BUSY, CLAIMS, COMMANDS, RESULT_BYTES
+from .cursor import CURSOR_KIND, run_cursor_slot
+from .cursor_drivers import Row, default_drivers
+from .metrics import BUSY, CANCEL_HINTS, CLAIMS, COMMANDS, RESULT_BYTES
 from .runner import error_result, execute_command
-from .tools import Credentials, HttpTool, PoolRegistry, PostgresTool, PythonPool, Tools
+from .tools import Credentials, HttpTool, PlaybookTool, PoolRegistry, PostgresTool, PythonPool, Tools
 
 logger = logging.getLogger(__name__)
 
@@ -52,21 +65,31 @@ PUBLISH_BACKOFF_CAP_SEC = 5.0
 # Earlier step results kept in memory (by count: results may be large).
 RESULT_CACHE_ITEMS = 256
 WORKER_ERROR = "WORKER_ERROR"
+# Core-NATS hints of cancelled commands, one subject per shard (natsio.cancel_subject).
+CANCEL_HINTS_SUBJECT = "noetl.cancel.>"
+CANCELLED = "cancelled"
 _LOST_CLAIM = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 _LOST_LEASE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
 
 
 class _Run:
-    """One command in flight: its task, and why it was told to stop (if it was)."""
+    """One command in flight: its task, and why it was told to stop (if it was).
+    ``cancelled`` is set only when the command itself was cancelled (not when the lease
+    moved on to another attempt)."""
 
     def __init__(self, command: messages_pb2.Command) -> None:
         self.command = command
         self.task: asyncio.Task[messages_pb2.CallResult] | None = None
         self.stop_reason = ""
         self.stopped = asyncio.Event()
+        self.cancelled = asyncio.Event()
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: str, *, cancelled: bool = False) -> None:
+        if self.stopped.is_set():
+            return
         self.stop_reason = reason or "stopped by the api"
+        if cancelled:
+            self.cancelled.set()
         self.stopped.set()
         if self.task is not None and not self.task.done():
             self.task.cancel()
@@ -90,6 +113,7 @@ class WorkerService(Service):
         self._slots: list[asyncio.Task[Any]] = []
         self._idle: set[int] = set()
         self._draining = False
+        self._runs: dict[str, _Run] = {}
 
     @property
     def worker_id(self) -> str:
@@ -105,17 +129,20 @@ class WorkerService(Service):
         assert self.pool is not None
         if self.store is None:
             self.store = CachedResultStore(PostgresResultStore(self.pool), max_items=RESULT_CACHE_ITEMS)
+        self.api_channel = grpcutil.channel(self.core.api_target)
+        self.api = worker_pb2_grpc.WorkerServiceStub(self.api_channel)
         if self.tools is None:
             python = PythonPool(self.worker_cfg.python_pool or self.worker_cfg.concurrency)
-            self.tools = Tools(python=python, http=HttpTool(),
-                               postgres=PostgresTool(Credentials(self.pool), PoolRegistry()))
+            credentials, pools = Credentials(self.pool), PoolRegistry()
+            self.tools = Tools(python=python, http=HttpTool(), postgres=PostgresTool(credentials, pools),
+                               playbook=PlaybookTool(execution_pb2_grpc.ExecutionServiceStub(self.api_channel)),
+                               cursors=default_drivers(credentials, pools))
         if self.tools.python is not None:
             await self.tools.python.start()
         self.nc = await natsio.connect(self.core.nats_url, name=f"noetl-worker-{self.worker_id}")
         self.js = self.nc.jetstream()
         await natsio.ensure_streams(self.js)
-        self.api_channel = grpcutil.channel(self.core.api_target)
-        self.api = worker_pb2_grpc.WorkerServiceStub(self.api_channel)
+        await self.nc.subscribe(CANCEL_HINTS_SUBJECT, cb=self._on_cancel_hint)
 
     async def on_serving(self) -> None:
         for n in range(self.worker_cfg.concurrency):
@@ -207,13 +234,24 @@ class WorkerService(Service):
         assert self.store is not None and self.tools is not None
         extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
         run = _Run(command)
+        self._runs[command.command_id] = run
         BUSY.inc()
         started = time.perf_counter()
         renewer = asyncio.ensure_future(self._renew_loop(run))
         try:
-            run.task = asyncio.ensure_future(execute_command(
-                command, self.store, self.tools, worker_id=self.worker_id,
-                default_timeout=self.worker_cfg.default_task_timeout_sec))
+            work: Awaitable[messages_pb2.CallResult]
+            if command.kind == CURSOR_KIND:
+                async def report(row: Row) -> None:
+                    await self._report_row(run, row)
+
+                work = run_cursor_slot(command, self.store, self.tools, report=report, worker_id=self.worker_id,
+                                       default_timeout=self.worker_cfg.default_task_timeout_sec,
+                                       cancelled=run.cancelled)
+            else:
+                work = execute_command(command, self.store, self.tools, worker_id=self.worker_id,
+                                       default_timeout=self.worker_cfg.default_task_timeout_sec,
+                                       cancelled=run.cancelled)
+            run.task = asyncio.ensure_future(work)
             try:
                 result = await run.task
             except asyncio.CancelledError:
@@ -233,6 +271,8 @@ class WorkerService(Service):
             logger.debug("command done status=%s in %.1f ms", status, (time.perf_counter() - started) * 1000,
                          extra=extra)
         finally:
+            if self._runs.get(command.command_id) is run:
+                del self._runs[command.command_id]
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
@@ -256,8 +296,43 @@ class WorkerService(Service):
                 logger.warning("renewing the lease of %s failed (%s)", command.command_id, code)
                 continue
             if resp.stop:
-                run.stop(resp.stop_reason)
+                run.stop(resp.stop_reason, cancelled=resp.stop_reason == CANCELLED)
                 return
+
+    async def _report_row(self, run: _Run, row: Row) -> None:
+        """Record the row a cursor slot is claiming (before its claim commits). Raises
+        Unavailable when the api cannot be reached (the claim rolls back and is retried);
+        when the api says stop, stops the command and raises CancelledError (the claim
+        rolls back, nothing is published)."""
+        assert self.api is not None
+        command = run.command
+        try:
+            resp = await self.api.RenewLease(worker_pb2.RenewLeaseRequest(
+                command_id=command.command_id, worker_id=self.worker_id, attempt=command.attempt,
+                progress_json=encode_json({"row": row}).decode()), timeout=CLAIM_TIMEOUT_SEC)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code in _LOST_LEASE:
+                run.stop(f"lease lost ({code})")
+                raise asyncio.CancelledError(run.stop_reason) from None
+            raise Unavailable(f"recording the claimed row failed ({code})") from exc
+        if resp.stop:
+            run.stop(resp.stop_reason, cancelled=resp.stop_reason == CANCELLED)
+            raise asyncio.CancelledError(run.stop_reason)
+
+    async def _on_cancel_hint(self, msg: Msg) -> None:
+        """``{"command_ids": [...]}``: stop those of them running here (a hint: the lease
+        renewal answering "cancelled" is the backstop)."""
+        try:
+            ids = json.loads(msg.data or b"{}").get("command_ids") or []
+        except (ValueError, AttributeError) as exc:
+            logger.debug("ignoring a malformed cancel hint on %s: %s", msg.subject, exc)
+            return
+        for command_id in ids if isinstance(ids, list) else []:
+            run = self._runs.get(str(command_id))
+            if run is not None and not run.stopped.is_set():
+                CANCEL_HINTS.inc()
+                run.stop(CANCELLED, cancelled=True)
 
     async def _publish(self, run: _Run, result: messages_pb2.CallResult) -> None:
         """Publish until JetStream acks (capped backoff); gives up only when the command

@@ -227,7 +227,7 @@ class ShardEngine:
                                        json.dumps({"checkpoint_epoch": epoch, "epoch_id": epoch,
                                                    "lease_epoch": self.epoch})))
                     continue
-                t = await self._apply(inp, states, requests)
+                t = await self._apply(inp, states, requests, conn, loop_results)
                 if t is None:
                     continue
                 eid = t.state.execution_id
@@ -285,8 +285,9 @@ class ShardEngine:
         BATCH_INPUTS.observe(len(inputs))
         BATCH_SECONDS.observe(time.perf_counter() - started)
 
-    async def _apply(self, inp: _Input, states: dict[int, ExecState],
-                     requests: dict[int, dict[str, Any]]) -> Transition | None:
+    async def _apply(self, inp: _Input, states: dict[int, ExecState], requests: dict[int, dict[str, Any]],
+                     conn: Any, batch_loop_results: list[tuple[int, str, int, str, int | None]]
+                     ) -> Transition | None:
         eid = inp.execution_id
         state = states.get(eid)
         if inp.kind in ("submitted", "cancel") and state is None:
@@ -321,7 +322,7 @@ class ShardEngine:
             res = CallResultInput(r.command_id, r.attempt, envelope,
                                   json.loads(r.set_json) if r.set_json else {}, r.worker_id)
             workload = await self._workload_for(state, requests)
-            values = await self._values(flow.needs(state, res))
+            values = await self._values(flow.needs(state, res), conn, eid, batch_loop_results)
             return flow.on_result(state, res, workload, values)
         if inp.kind == "cancel":
             return flow.on_cancel(state, inp.msg.reason)
@@ -333,10 +334,31 @@ class ShardEngine:
             return flow.on_timeout(state, int(time.time() * 1000))
         return None
 
-    async def _values(self, refs: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
-        ids = {name: int(ref["ref_id"]) for name, ref in refs.items() if ref and ref.get("ref_id")}
+    async def _values(self, refs: dict[str, dict[str, Any] | None], conn: Any, eid: int,
+                      batch_loop_results: list[tuple[int, str, int, str, int | None]]) -> dict[str, Any]:
+        plain = {name: ref for name, ref in refs.items() if not (ref and "loop" in ref)}
+        ids = {name: int(ref["ref_id"]) for name, ref in plain.items() if ref and ref.get("ref_id")}
         found = await self.d.results.get_many(list(ids.values())) if ids else {}
-        return {name: found.get(ids[name]) if name in ids else None for name in refs}
+        values = {name: found.get(ids[name]) if name in ids else None for name in plain}
+        for name, ref in refs.items():
+            if ref and "loop" in ref:
+                values[name] = await self._loop_value(conn, eid, ref, batch_loop_results)
+        return values
+
+    async def _loop_value(self, conn: Any, eid: int, need: dict[str, Any],
+                          batch_loop_results: list[tuple[int, str, int, str, int | None]]) -> dict[str, Any]:
+        """The value of a loop finishing in this batch: every stored iteration result (the
+        batch's own, not yet written, are flushed first) plus the finishing one."""
+        loop = need["loop"]
+        await sql.store_loop_results(conn, batch_loop_results)
+        batch_loop_results.clear()
+        rows = await sql.loop_results(conn, eid, loop["instance"])
+        ref = loop.get("ref") or {}
+        rows[int(loop["index"])] = ref.get("ref_id")
+        ids = [r for r in rows.values() if r]
+        found = await self.d.results.get_many(ids) if ids else {}
+        results = [found.get(ref_id) if (ref_id := rows[i]) else None for i in sorted(rows)]
+        return {"results": results, "stats": need["stats"]}
 
     def _workload(self, eid: int, req: dict[str, Any], playbook: Any) -> dict[str, Any]:
         cached = self.d.workloads.get(eid)

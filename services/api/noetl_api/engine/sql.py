@@ -170,3 +170,11 @@ async def loop_reference(conn: psycopg.AsyncConnection[Any], execution_id: int, 
     assert row is not None
     await conn.execute("INSERT INTO noetl.result_payload (ref_id, data) VALUES (%s, %s)", (row["ref_id"], data))
     return int(row["ref_id"])
+
+
+async def loop_results(conn: psycopg.AsyncConnection[Any], execution_id: int, instance: str) -> dict[int, int | None]:
+    """{index: ref_id} of a loop instance's accepted iteration results."""
+    cur = await conn.execute(
+        "SELECT idx, ref_id FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s",
+        (execution_id, instance))
+    return {int(r["idx"]): r["ref_id"] for r in await cur.fetchall()}

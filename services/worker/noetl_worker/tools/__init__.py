@@ -1,15 +1,20 @@
-"""Tools the worker runs: python (warm sandbox pool), http, postgres, noop, workbook."""
+"""Tools the worker runs: python (warm sandbox pool), http, postgres, noop, workbook,
+playbook (sub-playbooks)."""
 
+from .call import CallInfo
 from .dispatch import Tools, python_code, resolve_workbook_task
 from .http import HttpTool
 from .outcome import ErrorDetail, ToolOutcome
-from .postgres import Credentials, PoolRegistry, PostgresTool, dsn_from
+from .playbook import PlaybookTool
+from .postgres import Credentials, PoolRegistry, PostgresTool, dsn_from, resolve_dsn
 from .python import PythonPool
 
 __all__ = [
+    "CallInfo",
     "Credentials",
     "ErrorDetail",
     "HttpTool",
+    "PlaybookTool",
     "PoolRegistry",
     "PostgresTool",
     "PythonPool",
@@ -17,5 +22,6 @@ __all__ = [
     "Tools",
     "dsn_from",
     "python_code",
+    "resolve_dsn",
     "resolve_workbook_task",
 ]

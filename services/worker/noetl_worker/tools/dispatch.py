@@ -8,7 +8,9 @@ task with ``TEMPLATE_ERROR`` and the template's message. The python ``context`` 
 (the render scope) is sent to the sandbox only when the code mentions it.
 
 ``kind: workbook`` runs ``workbook[name]`` (a task mapping, or an entry with a ``tool``)
-with its own input defaults overridden by the caller's rendered input.
+with its own input defaults overridden by the caller's rendered input. ``kind: playbook``
+runs a sub-playbook (``playbook.py``) with the rendered input as its payload; it needs the
+caller's ``CallInfo`` (idempotency key, cancel signal).
 """
 
 from __future__ import annotations
@@ -19,18 +21,25 @@ import binascii
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from noetl_common.errors import ToolError
 from noetl_dsl.templates import RenderContext, TemplateError, render, render_text
 
 from ..metrics import TASK_SECONDS
+from .call import CallInfo
 from .http import HttpTool
-from .outcome import INVALID_TASK, TEMPLATE_ERROR, TIMEOUT, TOOL_ERROR, ToolOutcome
+from .outcome import INVALID_TASK, TEMPLATE_ERROR, TIMEOUT, TOOL_ERROR, ErrorDetail, ToolOutcome
+from .playbook import PlaybookTool
 from .postgres import PostgresTool
 from .python import PythonPool
 
+if TYPE_CHECKING:
+    from ..cursor_drivers import CursorDrivers
+
 logger = logging.getLogger(__name__)
 
+PLAYBOOK_FIELDS = ("path", "version", "return_step")
 HTTP_FIELDS = ("method", "url", "endpoint", "params", "headers", "json", "body", "payload", "data",
                "timeout", "follow_redirects")
 MAX_WORKBOOK_DEPTH = 8
@@ -73,26 +82,34 @@ def resolve_workbook_task(workbook: Mapping[str, Any] | None, name: Any) -> dict
 
 
 class Tools:
-    """The tools this worker runs. Missing tools answer ``INVALID_TASK``."""
+    """The tools this worker runs. Missing tools answer ``INVALID_TASK``. ``cursors`` are
+    the cursor drivers the slots of cursor loops claim rows with (``noetl_worker.cursor``)."""
 
     def __init__(self, *, python: PythonPool | None = None, http: HttpTool | None = None,
-                 postgres: PostgresTool | None = None) -> None:
+                 postgres: PostgresTool | None = None, playbook: PlaybookTool | None = None,
+                 cursors: CursorDrivers | None = None) -> None:
         self.python = python
         self.http = http
         self.postgres = postgres
+        self.playbook = playbook
+        self.cursors = cursors
 
     async def close(self) -> None:
         if self.python is not None:
             await self.python.close()
         if self.http is not None:
             await self.http.close()
+        if self.playbook is not None:
+            await self.playbook.close()
+        if self.cursors is not None:
+            await self.cursors.close()
         if self.postgres is not None:
             await self.postgres.pools.close()
 
     async def run_task(self, task: Mapping[str, Any], scope: RenderContext, *,
                        step_input: Mapping[str, Any] | None = None,
                        workbook: Mapping[str, Any] | None = None,
-                       timeout_sec: float | None = None) -> ToolOutcome:
+                       timeout_sec: float | None = None, call: CallInfo | None = None) -> ToolOutcome:
         """Render and run one task; never raises for task failures (only cancellation)."""
         try:
             inputs = dict(render(step_input or {}, scope) or {})
@@ -104,14 +121,17 @@ class Tools:
             return ToolOutcome.failure(TEMPLATE_ERROR, str(exc), kind="TemplateError")
         except (TypeError, ValueError) as exc:
             return ToolOutcome.failure(INVALID_TASK, str(exc), kind=type(exc).__name__)
-        return await self._run(task, scope, inputs, workbook, timeout_sec or None, 0)
+        return await self._run(task, scope, inputs, workbook, timeout_sec or None, 0, call)
 
     async def _run(self, task: Mapping[str, Any], scope: RenderContext, inputs: dict[str, Any],
-                   workbook: Mapping[str, Any] | None, timeout_sec: float | None, depth: int) -> ToolOutcome:
+                   workbook: Mapping[str, Any] | None, timeout_sec: float | None, depth: int,
+                   call: CallInfo | None) -> ToolOutcome:
         kind = str(task.get("kind") or "").lower()
         start = time.perf_counter()
         try:
-            return await self._dispatch(kind, task, scope, inputs, workbook, timeout_sec, depth)
+            return await self._dispatch(kind, task, scope, inputs, workbook, timeout_sec, depth, call)
+        except ToolError as exc:
+            return ToolOutcome("error", None, ErrorDetail.from_exception(exc))
         except TemplateError as exc:
             return ToolOutcome.failure(TEMPLATE_ERROR, str(exc), kind="TemplateError")
         except (TypeError, ValueError) as exc:
@@ -128,7 +148,7 @@ class Tools:
 
     async def _dispatch(self, kind: str, task: Mapping[str, Any], scope: RenderContext,
                         inputs: dict[str, Any], workbook: Mapping[str, Any] | None,
-                        timeout_sec: float | None, depth: int) -> ToolOutcome:
+                        timeout_sec: float | None, depth: int, call: CallInfo | None) -> ToolOutcome:
         if kind == "noop":
             return ToolOutcome.success(inputs)
         if kind == "workbook":
@@ -137,7 +157,7 @@ class Tools:
             target = resolve_workbook_task(workbook, task.get("name"))
             defaults = render(target.get("input") or {}, scope)
             merged = {**(defaults if isinstance(defaults, Mapping) else {}), **inputs}
-            return await self._run(target, scope, merged, workbook, timeout_sec, depth + 1)
+            return await self._run(target, scope, merged, workbook, timeout_sec, depth + 1, call)
 
         fields = RenderContext({**scope, **inputs}, known=scope.known)
         if kind == "python":
@@ -166,6 +186,12 @@ class Tools:
             auth = render(task.get("auth"), fields)
             limit = timeout_sec + SQL_TIMEOUT_GRACE_SEC if timeout_sec else None
             return await asyncio.wait_for(self.postgres.run(sql, auth, timeout_sec=timeout_sec), limit)
+        if kind == "playbook":
+            if self.playbook is None:
+                return _unsupported(kind)
+            rendered = render({k: task[k] for k in PLAYBOOK_FIELDS if k in task}, fields)
+            # The tool bounds its own wait: on a timeout it cancels the child first.
+            return await self.playbook.run(rendered, inputs, call=call, timeout_sec=timeout_sec)
         return _unsupported(kind)
 
 

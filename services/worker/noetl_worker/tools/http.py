@@ -5,8 +5,9 @@ Task fields (already rendered): ``method`` (GET), ``url`` (or ``endpoint``),
 JSON; text: sent as is) or ``data`` (mapping: form-encoded; text: sent as is),
 ``timeout`` (seconds), ``follow_redirects``.
 
-Value: ``{"status_code", "headers", "body"}`` with the body parsed as JSON when the
-content type says JSON or the text parses, else text. Status < 400 is ok; otherwise an
+Value: ``{"status_code", "headers", "body", "data"}`` with the body parsed as JSON when
+the content type says JSON or the text parses, else text. ``data`` is the same body
+(upstream NoETL playbooks read ``{{ step.data }}``, others ``{{ step.body }}``). Status < 400 is ok; otherwise an
 error, retryable for 408, 429 and 5xx. Network errors are retryable errors.
 ``output.http`` is ``{"status": code}``.
 """
@@ -129,8 +130,9 @@ class HttpTool:
         except httpx.HTTPError as exc:
             return ToolOutcome.failure(NETWORK_ERROR, f"{method} {url}: {type(exc).__name__}: {exc}",
                                        kind=type(exc).__name__, retryable=True)
+        body = _parse_body(response)
         data = {"status_code": response.status_code, "headers": dict(response.headers.items()),
-                "body": _parse_body(response)}
+                "body": body, "data": body}
         http = {"status": response.status_code}
         if response.status_code < 400:
             return ToolOutcome.success(data, http=http)

@@ -6,7 +6,9 @@
 * One ``AsyncConnectionPool`` per DSN per process (``PoolRegistry``), opened lazily on
   first use after one direct connection attempt (so a bad DSN fails with the server's
   message instead of a pool timeout), closed on shutdown. Connections are autocommit:
-  a multi-statement text runs as one implicit transaction.
+  a multi-statement text runs as one implicit transaction. Cursor loops claim rows
+  through the same pools (``cursor_drivers/postgres.py``), growing one to their
+  ``pool_size`` when asked.
 * The SQL text may hold several statements; the value describes the last statement
   that returned rows (``{"status": "ok", "rows", "row_count", "columns"}``), else
   ``{"status": "ok", "row_count"}`` of the last statement.
@@ -32,7 +34,15 @@ from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError, NotFound
 from noetl_store import to_jsonable
 
-from .outcome import CREDENTIAL_NOT_FOUND, INVALID_TASK, SQL_ERROR, TIMEOUT, TOOL_ERROR, ToolOutcome
+from .outcome import (
+    CREDENTIAL_NOT_FOUND,
+    INVALID_TASK,
+    SQL_ERROR,
+    TIMEOUT,
+    TOOL_ERROR,
+    ErrorDetail,
+    ToolOutcome,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +112,12 @@ class PoolRegistry:
         self._pools: dict[str, AsyncConnectionPool] = {}
         self._lock = asyncio.Lock()
 
-    async def get(self, dsn: str) -> AsyncConnectionPool:
+    async def get(self, dsn: str, *, max_size: int | None = None) -> AsyncConnectionPool:
+        """The pool of ``dsn`` (created on first use). ``max_size`` sizes a new pool and
+        grows an existing smaller one; a pool never shrinks while the process runs."""
+        want = max(1, max_size or self.max_size)
         pool = self._pools.get(dsn)
-        if pool is not None:
+        if pool is not None and pool.max_size >= want:
             return pool
         async with self._lock:
             pool = self._pools.get(dsn)
@@ -112,11 +125,13 @@ class PoolRegistry:
                 # Fail fast with the server's message when the DSN is wrong.
                 conn = await psycopg.AsyncConnection.connect(dsn, connect_timeout=10, autocommit=True)
                 await conn.close()
-                pool = AsyncConnectionPool(dsn, min_size=1, max_size=self.max_size, open=False,
+                pool = AsyncConnectionPool(dsn, min_size=1, max_size=want, open=False,
                                            timeout=self.timeout, name="noetl-worker-tool",
                                            kwargs={"autocommit": True})
                 await pool.open(wait=False)
                 self._pools[dsn] = pool
+            elif pool.max_size < want:
+                await pool.resize(pool.min_size, want)
         return pool
 
     async def close(self) -> None:
@@ -132,7 +147,9 @@ class PoolRegistry:
         return len(self._pools)
 
 
-def _sql_failure(exc: psycopg.Error) -> ToolOutcome:
+def sql_error(exc: psycopg.Error) -> ErrorDetail:
+    """The error detail of a psycopg error: SQLSTATE, the server's message, retryable
+    for connection / rollback / resource classes, ``TIMEOUT`` for a cancelled statement."""
     diag = exc.diag
     sqlstate = exc.sqlstate or ""
     primary = (diag.message_primary or str(exc)).strip()
@@ -140,11 +157,26 @@ def _sql_failure(exc: psycopg.Error) -> ToolOutcome:
     details = {k: v for k, v in {"sqlstate": sqlstate, "detail": diag.message_detail,
                                  "hint": diag.message_hint, "position": diag.statement_position}.items() if v}
     if sqlstate == "57014":  # query_canceled, e.g. by statement_timeout
-        return ToolOutcome.failure(TIMEOUT, message, kind=type(exc).__name__, retryable=True, details=details)
+        return ErrorDetail(TIMEOUT, message, type(exc).__name__, True, details)
     retryable = (isinstance(exc, psycopg.OperationalError) and not sqlstate) or \
         any(sqlstate.startswith(c) for c in _RETRYABLE_CLASSES)
-    return ToolOutcome.failure(SQL_ERROR, message, kind=type(exc).__name__, retryable=retryable,
-                               details=details)
+    return ErrorDetail(SQL_ERROR, message, type(exc).__name__, retryable, details)
+
+
+def _sql_failure(exc: psycopg.Error) -> ToolOutcome:
+    return ToolOutcome("error", None, sql_error(exc))
+
+
+async def resolve_dsn(credentials: Credentials, auth: Any) -> str:
+    """``auth`` is a credential name, or a mapping naming one (``credential``/``key``/
+    ``name``) or holding connection fields inline. NotFound for an unknown credential,
+    ValueError for one without connection fields."""
+    if isinstance(auth, Mapping):
+        ref = auth.get("credential") or auth.get("key") or auth.get("name")
+        if ref and not (auth.get("dsn") or auth.get("host")):
+            return dsn_from((await credentials.get(str(ref)))["data"])
+        return dsn_from(auth)
+    return dsn_from((await credentials.get(str(auth)))["data"])
 
 
 class PostgresTool:
@@ -153,14 +185,7 @@ class PostgresTool:
         self.pools = pools
 
     async def dsn_for(self, auth: Any) -> str:
-        """``auth`` is a credential name, or a mapping naming one (``credential``/``key``/
-        ``name``) or holding connection fields inline."""
-        if isinstance(auth, Mapping):
-            ref = auth.get("credential") or auth.get("key") or auth.get("name")
-            if ref and not (auth.get("dsn") or auth.get("host")):
-                return dsn_from((await self.credentials.get(str(ref)))["data"])
-            return dsn_from(auth)
-        return dsn_from((await self.credentials.get(str(auth)))["data"])
+        return await resolve_dsn(self.credentials, auth)
 
     async def run(self, sql: str, auth: Any, *, timeout_sec: float | None = None) -> ToolOutcome:
         if not sql or not sql.strip():

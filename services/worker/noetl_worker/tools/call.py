@@ -1,0 +1,26 @@
+"""Who is running a task: the identity tools need beyond the task itself.
+
+``key`` is deterministic for one task run of one command (the same on every attempt of
+the command), so a tool that starts something elsewhere (a sub-playbook) can use it as
+an idempotency key and re-attach after a worker died. ``cancelled`` is set when the api
+cancelled the command (not when the worker merely lost its lease or shuts down: then
+another attempt takes over and re-attaches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CallInfo:
+    execution_id: int
+    command_id: str
+    step: str
+    key: str
+    cancelled: asyncio.Event | None = None
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.cancelled is not None and self.cancelled.is_set()

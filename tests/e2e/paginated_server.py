@@ -1,0 +1,187 @@
+"""A small HTTP test API of our own (stdlib only) for the conformance playbooks that call
+out over http: pagination/basic, pagination/cursor and v10_canonical_example.
+
+    with serve() as api:          # ThreadingHTTPServer on 127.0.0.1, port 0
+        api.url                   # "http://127.0.0.1:PORT"
+        api.requests("/api/v1/events")
+
+Endpoints:
+
+* ``POST /api/v1/concurrency/reset`` -> ``{"status": "reset"}`` (zeroes the probe counters)
+* ``GET /api/v1/concurrency/stats`` -> ``{"started", "completed", "active", "max_active"}``
+* ``GET /api/v1/concurrency/probe?delay_seconds=..&label=..``: counts itself active while it
+  sleeps ``delay_seconds``, then answers ``{"status": "ok", "label", "delay_seconds",
+  "active_at_start", "started_at", "finished_at"}``
+* ``GET /api/v1/events?cursor=..&limit=..`` -> ``{"events": [...], "next_cursor": "..." | null}``
+  over ``EVENT_COUNT`` events with ids 1..35 (an empty or missing cursor is the first page)
+* ``GET /data`` -> ``DATA`` (a JSON list of records)
+
+Every request is recorded (method, path, query, time) so tests can assert what the
+runtime actually sent.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+EVENT_COUNT = 35
+DEFAULT_LIMIT = 10
+MAX_PROBE_DELAY_SEC = 30.0
+DATA = [{"id": i, "name": f"record_{i}", "value": i * 10} for i in range(1, 4)]
+
+
+def event(i: int) -> dict[str, Any]:
+    return {"id": i, "type": "test.event", "payload": {"sequence": i, "name": f"event_{i:02d}"}}
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    at: float
+
+
+@dataclass
+class ApiState:
+    started: int = 0
+    completed: int = 0
+    active: int = 0
+    max_active: int = 0
+    log: list[Request] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {"started": self.started, "completed": self.completed, "active": self.active,
+                    "max_active": self.max_active}
+
+    def reset(self) -> None:
+        with self.lock:
+            self.started = self.completed = self.active = self.max_active = 0
+
+
+class TestApi:
+    """A running server: its URL, its counters and the requests it saw."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, server: ThreadingHTTPServer, state: ApiState) -> None:
+        self._server = server
+        self.state = state
+        host, port = server.server_address[:2]
+        self.url = f"http://{host!s}:{port}"
+
+    def requests(self, path: str | None = None) -> list[Request]:
+        with self.state.lock:
+            return [r for r in self.state.log if path is None or r.path == path]
+
+    def clear(self) -> None:
+        with self.state.lock:
+            self.state.log.clear()
+
+
+def _events_page(query: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    cursor = query.get("cursor") or ""
+    try:
+        offset = int(cursor) if cursor else 0
+        limit = int(query.get("limit") or DEFAULT_LIMIT)
+    except ValueError:
+        return 400, {"error": f"bad cursor/limit: {query}"}
+    if offset < 0 or limit <= 0:
+        return 400, {"error": f"bad cursor/limit: {query}"}
+    end = min(offset + limit, EVENT_COUNT)
+    events = [event(i) for i in range(offset + 1, end + 1)]
+    return 200, {"events": events, "next_cursor": str(end) if end < EVENT_COUNT else None}
+
+
+def _probe(state: ApiState, query: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    try:
+        delay = min(max(float(query.get("delay_seconds") or 0), 0.0), MAX_PROBE_DELAY_SEC)
+    except ValueError:
+        return 400, {"error": f"bad delay_seconds: {query.get('delay_seconds')!r}"}
+    with state.lock:
+        state.started += 1
+        state.active += 1
+        state.max_active = max(state.max_active, state.active)
+        active_at_start = state.active
+    started_at = time.time()
+    try:
+        time.sleep(delay)
+    finally:
+        with state.lock:
+            state.active -= 1
+            state.completed += 1
+    return 200, {"status": "ok", "label": query.get("label"), "delay_seconds": delay,
+                 "active_at_start": active_at_start, "started_at": started_at, "finished_at": time.time()}
+
+
+def _handler(state: ApiState) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+        def _send(self, status: int, body: Any) -> None:
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def _route(self, method: str) -> None:
+            parts = urlsplit(self.path)
+            query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)
+            with state.lock:
+                state.log.append(Request(method, parts.path, query, time.time()))
+            route = (method, parts.path)
+            if route == ("POST", "/api/v1/concurrency/reset"):
+                state.reset()
+                self._send(200, {"status": "reset"})
+            elif route == ("GET", "/api/v1/concurrency/stats"):
+                self._send(200, state.stats())
+            elif route == ("GET", "/api/v1/concurrency/probe"):
+                self._send(*_probe(state, query))
+            elif route == ("GET", "/api/v1/events"):
+                self._send(*_events_page(query))
+            elif route == ("GET", "/data"):
+                self._send(200, DATA)
+            else:
+                self._send(404, {"error": f"no route {method} {parts.path}"})
+
+        def do_GET(self) -> None:
+            self._route("GET")
+
+        def do_POST(self) -> None:
+            self._route("POST")
+
+    return Handler
+
+
+@contextmanager
+def serve() -> Iterator[TestApi]:
+    state = ApiState()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              name="test-api", daemon=True)
+    thread.start()
+    try:
+        yield TestApi(server, state)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

@@ -1,0 +1,281 @@
+"""The worker service with the api's real WorkerService (Claims over Postgres) on an
+in-process gRPC server, and real NATS: a cursor slot whose worker is stopped in the
+middle of a row is re-issued and resumes with that row; the row was recorded with
+RenewLease before its claim committed; a cancel hint stops a running command."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import nats
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_api.catalog import Catalog
+from noetl_api.claims import Claims
+from noetl_api.servicers import WorkerServicer
+from noetl_common import grpcutil, natsio
+from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, WorkerSettings
+from noetl_common.db import make_pool
+from noetl_proto.v1 import messages_pb2, worker_pb2, worker_pb2_grpc
+from noetl_store import envelope_from_proto
+from noetl_worker.service import WorkerService
+
+pytestmark = pytest.mark.integration
+
+CRED = "cursor_service_pg"
+SHARD = 6
+_ids = itertools.count(1)
+
+
+class StandaloneWorker(WorkerService):
+    joins = False  # no shard-manager in this test
+
+
+class RecordingServicer(WorkerServicer):
+    """The real servicer; each progress report also records what another session sees
+    of the reported row at that moment (the claim must not have committed yet)."""
+
+    def __init__(self, claims: Claims, dsn: str, table: Callable[[], str]) -> None:
+        super().__init__(claims)
+        self.dsn = dsn
+        self.table = table
+        self.progress: list[tuple[int, str]] = []
+
+    async def RenewLease(self, request: worker_pb2.RenewLeaseRequest,
+                         context: grpc.aio.ServicerContext) -> worker_pb2.RenewLeaseResponse:
+        if request.progress_json:
+            row = json.loads(request.progress_json)["row"]
+            async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+                cur = await conn.execute(f"SELECT status FROM {self.table()} WHERE id = %s", (row["id"],))
+                found = await cur.fetchone()
+            self.progress.append((row["id"], found[0] if found else "missing"))
+        return await super().RenewLease(request, context)
+
+
+class Stack:
+    def __init__(self, pg_dsn: str, nats_url: str, pool: AsyncConnectionPool, servicer: RecordingServicer,
+                 target: str, nc: Any, results: asyncio.Queue[Any]) -> None:
+        self.pg_dsn, self.nats_url, self.pool = pg_dsn, nats_url, pool
+        self.servicer, self.target, self.nc, self.results = servicer, target, nc, results
+        self.table = ""
+
+    async def start_worker(self, instance: str) -> tuple[WorkerService, asyncio.Future[Any]]:
+        core = CoreSettings(postgres_dsn=self.pg_dsn, nats_url=self.nats_url, api_target=self.target,
+                            instance=instance, shutdown_grace_sec=1.5)
+        svc = StandaloneWorker(core, ShardSettings(), CommandSettings(lease_sec=1.5),
+                               WorkerSettings(concurrency=1, python_pool=1))
+        running = asyncio.ensure_future(svc.run())
+        await wait_for(lambda: len(svc._slots) == 1 or running.done(), limit=30)
+        assert not running.done()
+        return svc, running
+
+    async def notify(self, command_id: str, execution_id: int, attempt: int, kind: str = "cursor") -> None:
+        notice = messages_pb2.CommandNotice(command_id=command_id, execution_id=execution_id, shard_id=SHARD,
+                                            attempt=attempt, kind=kind)
+        await natsio.publish(self.nc.jetstream(), natsio.commands_subject(SHARD), notice.SerializeToString(),
+                             msg_id=f"{command_id}#{attempt}")
+
+    async def result_for(self, command_id: str, limit: float = 20) -> messages_pb2.CallResult:
+        async with asyncio.timeout(limit):
+            while True:
+                msg = await self.results.get()
+                if msg.call_result.command_id == command_id:
+                    return msg.call_result
+
+    async def sql(self, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
+        async with await psycopg.AsyncConnection.connect(self.pg_dsn, autocommit=True) as conn:
+            cur = await conn.execute(statement, params)
+            return list(await cur.fetchall()) if cur.description else []
+
+
+async def wait_for(cond: Callable[[], bool], limit: float = 10) -> None:
+    """Poll a condition until it holds, failing after ``limit`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while loop.time() < deadline:
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"condition not met within {limit}s")
+
+
+@pytest.fixture
+async def stack(pg_dsn: str, nats_url: str) -> AsyncIterator[Stack]:
+    pool = make_pool(pg_dsn, min_size=1, max_size=4, name="test-cursor-service")
+    await pool.open(wait=True, timeout=30)
+    async with pool.connection() as conn:
+        await conn.execute(
+            "INSERT INTO noetl.credential (name, kind, data) VALUES (%s, 'postgres', %s::jsonb) "
+            "ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data", (CRED, json.dumps({"dsn": pg_dsn})))
+        await conn.commit()
+    holder: list[Stack] = []
+    servicer = RecordingServicer(Claims(pool, Catalog(pool), lease_sec=30), pg_dsn, lambda: holder[0].table)
+    server = grpc.aio.server(interceptors=[grpcutil.ErrorInterceptor()])
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    nc = await nats.connect(nats_url)
+    results: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def on_event(msg: Any) -> None:
+        results.put_nowait(messages_pb2.EngineInput.FromString(msg.data))
+
+    await nc.subscribe("noetl.events.*.call", cb=on_event)
+    holder.append(Stack(pg_dsn, nats_url, pool, servicer, f"127.0.0.1:{port}", nc, results))
+    yield holder[0]
+    await nc.drain()
+    await server.stop(0)
+    await pool.close()
+
+
+PLAYBOOK = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata:
+  name: cursor_resume
+  path: tests/cursor_resume_{n}
+workflow:
+  - step: drain
+    loop:
+      iterator: row
+      cursor:
+        kind: postgres
+        auth: {cred}
+        claim: "{claim}"
+      spec:
+        mode: cursor
+        max_in_flight: 1
+    tool:
+      - name: gate
+        kind: python
+        input:
+          row_id: "{{{{ row.id }}}}"
+          flag: "{flag}"
+        code: |
+          import os, time
+          while row_id == 3 and not os.path.exists(flag):
+              time.sleep(0.02)
+          result = row_id
+      - name: save
+        kind: postgres
+        auth: {cred}
+        command: "INSERT INTO {sink} (id) VALUES ({{{{ row.id }}}}) ON CONFLICT (id) DO UPDATE SET hits = {sink}.hits + 1"
+"""
+
+
+async def test_a_killed_slot_resumes_with_the_row_it_had_claimed(stack: Stack, tmp_path: Path) -> None:
+    n = next(_ids)
+    table, sink = f"public.cursor_resume_work_{n}", f"public.cursor_resume_sink_{n}"
+    stack.table = table
+    await stack.sql(f"DROP TABLE IF EXISTS {table}; DROP TABLE IF EXISTS {sink}")
+    await stack.sql(f"CREATE TABLE {table} (id int PRIMARY KEY, status text NOT NULL DEFAULT 'pending')")
+    await stack.sql(f"INSERT INTO {table} (id) SELECT generate_series(1, 5)")
+    await stack.sql(f"CREATE TABLE {sink} (id int PRIMARY KEY, hits int NOT NULL DEFAULT 1, seq bigserial)")
+    claim = (f"UPDATE {table} SET status = 'claimed' WHERE id = (SELECT id FROM {table} WHERE status = 'pending' "
+             "ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING id")
+    flag = tmp_path / "resume-flag"
+    content = PLAYBOOK.format(n=n, cred=CRED, claim=claim, flag=flag, sink=sink)
+    entry, _ = await Catalog(stack.pool).register(content)
+
+    execution_id = 9_300_000_000 + n
+    command_id = f"{execution_id}:drain:1:0"
+    context = {"ctx": {}, "steps": {}, "event": {"name": "step.enter", "step": "drain"}, "iter": None,
+               "loop": {"instance": "drain:1", "index": 0, "iterator": "row", "mode": "cursor"},
+               "cursor": {"kind": "postgres", "auth": CRED, "claim": claim, "options": {}}}
+    await stack.sql("INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload, timeout_sec)"
+                    " VALUES (%s, %s, %s, '{}', 60)", (execution_id, SHARD, entry.catalog_id))
+    await stack.sql("INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
+                    " attempt, context) VALUES (%s, %s, %s, %s, 'drain', 'cursor', 'queued', 1, %s)",
+                    (command_id, execution_id, SHARD, entry.catalog_id, json.dumps(context)))
+
+    # Attempt 1 runs rows 1 and 2, claims row 3 and hangs in it; its worker is stopped.
+    first, running = await stack.start_worker(f"cursor-w1-{n}")
+    await stack.notify(command_id, execution_id, 1)
+    await wait_for(lambda: (3, "pending") in stack.servicer.progress, limit=30)
+    for _ in range(500):  # the claim of row 3 commits; its gate task hangs
+        if await stack.sql(f"SELECT status FROM {table} WHERE id = 3") == [("claimed",)]:
+            break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError("the claim of row 3 never committed")
+    progress = await stack.sql("SELECT progress FROM noetl.command WHERE command_id = %s", (command_id,))
+    assert progress == [({"row": {"id": 3}},)]  # recorded before that commit
+    first.request_stop()
+    await asyncio.wait_for(running, timeout=20)
+    assert await stack.sql(f"SELECT id FROM {sink} ORDER BY id") == [(1,), (2,)]
+    assert await stack.sql(f"SELECT status FROM {table} WHERE id = 3") == [("claimed",)]
+
+    # The reaper's re-issue: queued again as attempt 2; the claim hands back the row.
+    await stack.sql("UPDATE noetl.command SET status = 'queued', attempt = 2, worker_id = NULL"
+                    " WHERE command_id = %s", (command_id,))
+    flag.write_text("go")
+    second, running = await stack.start_worker(f"cursor-w2-{n}")
+    try:
+        await stack.notify(command_id, execution_id, 2)
+        result = await stack.result_for(command_id)
+    finally:
+        second.request_stop()
+        await asyncio.wait_for(running, timeout=20)
+    env = envelope_from_proto(result.envelope)
+    assert result.attempt == 2 and env["status"] == "ok", env
+    assert env["context"] == {"processed": 3, "succeeded": 3, "failed": 0}
+    assert await stack.sql(f"SELECT id, hits FROM {sink} ORDER BY seq") == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+    # Every claimed row was recorded while its claim was still uncommitted.
+    assert stack.servicer.progress == [(1, "pending"), (2, "pending"), (3, "pending"), (4, "pending"),
+                                       (5, "pending")]
+
+
+async def test_a_cancel_hint_stops_a_running_command(stack: Stack, tmp_path: Path) -> None:
+    n = next(_ids)
+    content = f"""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata:
+  name: cancel_hint
+  path: tests/cancel_hint_{n}
+workflow:
+  - step: wait
+    tool:
+      kind: python
+      code: |
+        import time
+        time.sleep(60)
+        result = "never"
+"""
+    entry, _ = await Catalog(stack.pool).register(content)
+    execution_id = 9_400_000_000 + n
+    command_id = f"{execution_id}:wait:1"
+    await stack.sql("INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload, timeout_sec)"
+                    " VALUES (%s, %s, %s, '{}', 60)", (execution_id, SHARD, entry.catalog_id))
+    await stack.sql("INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
+                    " attempt, context) VALUES (%s, %s, %s, %s, 'wait', 'python', 'queued', 1, %s)",
+                    (command_id, execution_id, SHARD, entry.catalog_id,
+                     json.dumps({"ctx": {}, "steps": {}, "event": {}, "iter": None})))
+    worker, running = await stack.start_worker(f"cancel-w-{n}")
+    try:
+        await stack.notify(command_id, execution_id, 1, kind="python")
+        await wait_for(lambda: command_id in worker._runs, limit=20)
+        run = worker._runs[command_id]
+        await stack.nc.publish(f"noetl.cancel.{SHARD}", json.dumps({"command_ids": ["other", command_id]}).encode())
+        await wait_for(lambda: command_id not in worker._runs, limit=5)  # well before the 60 s sleep or a renewal stop
+        assert run.stop_reason == "cancelled" and run.cancelled.is_set()
+        await stack.nc.flush()
+        assert all(m.call_result.command_id != command_id for m in drain(stack.results))
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(running, timeout=20)
+
+
+def drain(queue: asyncio.Queue[Any]) -> list[Any]:
+    out = []
+    while not queue.empty():
+        out.append(queue.get_nowait())
+    return out
