@@ -58,3 +58,62 @@ proto-check: install
 clean:
 	-$(BIN)/noetl-rt dev down
 	rm -rf .noetl .pytest_cache .mypy_cache .ruff_cache
+
+# ---------------------------------------------------------------- deployment (docs/DEPLOY.md)
+# Images: one per role from the root Dockerfile (a target per role), tagged
+# $(IMAGE_REPOSITORY)-<role>:$(IMAGE_TAG), as the Helm chart expects.
+IMAGE_REPOSITORY ?= noetl-runtime
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n 1)
+IMAGE_ROLES := api shard-manager projector checkpointer compactor reaper worker
+DOCKER ?= docker
+DOCKER_BUILD_ARGS ?=
+
+.PHONY: images deploy-tools dashboards check-deploy
+
+## make images: build the seven role images with Docker (DRY_RUN=1 only prints the commands).
+## Without a Docker engine it says so and fails: nothing can be built then.
+images:
+	@if [ -n "$(DRY_RUN)" ]; then \
+	  for r in $(IMAGE_ROLES); do echo "$(DOCKER) build --target $$r --build-arg VERSION=$(IMAGE_TAG) $(if $(DOCKER_BUILD_ARGS),$(DOCKER_BUILD_ARGS) )-t $(IMAGE_REPOSITORY)-$$r:$(IMAGE_TAG) ."; done; \
+	  exit 0; \
+	fi; \
+	if ! command -v "$(DOCKER)" >/dev/null 2>&1; then \
+	  echo "make images: no '$(DOCKER)' command on this machine; Docker is needed to build the images. Nothing was built." >&2; \
+	  echo "make images: 'make images DRY_RUN=1' prints the build commands; 'make check-deploy' checks the Dockerfile without Docker." >&2; \
+	  exit 1; \
+	fi; \
+	if ! "$(DOCKER)" info >/dev/null 2>&1; then \
+	  echo "make images: '$(DOCKER)' is installed but cannot reach a Docker engine ('$(DOCKER) info' failed). Nothing was built." >&2; \
+	  echo "make images: 'make images DRY_RUN=1' prints the build commands; 'make check-deploy' checks the Dockerfile without Docker." >&2; \
+	  exit 1; \
+	fi; \
+	for r in $(IMAGE_ROLES); do \
+	  echo "==> $(IMAGE_REPOSITORY)-$$r:$(IMAGE_TAG)"; \
+	  "$(DOCKER)" build --target $$r --build-arg VERSION=$(IMAGE_TAG) $(if $(DOCKER_BUILD_ARGS),$(DOCKER_BUILD_ARGS) )-t $(IMAGE_REPOSITORY)-$$r:$(IMAGE_TAG) . || exit 1; \
+	done
+
+## make deploy-tools: helm, kubernetes-validate, hadolint, CRD validators (into .tools/), prometheus/promtool (apt)
+deploy-tools:
+	@bash scripts/deploy_tools.sh
+
+## make dashboards: regenerate deploy/helm/noetl/dashboards/*.json (scripts/gen_dashboards.py)
+dashboards: install
+	$(BIN)/python scripts/gen_dashboards.py
+
+## make check-deploy: Dockerfile, Helm chart (lint, render, Kubernetes/CRD schemas), alerts (promtool),
+## and every dashboard/alert expression against a real Prometheus scraping a local stack
+check-deploy: install deploy-tools
+	NOETL_CHECK_DEPLOY=1 $(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/deploy
+
+# ---------------------------------------------------------------- benchmarks (bench/, docs/BENCHMARKS.md)
+.PHONY: bench bench-quick
+BENCH_ARGS ?=
+
+## make bench: every scenario, the fsync-on re-run, Temporal and Prefect side by side, plots -> docs/BENCHMARKS.md
+## (the peers and matplotlib go into bench-only virtualenvs, bench/.venv-*; the project's dependencies stay as they are)
+bench: install
+	$(BIN)/python -m bench --full --command "make bench" $(BENCH_ARGS)
+
+## make bench-quick: the short run (< 3 min on a quiet machine): smaller sizes, no peers -> docs/BENCHMARKS.md
+bench-quick: install
+	$(BIN)/python -m bench --quick --command "make bench-quick" $(BENCH_ARGS)

@@ -55,3 +55,13 @@ def nats_server(session_dir: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def nats_url(nats_server) -> str:  # type: ignore[no-untyped-def]
     return str(nats_server.url)
+
+
+@pytest.fixture(scope="session")
+def s3_server(session_dir: Path):  # type: ignore[no-untyped-def]
+    """A real S3-protocol server (SeaweedFS, SigV4 enforced) with the bucket ``noetl-test``."""
+    from noetl_cli.localstack import start_s3
+
+    server = start_s3(session_dir / "s3", buckets=("noetl-test",))
+    yield server
+    server.stop()

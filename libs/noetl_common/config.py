@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import TypeVar
+from typing import Literal, TypeVar
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import ConfigError
@@ -106,12 +106,71 @@ class CheckpointSettings(BaseSettings):
 
 
 class CompactorSettings(BaseSettings):
+    """Retention (``NOETL_RETENTION_DAYS``, ``NOETL_COMPACTOR_*``)."""
+
     model_config = SettingsConfigDict(env_prefix="NOETL_", extra="ignore")
 
     retention_days: float = Field(default=30.0, ge=0)
     compactor_enabled: bool = False
     # Event partitions are created this many days ahead of need.
     partitions_ahead_days: int = Field(default=3, ge=1)
+    # How often each held shard looks for executions past the horizon (and partitions
+    # are checked), and how much one fenced transaction compacts at most.
+    compactor_interval_sec: float = Field(default=60.0, gt=0)
+    compactor_batch_executions: int = Field(default=500, ge=1, le=100_000)
+    compactor_batch_events: int = Field(default=50_000, ge=1)
+
+
+class ResultStoreSettings(BaseSettings):
+    """Where task results live (``NOETL_RESULT_*``; docs/ARCHITECTURE.md "Result store").
+
+    ``tier`` is where new results are written: ``db`` (Postgres ``noetl.result_payload``)
+    or ``s3`` (an S3-compatible object store). Every reader resolves any tier: a
+    reference's tier and uri are in ``noetl.result_ref``, so the S3 endpoint is used for
+    reads whenever it is configured. ``cache = kv`` adds a NATS KV read-through cache
+    (bucket ``kv_bucket``, key = ref id); values above ``kv_max_value_bytes`` are not
+    cached. Every store call is bounded by ``timeout_sec``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="NOETL_RESULT_", extra="ignore")
+
+    tier: Literal["db", "s3"] = "db"
+    cache: Literal["none", "kv"] = "none"
+    timeout_sec: float = Field(default=30.0, gt=0)
+    s3_endpoint: str = Field(default="", description="http(s)://host:port of the S3-compatible server")
+    s3_bucket: str = ""
+    s3_region: str = "us-east-1"
+    s3_access_key: str = ""
+    s3_secret_key: SecretStr = SecretStr("")
+    s3_prefix: str = "noetl/results/"
+    s3_connect_timeout_sec: float = Field(default=5.0, gt=0)
+    # Attempts per S3 request on transient failures (connection errors, 5xx, 429).
+    s3_attempts: int = Field(default=3, ge=1, le=10)
+    kv_bucket: str = Field(default="noetl_results", pattern=r"^[A-Za-z0-9_-]+$")
+    kv_max_value_bytes: int = Field(default=512 * 1024, ge=1)
+    kv_timeout_sec: float = Field(default=2.0, gt=0)
+    # Entries expire after this long (0 = never; results are immutable).
+    kv_ttl_sec: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _s3_complete(self) -> ResultStoreSettings:
+        if self.tier == "s3" or self.s3_endpoint:
+            names = {"s3_endpoint": self.s3_endpoint, "s3_bucket": self.s3_bucket,
+                     "s3_access_key": self.s3_access_key,
+                     "s3_secret_key": self.s3_secret_key.get_secret_value()}
+            missing = [f"NOETL_RESULT_{n.upper()}" for n, v in names.items() if not v]
+            if missing:
+                why = "NOETL_RESULT_TIER=s3" if self.tier == "s3" else "NOETL_RESULT_S3_ENDPOINT"
+                raise ValueError(f"{why} needs {', '.join(missing)}")
+            if not self.s3_endpoint.startswith(("http://", "https://")):
+                raise ValueError(f"NOETL_RESULT_S3_ENDPOINT must be an http(s):// URL, got {self.s3_endpoint!r}")
+        if self.s3_prefix and not self.s3_prefix.endswith("/"):
+            self.s3_prefix += "/"
+        return self
+
+    @property
+    def s3_configured(self) -> bool:
+        return bool(self.s3_endpoint)
 
 
 class WorkerSettings(BaseSettings):

@@ -46,8 +46,17 @@ def translate(exc: BaseException) -> NoetlError:
     return NoetlError(f"postgres error: {str(exc).strip()}")
 
 
-def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "noetl") -> Pool:
-    """A closed async pool with dict rows; open it with ``await pool.open(wait=True)``."""
+def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "noetl",
+              idle_tx_timeout_sec: float | None = None) -> Pool:
+    """A closed async pool with dict rows; open it with ``await pool.open(wait=True)``.
+
+    ``idle_tx_timeout_sec``: Postgres ends a session of this pool that sits idle inside a
+    transaction longer than that (``idle_in_transaction_session_timeout``). Services pass
+    their shard lease: a process frozen mid-transaction (SIGSTOP, VM pause) must not hold
+    a lease row lock, and with it the shard-manager's rebalancing, longer than a lease."""
+    kwargs: dict[str, Any] = {"autocommit": False, "row_factory": dict_row}
+    if idle_tx_timeout_sec:
+        kwargs["options"] = f"-c idle_in_transaction_session_timeout={max(1, int(idle_tx_timeout_sec * 1000))}"
     return AsyncConnectionPool(
         conninfo=dsn,
         connection_class=Conn,
@@ -55,7 +64,7 @@ def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "n
         max_size=max_size,
         open=False,
         name=name,
-        kwargs={"autocommit": False, "row_factory": dict_row},
+        kwargs=kwargs,
         timeout=30.0,
     )
 

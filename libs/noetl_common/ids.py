@@ -72,6 +72,14 @@ class SnowflakeGenerator:
     def node_id(self) -> int:
         return self._node
 
+    def rebind(self, node_id: int) -> None:
+        """Switch to a new node id (the process rejoined and was handed another one).
+        The clock watermark is kept: time never goes back across the switch."""
+        if not 0 <= node_id <= MAX_NODE:
+            raise ValueError(f"node_id must be in 0..{MAX_NODE}, got {node_id}")
+        with self._lock:
+            self._node = node_id
+
     def next_id(self) -> int:
         with self._lock:
             now = self._clock()

@@ -84,6 +84,10 @@ class Service:
     async def on_serving(self) -> None:
         """Called once the service is SERVING (start background loops here)."""
 
+    async def on_joined(self) -> None:
+        """Called after every Join (the first and each rejoin), before the assigned shards
+        are taken: ``runtime_id`` and ``node_id`` are the new ones."""
+
     async def on_stop(self) -> None:
         """Stop loops and close connections (after gRPC stopped accepting calls)."""
 
@@ -130,8 +134,10 @@ class Service:
 
     async def _start(self) -> None:
         if self.core.postgres_dsn:
+            # A transaction left idle longer than a lease (this process froze mid-batch) is
+            # ended by Postgres, so it cannot keep a lease row locked behind a takeover.
             self.pool = make_pool(self.core.postgres_dsn, min_size=1, max_size=self.pool_size(),
-                                  name=self.role)
+                                  name=self.role, idle_tx_timeout_sec=self.shard_cfg.lease_sec)
             await self.pool.open(wait=True, timeout=30)
         await self.on_start()
 
@@ -222,8 +228,10 @@ class Service:
 
     async def _join(self) -> None:
         self.core.require("shard_manager_target")
-        self._sm_channel = grpcutil.channel(self.core.shard_manager_target)
-        self._sm = sm_grpc.ShardManagerServiceStub(self._sm_channel)
+        if self._sm_channel is None:  # a rejoin reuses the channel
+            self._sm_channel = grpcutil.channel(self.core.shard_manager_target)
+            self._sm = sm_grpc.ShardManagerServiceStub(self._sm_channel)
+        assert self._sm is not None
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -241,9 +249,17 @@ class Service:
         if self.sharded:
             if self.pool is None:
                 raise ConfigError("sharded roles need NOETL_POSTGRES_DSN")
-            self.ownership = ShardOwnership(self.pool, self.role, lease_sec=self.shard_cfg.lease_sec,
-                                            margin_sec=self.shard_cfg.margin_sec)
+            # One ownership object for the process's life: shard workers hold it, and after a
+            # rejoin they must see the new runtime id and the leases renewed under it.
+            if self.ownership is None:
+                self.ownership = ShardOwnership(self.pool, self.role, lease_sec=self.shard_cfg.lease_sec,
+                                                margin_sec=self.shard_cfg.margin_sec)
             self.ownership.runtime_id = self.runtime_id
+            # Export the lease counters from the start (0), not only after the first loss.
+            LEASE_RENEWALS.labels(self.role)
+            LEASE_LOSSES.labels(self.role)
+        await self.on_joined()
+        if self.ownership is not None:
             await self._reconcile({a.shard_id: a.epoch for a in resp.assignments})
 
     async def _reconcile(self, assigned: dict[int, int]) -> None:
@@ -285,11 +301,13 @@ class Service:
                 resp = await self._sm.Heartbeat(
                     sm_pb2.HeartbeatRequest(runtime_id=self.runtime_id, role=self.role), timeout=interval)
                 if resp.rejoin:
-                    logger.warning("shard-manager asked %s to rejoin", self.role)
-                    if self.ownership is not None:
-                        lost = self.ownership.clear()
-                        if lost:
-                            await self.on_shards({}, lost)
+                    lost = self.ownership.clear() if self.ownership is not None else set()
+                    logger.warning("shard-manager asked %s to rejoin; dropping shards %s", self.role, sorted(lost))
+                    if lost:
+                        LEASE_LOSSES.labels(self.role).inc(len(lost))
+                        for s in lost:
+                            SHARD_OWNER.labels(self.role, str(s), self.core.instance).set(0)
+                        await self.on_shards({}, lost)
                     await self._join()
                     continue
                 assigned = {a.shard_id: a.epoch for a in resp.assignments}

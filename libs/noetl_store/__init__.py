@@ -1,15 +1,23 @@
 """The result store: payloads behind references (envelope v3), persist-before-emit.
 
     ResultStore                  put(value, ...) -> Reference, get(ref_id), get_many(ids)
-    ├── PostgresResultStore      tier "db": noetl.result_ref + noetl.result_payload
-    ├── MemoryResultStore        process-local, for tests and tooling
-    └── CachedResultStore        read-through LRU over another store
+    ├── PostgresResultStore      writes tier "db" (noetl.result_payload); reads every tier
+    │   └── S3ResultStore        writes tier "s3" (an S3-compatible object store)
+    ├── KvCachedResultStore      NATS KV read-through cache over another store
+    ├── CachedResultStore        in-process read-through LRU over another store
+    └── MemoryResultStore        process-local, for tests and tooling
+
+Every reference is a ``noetl.result_ref`` row (tier, uri, size, sha256, parent_ref_id)
+whatever the tier. ``make_result_store(settings, pool, js)`` builds what a service uses
+from ``noetl_common.config.ResultStoreSettings``; ``S3Client`` is the object-store client
+(httpx, SigV4 signing of its own).
 
 Helpers: ``encode_json`` (the one JSON encoder for results), ``envelope`` /
-``context_of`` (the v3 envelope), ``envelope_to_proto`` / ``envelope_from_proto``.
+``context_of`` (the v3 envelope; credential-shaped keys never reach ``context``),
+``envelope_to_proto`` / ``envelope_from_proto``.
 
-``PostgresResultStore`` and the protobuf helpers are imported lazily so that light
-importers (the python sandbox child) do not pay for psycopg or protobuf.
+Everything that needs psycopg, httpx, NATS, Prometheus or protobuf is imported lazily so
+that light importers (the python sandbox child) do not pay for it.
 """
 
 from __future__ import annotations
@@ -17,34 +25,57 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._codec import decode_json, encode_json, json_default, to_jsonable
-from ._envelope import MAX_CONTEXT_KEYS, MAX_CONTEXT_STRING, context_of, envelope, error_info
+from ._envelope import MAX_CONTEXT_KEYS, MAX_CONTEXT_STRING, context_of, envelope, error_info, is_secret_key
 from ._store import CachedResultStore, MemoryResultStore, Reference, ResultStore
 
 if TYPE_CHECKING:
-    from ._postgres import PostgresResultStore
+    from ._factory import make_result_store
+    from ._kv import KvCachedResultStore
+    from ._lineage import TRACE_COLUMNS, entry_from_json, entry_json, trace
+    from ._postgres import PostgresResultStore, S3ResultStore
     from ._proto import envelope_from_proto, envelope_to_proto
+    from ._s3 import S3Client, S3Config
 
 __all__ = [
     "MAX_CONTEXT_KEYS",
     "MAX_CONTEXT_STRING",
+    "TRACE_COLUMNS",
     "CachedResultStore",
+    "KvCachedResultStore",
     "MemoryResultStore",
     "PostgresResultStore",
     "Reference",
     "ResultStore",
+    "S3Client",
+    "S3Config",
+    "S3ResultStore",
     "context_of",
     "decode_json",
     "encode_json",
+    "entry_from_json",
+    "entry_json",
     "envelope",
     "envelope_from_proto",
     "envelope_to_proto",
     "error_info",
+    "is_secret_key",
     "json_default",
+    "make_result_store",
     "to_jsonable",
+    "trace",
 ]
 
 _LAZY = {
     "PostgresResultStore": "._postgres",
+    "S3ResultStore": "._postgres",
+    "KvCachedResultStore": "._kv",
+    "TRACE_COLUMNS": "._lineage",
+    "entry_json": "._lineage",
+    "entry_from_json": "._lineage",
+    "trace": "._lineage",
+    "S3Client": "._s3",
+    "S3Config": "._s3",
+    "make_result_store": "._factory",
     "envelope_to_proto": "._proto",
     "envelope_from_proto": "._proto",
 }

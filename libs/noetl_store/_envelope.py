@@ -5,7 +5,9 @@
 
 ``context`` carries only small top-level scalars of the value (what ``when`` templates
 usually need) so the engine routes without resolving the reference; payloads never
-travel in events (a CHECK on ``noetl.event.result`` rejects any other key).
+travel in events (a CHECK on ``noetl.event.result`` rejects any other key). It never
+carries secrets: keys whose name looks like a credential (``SECRET_KEY_PARTS``, matched
+case-insensitively anywhere in the name) are left out, whatever their value.
 """
 
 from __future__ import annotations
@@ -22,6 +24,19 @@ MAX_ERROR_MESSAGE = 4000
 
 ERROR_FIELDS = ("code", "message", "kind", "retryable")
 
+# A context key containing any of these (case-insensitive) is never copied into an event.
+SECRET_KEY_PARTS = (
+    "password", "passwd", "pwd", "secret", "token", "api_key", "apikey", "api-key", "authorization", "auth",
+    "credential", "private_key", "privatekey", "private-key", "dsn", "cookie", "session", "signature",
+    "access_key", "accesskey", "conn_str", "connection_string",
+)
+
+
+def is_secret_key(key: str) -> bool:
+    """True when ``key`` looks like the name of a credential (``SECRET_KEY_PARTS``)."""
+    lowered = key.lower()
+    return any(part in lowered for part in SECRET_KEY_PARTS)
+
 
 def _small_scalar(value: Any) -> bool:
     if value is None or isinstance(value, bool | int):
@@ -35,14 +50,14 @@ def _small_scalar(value: Any) -> bool:
 
 def context_of(value: Any) -> dict[str, Any]:
     """Small scalars of a value: a dict's top-level scalar fields (at most 32; strings up
-    to 256 characters, longer ones are left out, not cut), or ``{"value": v}`` for a
-    scalar value. Lists and nested values contribute nothing."""
+    to 256 characters, longer ones are left out, not cut; credential-shaped keys never),
+    or ``{"value": v}`` for a scalar value. Lists and nested values contribute nothing."""
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for key, item in value.items():
             if len(out) >= MAX_CONTEXT_KEYS:
                 break
-            if isinstance(key, str) and _small_scalar(item):
+            if isinstance(key, str) and _small_scalar(item) and not is_secret_key(key):
                 out[key] = item
         return out
     if _small_scalar(value) and value is not None:

@@ -1,31 +1,50 @@
-"""The Postgres tier ("db"): ``noetl.result_ref`` rows (the linked list of references)
-with payloads in ``noetl.result_payload``.
+"""The Postgres-indexed tiers: every reference is a ``noetl.result_ref`` row (tier, uri,
+size, sha256, ``parent_ref_id``: the linked list); the payload lives where the tier says.
 
-A ``put`` is one statement in one transaction: it draws the ref id from the identity
-sequence, inserts the reference (``uri = pg://result_payload/{ref_id}``) and the
-payload together, so a reference never exists without its payload. psycopg errors are
-translated by ``noetl_common.db``.
+    tier  uri                                   payload
+    db    pg://result_payload/{ref_id}          noetl.result_payload (same transaction)
+    s3    s3://{bucket}/{prefix}{exec}/{ref}    the object store (``S3ResultStore``)
+    loop  loop://{execution_id}/{instance}      noetl.loop_result: each iteration's own
+                                                reference, resolved in index order
+
+``PostgresResultStore`` writes tier ``db`` and reads every tier (an s3 reference needs
+the object store, passed as ``objects``); ``S3ResultStore`` writes tier ``s3``. A ``db``
+put is one statement (the ref row and its payload together); an ``s3`` put checks the
+parent, draws the ref id, PUTs the object, then inserts the ref row: a reference never
+exists without its payload (a failure in between leaves at most an unreferenced object).
+
+Every public call is bounded by ``timeout_sec`` (``Unavailable`` past it). psycopg
+errors are translated by ``noetl_common.db``, S3 errors by ``_s3``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from psycopg.rows import dict_row
 
 from noetl_common.db import Pool, transaction
-from noetl_common.errors import NoetlError, NotFound
+from noetl_common.errors import NoetlError, NotFound, Unavailable
 
 from ._codec import decode_json, encode_json
+from ._metrics import WRITES, resolving
+from ._s3 import S3Client
 from ._store import Reference, ResultStore, digest
 
 logger = logging.getLogger(__name__)
 
 TIER = "db"
+S3_TIER = "s3"
+LOOP_TIER = "loop"
 URI_PREFIX = "pg://result_payload/"
+DEFAULT_TIMEOUT_SEC = 30.0
+# Concurrent object GETs of one read (a loop's iterations).
+OBJECT_READ_CONCURRENCY = 16
 
 _PUT = """
 WITH new_id AS (
@@ -43,17 +62,29 @@ SELECT ref_id, %(data)s FROM ref
 RETURNING ref_id, (SELECT uri FROM ref) AS uri
 """
 
+# An s3 put: the parent must exist (checked before the object is written), then a ref id.
+_NEW_ID = """
+SELECT nextval(pg_get_serial_sequence('noetl.result_ref', 'ref_id')) AS ref_id,
+       (%(parent)s::bigint IS NULL OR EXISTS (SELECT 1 FROM noetl.result_ref WHERE ref_id = %(parent)s))
+         AS parent_ok
+"""
+
+_INSERT_REF = """
+INSERT INTO noetl.result_ref (ref_id, execution_id, step, command_id, task, tier, uri, size_bytes, sha256,
+                              parent_ref_id)
+VALUES (%(ref_id)s, %(execution_id)s, %(step)s, %(command_id)s, %(task)s, %(tier)s, %(uri)s, %(size)s,
+        %(sha256)s, %(parent)s)
+"""
+
 _GET = """
-SELECT r.ref_id, r.tier, r.uri, p.data
+SELECT r.ref_id, r.tier, r.uri, r.sha256, p.data
 FROM noetl.result_ref r LEFT JOIN noetl.result_payload p ON p.ref_id = r.ref_id
 WHERE r.ref_id = ANY(%(ids)s)
 """
 
-# A finished loop (tier "loop", uri loop://{execution_id}/{instance}): its iteration
-# results in index order, each resolved from its own reference.
+# A finished loop: the references of its iteration results in index order.
 _LOOP = """
-SELECT lr.idx, lr.status, p.data
-FROM noetl.loop_result lr LEFT JOIN noetl.result_payload p ON p.ref_id = lr.ref_id
+SELECT lr.idx, lr.ref_id FROM noetl.loop_result lr
 WHERE lr.execution_id = %(execution_id)s AND lr.loop_instance = %(instance)s
 ORDER BY lr.idx
 """
@@ -63,7 +94,9 @@ WITH RECURSIVE chain AS (
   SELECT ref_id, tier, uri, parent_ref_id, 1 AS depth FROM noetl.result_ref WHERE ref_id = %(ref_id)s
   UNION ALL
   SELECT r.ref_id, r.tier, r.uri, r.parent_ref_id, c.depth + 1
-  FROM noetl.result_ref r JOIN chain c ON r.ref_id = c.parent_ref_id
+  FROM chain c
+  CROSS JOIN LATERAL (SELECT ref_id, tier, uri, parent_ref_id FROM noetl.result_ref rr
+                      WHERE rr.ref_id = c.parent_ref_id LIMIT 1) r
   WHERE c.depth < %(limit)s
 )
 SELECT ref_id, tier, uri FROM chain ORDER BY depth
@@ -71,20 +104,55 @@ SELECT ref_id, tier, uri FROM chain ORDER BY depth
 
 
 class PostgresResultStore(ResultStore):
-    """Result store on the runtime database. The pool is the caller's (not closed here)."""
+    """Writes tier ``db``; reads every tier. The pool is the caller's; ``objects`` is closed
+    with the store when ``owns_objects``."""
 
-    def __init__(self, pool: Pool) -> None:
+    TIER = TIER
+
+    def __init__(self, pool: Pool, *, objects: S3Client | None = None,
+                 timeout_sec: float = DEFAULT_TIMEOUT_SEC, owns_objects: bool = False) -> None:
         self.pool = pool
+        self.objects = objects
+        self.timeout_sec = timeout_sec
+        self.owns_objects = owns_objects
+
+    async def close(self) -> None:
+        if self.objects is not None and self.owns_objects:
+            await self.objects.close()
+
+    @asynccontextmanager
+    async def _deadline(self, what: str) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self.timeout_sec):
+                yield
+        except TimeoutError as exc:
+            raise Unavailable(f"result store: {what} did not finish within {self.timeout_sec:g}s") from exc
+
+    # ------------------------------------------------------------ writes
 
     async def put(self, value: Any, *, execution_id: int, step: str, command_id: str, task: str,
                   parent_ref_id: int | None) -> Reference:
         data = encode_json(value)
+        start = time.perf_counter()
+        try:
+            async with self._deadline("storing a result"):
+                ref = await self._put(data, execution_id=execution_id, step=step, command_id=command_id,
+                                      task=task, parent_ref_id=parent_ref_id)
+        except BaseException:
+            WRITES.labels(self.TIER, "error").inc()
+            raise
+        WRITES.labels(self.TIER, "ok").inc()
+        logger.debug("stored result ref_id=%s tier=%s bytes=%d in %.1f ms", ref.ref_id, ref.type, len(data),
+                     (time.perf_counter() - start) * 1000, extra={"execution_id": execution_id})
+        return ref
+
+    async def _put(self, data: bytes, *, execution_id: int, step: str, command_id: str, task: str,
+                   parent_ref_id: int | None) -> Reference:
         params = {
             "execution_id": execution_id, "step": step, "command_id": command_id, "task": task,
             "tier": TIER, "prefix": URI_PREFIX, "size": len(data), "sha256": digest(data),
             "parent": parent_ref_id, "data": data,
         }
-        start = time.perf_counter()
         try:
             async with transaction(self.pool) as conn:
                 cur = conn.cursor(row_factory=dict_row)
@@ -94,39 +162,27 @@ class PostgresResultStore(ResultStore):
             raise NotFound(f"parent result reference {parent_ref_id} not found") from exc
         if row is None:  # pragma: no cover - INSERT ... RETURNING always returns a row
             raise NoetlError("result store: insert returned no row")
-        logger.debug("stored result ref_id=%s bytes=%d in %.1f ms", row["ref_id"], len(data),
-                     (time.perf_counter() - start) * 1000, extra={"execution_id": execution_id})
         return Reference(int(row["ref_id"]), TIER, str(row["uri"]))
 
+    # ------------------------------------------------------------ reads
+
     async def get(self, ref_id: int) -> Any:
-        rows = await self._fetch([ref_id])
-        if not rows:
-            raise NotFound(f"result reference {ref_id} not found")
-        row = rows[0]
-        if row["data"] is None:
-            raise NotFound(f"result reference {ref_id} has no payload in tier {row['tier']!r}")
-        return await self._value(row)
+        async with self._deadline(f"reading result {ref_id}"):
+            rows = await self._fetch([ref_id])
+            if not rows:
+                raise NotFound(f"result reference {ref_id} not found")
+            values = await self._resolve(rows, strict=True)
+        return values[ref_id]
 
     async def get_many(self, ref_ids: Iterable[int]) -> dict[int, Any]:
         """One query for many references; missing ones (and references whose payload is
-        in another tier) are left out."""
+        missing from their tier) are left out. A tier that cannot be reached raises."""
         ids = list(dict.fromkeys(int(i) for i in ref_ids))
         if not ids:
             return {}
-        found = {int(r["ref_id"]): await self._value(r) for r in await self._fetch(ids) if r["data"] is not None}
+        async with self._deadline(f"reading {len(ids)} result(s)"):
+            found = await self._resolve(await self._fetch(ids), strict=False)
         return {i: found[i] for i in ids if i in found}
-
-    async def _value(self, row: dict[str, Any]) -> Any:
-        value = decode_json(row["data"])
-        if row["tier"] != "loop":
-            return value
-        execution_id, _, instance = str(row["uri"]).removeprefix("loop://").partition("/")
-        async with transaction(self.pool) as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_LOOP, {"execution_id": int(execution_id), "instance": instance})
-            items = await cur.fetchall()
-        results = [decode_json(r["data"]) if r["data"] is not None else None for r in items]
-        return {"results": results, "stats": (value or {}).get("stats", {})}
 
     async def _fetch(self, ids: list[int]) -> list[dict[str, Any]]:
         async with transaction(self.pool) as conn:
@@ -134,12 +190,112 @@ class PostgresResultStore(ResultStore):
             await cur.execute(_GET, {"ids": ids})
             return await cur.fetchall()
 
+    async def _resolve(self, rows: list[dict[str, Any]], *, strict: bool) -> dict[int, Any]:
+        """Values of ``rows`` (``_GET`` rows) by ref id. ``strict``: a missing payload raises
+        NotFound; otherwise it is left out."""
+        by_tier: dict[str, list[dict[str, Any]]] = {}
+        for row in rows:
+            by_tier.setdefault(str(row["tier"]), []).append(row)
+        out: dict[int, Any] = {}
+        for tier, group in by_tier.items():
+            with resolving(tier):
+                if tier == TIER:
+                    values = self._db_values(group)
+                elif tier == S3_TIER:
+                    values = await self._object_values(group)
+                elif tier == LOOP_TIER:
+                    values = {int(r["ref_id"]): await self._loop_value(r) for r in group if r["data"] is not None}
+                else:
+                    values = {}
+            missing = [int(r["ref_id"]) for r in group if int(r["ref_id"]) not in values]
+            if missing and strict:
+                raise NotFound(f"result reference {missing[0]} has no payload in tier {tier!r}")
+            out.update(values)
+        return out
+
+    @staticmethod
+    def _db_values(rows: list[dict[str, Any]]) -> dict[int, Any]:
+        return {int(r["ref_id"]): decode_json(r["data"]) for r in rows if r["data"] is not None}
+
+    async def _object_values(self, rows: list[dict[str, Any]]) -> dict[int, Any]:
+        if self.objects is None:
+            raise Unavailable(f"result reference {rows[0]['ref_id']} is in the s3 tier, but no S3 endpoint is "
+                              "configured (NOETL_RESULT_S3_ENDPOINT)")
+        objects = self.objects
+        gate = asyncio.Semaphore(OBJECT_READ_CONCURRENCY)
+
+        async def one(row: dict[str, Any]) -> tuple[int, Any] | None:
+            ref_id = int(row["ref_id"])
+            async with gate:
+                try:
+                    data = await objects.get_object(objects.key_of(str(row["uri"])))
+                except NotFound:
+                    return None
+                except ValueError as exc:  # an object of another bucket
+                    raise NoetlError(f"result reference {ref_id}: {exc}") from exc
+            if row["sha256"] and digest(data) != row["sha256"]:
+                raise NoetlError(f"result reference {ref_id}: the object at {row['uri']} does not match its "
+                                 "recorded sha256 (changed or corrupted)")
+            return ref_id, decode_json(data)
+
+        found = await asyncio.gather(*(one(r) for r in rows))
+        return dict(item for item in found if item is not None)
+
+    async def _loop_value(self, row: dict[str, Any]) -> Any:
+        """``{"results": [...in index order...], "stats": {...}}`` of a finished loop."""
+        stats = (decode_json(row["data"]) or {}).get("stats", {})
+        execution_id, _, instance = str(row["uri"]).removeprefix("loop://").partition("/")
+        async with transaction(self.pool) as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_LOOP, {"execution_id": int(execution_id), "instance": instance})
+            items = await cur.fetchall()
+        ids = [int(r["ref_id"]) for r in items if r["ref_id"] is not None]
+        values = await self._resolve(await self._fetch(ids), strict=False) if ids else {}
+        results = [values.get(int(r["ref_id"])) if r["ref_id"] is not None else None for r in items]
+        return {"results": results, "stats": stats}
+
     async def chain(self, ref_id: int, *, limit: int = 10_000) -> list[Reference]:
         """The reference and its ancestors (``parent_ref_id`` links), newest first."""
-        async with transaction(self.pool) as conn:
+        async with self._deadline(f"reading the chain of {ref_id}"), transaction(self.pool) as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_CHAIN, {"ref_id": ref_id, "limit": limit})
             rows = await cur.fetchall()
         if not rows:
             raise NotFound(f"result reference {ref_id} not found")
         return [Reference(int(r["ref_id"]), str(r["tier"]), str(r["uri"])) for r in rows]
+
+
+class S3ResultStore(PostgresResultStore):
+    """Writes tier ``s3``: payloads as objects ``{prefix}{execution_id}/{ref_id}.json``,
+    references in ``noetl.result_ref`` (no ``result_payload`` row). Reads every tier."""
+
+    TIER = S3_TIER
+
+    def __init__(self, pool: Pool, objects: S3Client, *, prefix: str = "noetl/results/",
+                 timeout_sec: float = DEFAULT_TIMEOUT_SEC, owns_objects: bool = False) -> None:
+        super().__init__(pool, objects=objects, timeout_sec=timeout_sec, owns_objects=owns_objects)
+        self.s3 = objects
+        self.prefix = prefix
+
+    async def _put(self, data: bytes, *, execution_id: int, step: str, command_id: str, task: str,
+                   parent_ref_id: int | None) -> Reference:
+        async with transaction(self.pool) as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_NEW_ID, {"parent": parent_ref_id})
+            row = await cur.fetchone()
+        assert row is not None
+        if not row["parent_ok"]:
+            raise NotFound(f"parent result reference {parent_ref_id} not found")
+        ref_id = int(row["ref_id"])
+        key = f"{self.prefix}{execution_id}/{ref_id}.json"
+        await self.s3.put_object(key, data)
+        uri = self.s3.uri(key)
+        params = {"ref_id": ref_id, "execution_id": execution_id, "step": step, "command_id": command_id,
+                  "task": task, "tier": S3_TIER, "uri": uri, "size": len(data), "sha256": digest(data),
+                  "parent": parent_ref_id}
+        try:
+            async with transaction(self.pool) as conn:
+                await conn.execute(_INSERT_REF, params)
+        except NotFound as exc:
+            raise NotFound(f"parent result reference {parent_ref_id} not found") from exc
+        return Reference(ref_id, S3_TIER, uri)

@@ -10,7 +10,7 @@ from typing import Any
 
 from noetl_proto.v1 import common_pb2
 
-from ._envelope import error_info
+from ._envelope import error_info, is_secret_key
 
 
 def envelope_to_proto(env: Mapping[str, Any], *, error_details: Mapping[str, Any] | None = None
@@ -45,14 +45,19 @@ def envelope_from_proto(pb: common_pb2.ResultEnvelope) -> dict[str, Any]:
     context[, error: {code, message, kind, retryable}]}``. An empty status reads as
     ``"ok"``; a reference without a ``ref_id`` (0) reads as absent; ``error`` is present
     only when the message carries one (its ``details_json`` stays out of events).
+    Context keys that look like credentials are dropped here too: a worker in another
+    language may not filter them.
     """
+    context = json.loads(pb.context_json) if pb.context_json else {}
+    if isinstance(context, dict):
+        context = {k: v for k, v in context.items() if not is_secret_key(str(k))}
     env: dict[str, Any] = {
         "status": pb.status or "ok",
         "reference": ({"ref_id": pb.reference.ref_id, "type": pb.reference.type, "uri": pb.reference.uri}
                       if pb.HasField("reference") and pb.reference.ref_id else None),
         "parent_ref": ({"ref_id": pb.parent_ref.ref_id}
                        if pb.HasField("parent_ref") and pb.parent_ref.ref_id else None),
-        "context": json.loads(pb.context_json) if pb.context_json else {},
+        "context": context,
     }
     if pb.HasField("error"):
         env["error"] = error_info(pb.error.code, pb.error.message, kind=pb.error.kind,

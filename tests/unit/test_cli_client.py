@@ -98,6 +98,19 @@ class Executions(execution_pb2_grpc.ExecutionServiceServicer):
         page = [e for e in events if e.event_id > request.after_event_id][: request.page_size]
         return execution_pb2.GetEventsResponse(events=page)
 
+    def GetTrace(self, request: Any, context: Any) -> Any:
+        if request.execution_id != EXEC_ID or request.step not in ("pipe", "empty"):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"step {request.step!r} of execution {request.execution_id} not found")
+        if request.step == "empty":
+            return execution_pb2.GetTraceResponse()
+        entries = [execution_pb2.TraceEntry(ref_id=EXEC_ID + 2, parent_ref_id=EXEC_ID + 1, tier="s3",
+                                            uri="s3://b/k2", size_bytes=20, task="total", command_id="c:pipe:1",
+                                            step="pipe", sha256="ab"),
+                   execution_pb2.TraceEntry(ref_id=EXEC_ID + 1, tier="db", uri="pg://result_payload/1",
+                                            size_bytes=10, task="fetch", command_id="c:pipe:1", step="pipe")]
+        entries[0].created_at.FromSeconds(1_700_000_000)
+        return execution_pb2.GetTraceResponse(entries=entries, from_manifest=True)
+
 
 class Catalog(catalog_pb2_grpc.CatalogServiceServicer):
     def RegisterPlaybook(self, request: Any, context: Any) -> Any:
@@ -273,3 +286,26 @@ def test_playbooks_and_credentials(api: tuple[str, Fake], playbook: Path,
     assert main(["--api", target, "credential", "list", "--json"]) == 0
     out = capsys.readouterr().out
     assert json.loads(out) == [{"name": "pg", "kind": "postgres", "updated_at": None}]
+
+
+def test_trace(api: tuple[str, Fake], capsys: pytest.CaptureFixture[str]) -> None:
+    target, _ = api
+    assert main(["--api", target, "trace", str(EXEC_ID), "pipe", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["from_manifest"] is True and doc["step"] == "pipe"
+    assert [e["ref_id"] for e in doc["entries"]] == [str(EXEC_ID + 2), str(EXEC_ID + 1)]  # ids as text
+    assert doc["entries"][0]["parent_ref_id"] == str(EXEC_ID + 1) and doc["entries"][1]["parent_ref_id"] is None
+    assert doc["entries"][0]["created_at"].startswith("2023-11-14T22:13:20")
+
+    assert main(["--api", target, "trace", str(EXEC_ID), "pipe"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["REF", "PARENT", "TIER", "SIZE", "TASK", "COMMAND", "CREATED", "URI"]
+    assert lines[1].split()[:5] == [str(EXEC_ID + 2), str(EXEC_ID + 1), "s3", "20", "total"]
+    assert lines[2].split()[:5] == [str(EXEC_ID + 1), "-", "db", "10", "fetch"]
+    assert "manifest" in lines[-1]
+
+    assert main(["--api", target, "trace", str(EXEC_ID), "empty"]) == 0
+    assert "has no result reference" in capsys.readouterr().out
+    assert main(["--api", target, "trace", str(EXEC_ID), "nope"]) == 1
+    assert "step 'nope'" in capsys.readouterr().err
+    assert main(["--api", target, "trace", "abc", "pipe"]) == 2

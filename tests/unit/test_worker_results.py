@@ -103,9 +103,11 @@ def test_envelope_proto_round_trip() -> None:
 
 def test_public_surface() -> None:
     assert sorted(noetl_store.__all__) == sorted([
-        "MAX_CONTEXT_KEYS", "MAX_CONTEXT_STRING", "CachedResultStore", "MemoryResultStore",
-        "PostgresResultStore", "Reference", "ResultStore", "context_of", "decode_json", "encode_json",
-        "envelope", "envelope_from_proto", "envelope_to_proto", "error_info", "json_default", "to_jsonable"])
+        "MAX_CONTEXT_KEYS", "MAX_CONTEXT_STRING", "CachedResultStore", "KvCachedResultStore", "MemoryResultStore",
+        "PostgresResultStore", "Reference", "ResultStore", "S3Client", "S3Config", "S3ResultStore",
+        "TRACE_COLUMNS", "context_of", "decode_json", "encode_json", "entry_from_json", "entry_json", "envelope",
+        "envelope_from_proto", "envelope_to_proto", "error_info", "is_secret_key", "json_default",
+        "make_result_store", "to_jsonable", "trace"])
     for name in noetl_store.__all__:
         assert getattr(noetl_store, name) is not None
     with pytest.raises(AttributeError):

@@ -79,7 +79,9 @@ class ResultReference(_message.Message):
     URI_FIELD_NUMBER: _builtins.int
     ref_id: _builtins.int
     type: _builtins.str
-    """Storage tier: "db", "object_store", "kv", "eventlog"."""
+    """Storage tier of the payload: "db" (Postgres), "s3" (object store), "loop" (a finished
+    loop: its iteration results in order).
+    """
     uri: _builtins.str
     def __init__(
         self,

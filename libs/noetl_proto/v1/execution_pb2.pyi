@@ -445,3 +445,108 @@ class GetEventsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetEventsResponse: _TypeAlias = GetEventsResponse  # noqa: Y015
+
+@_typing.final
+class GetTraceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.int
+    step: _builtins.str
+    def __init__(
+        self,
+        *,
+        execution_id: _builtins.int = ...,
+        step: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTraceRequest: _TypeAlias = GetTraceRequest  # noqa: Y015
+
+@_typing.final
+class TraceEntry(_message.Message):
+    """One result reference of a lineage (a noetl.result_ref row)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_ID_FIELD_NUMBER: _builtins.int
+    PARENT_REF_ID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    URI_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    COMMAND_ID_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    ref_id: _builtins.int
+    parent_ref_id: _builtins.int
+    """The reference this result was derived from (the previous task of a pipeline);
+    0 at the start of the chain.
+    """
+    tier: _builtins.str
+    """Where the payload lives: "db", "s3", "loop"."""
+    uri: _builtins.str
+    size_bytes: _builtins.int
+    task: _builtins.str
+    """The pipeline task that produced it (a single tool is named after its step)."""
+    command_id: _builtins.str
+    step: _builtins.str
+    sha256: _builtins.str
+    """Hex SHA-256 of the stored payload ("" for tiers that do not record one)."""
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        ref_id: _builtins.int = ...,
+        parent_ref_id: _builtins.int = ...,
+        tier: _builtins.str = ...,
+        uri: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        task: _builtins.str = ...,
+        command_id: _builtins.str = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        step: _builtins.str = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "created_at", b"created_at", "parent_ref_id", b"parent_ref_id", "ref_id", b"ref_id", "sha256", b"sha256", "size_bytes", b"size_bytes", "step", b"step", "task", b"task", "tier", b"tier", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceEntry: _TypeAlias = TraceEntry  # noqa: Y015
+
+@_typing.final
+class GetTraceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    FROM_MANIFEST_FIELD_NUMBER: _builtins.int
+    from_manifest: _builtins.bool
+    """True when the execution was compacted and the chain was read from its manifest."""
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___TraceEntry]:
+        """Newest first: the step's terminal reference, then its parent, and so on. Empty when
+        the step has no result reference (it is running, or failed without a result).
+        """
+
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___TraceEntry] | None = ...,
+        from_manifest: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "from_manifest", b"from_manifest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTraceResponse: _TypeAlias = GetTraceResponse  # noqa: Y015

@@ -65,6 +65,11 @@ class ExecutionServiceStub:
                 request_serializer=noetl_dot_v1_dot_execution__pb2.GetEventsRequest.SerializeToString,
                 response_deserializer=noetl_dot_v1_dot_execution__pb2.GetEventsResponse.FromString,
                 _registered_method=True)
+        self.GetTrace = channel.unary_unary(
+                '/noetl.v1.ExecutionService/GetTrace',
+                request_serializer=noetl_dot_v1_dot_execution__pb2.GetTraceRequest.SerializeToString,
+                response_deserializer=noetl_dot_v1_dot_execution__pb2.GetTraceResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutionServiceServicer:
@@ -112,6 +117,16 @@ class ExecutionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrace(self, request, context):
+        """The lineage of a step's result: its terminal reference (the step's latest accepted
+        result) and every parent reference before it, newest first. Answers from the
+        execution's manifest once it was compacted. NOT_FOUND for an unknown execution or
+        step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +159,11 @@ def add_ExecutionServiceServicer_to_server(servicer, server):
                     servicer.GetEvents,
                     request_deserializer=noetl_dot_v1_dot_execution__pb2.GetEventsRequest.FromString,
                     response_serializer=noetl_dot_v1_dot_execution__pb2.GetEventsResponse.SerializeToString,
+            ),
+            'GetTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrace,
+                    request_deserializer=noetl_dot_v1_dot_execution__pb2.GetTraceRequest.FromString,
+                    response_serializer=noetl_dot_v1_dot_execution__pb2.GetTraceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +329,33 @@ class ExecutionService:
             '/noetl.v1.ExecutionService/GetEvents',
             noetl_dot_v1_dot_execution__pb2.GetEventsRequest.SerializeToString,
             noetl_dot_v1_dot_execution__pb2.GetEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/noetl.v1.ExecutionService/GetTrace',
+            noetl_dot_v1_dot_execution__pb2.GetTraceRequest.SerializeToString,
+            noetl_dot_v1_dot_execution__pb2.GetTraceResponse.FromString,
             options,
             channel_credentials,
             insecure,

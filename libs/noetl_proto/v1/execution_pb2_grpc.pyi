@@ -45,6 +45,12 @@ class ExecutionServiceStub:
     """Streams the execution's state on every change until it is terminal."""
     CancelExecution: _grpc.UnaryUnaryMultiCallable[_execution_pb2.CancelExecutionRequest, _execution_pb2.CancelExecutionResponse]
     GetEvents: _grpc.UnaryUnaryMultiCallable[_execution_pb2.GetEventsRequest, _execution_pb2.GetEventsResponse]
+    GetTrace: _grpc.UnaryUnaryMultiCallable[_execution_pb2.GetTraceRequest, _execution_pb2.GetTraceResponse]
+    """The lineage of a step's result: its terminal reference (the step's latest accepted
+    result) and every parent reference before it, newest first. Answers from the
+    execution's manifest once it was compacted. NOT_FOUND for an unknown execution or
+    step.
+    """
 
 @_typing.type_check_only
 class ExecutionServiceAsyncStub(ExecutionServiceStub):
@@ -63,6 +69,12 @@ class ExecutionServiceAsyncStub(ExecutionServiceStub):
     """Streams the execution's state on every change until it is terminal."""
     CancelExecution: _aio.UnaryUnaryMultiCallable[_execution_pb2.CancelExecutionRequest, _execution_pb2.CancelExecutionResponse]  # type: ignore[assignment]
     GetEvents: _aio.UnaryUnaryMultiCallable[_execution_pb2.GetEventsRequest, _execution_pb2.GetEventsResponse]  # type: ignore[assignment]
+    GetTrace: _aio.UnaryUnaryMultiCallable[_execution_pb2.GetTraceRequest, _execution_pb2.GetTraceResponse]  # type: ignore[assignment]
+    """The lineage of a step's result: its terminal reference (the step's latest accepted
+    result) and every parent reference before it, newest first. Answers from the
+    execution's manifest once it was compacted. NOT_FOUND for an unknown execution or
+    step.
+    """
 
 class ExecutionServiceServicer(metaclass=_abc_1.ABCMeta):
     """The client API: submit and follow executions."""
@@ -114,5 +126,17 @@ class ExecutionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _execution_pb2.GetEventsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_execution_pb2.GetEventsResponse, _abc.Awaitable[_execution_pb2.GetEventsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetTrace(
+        self,
+        request: _execution_pb2.GetTraceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_execution_pb2.GetTraceResponse, _abc.Awaitable[_execution_pb2.GetTraceResponse]]:
+        """The lineage of a step's result: its terminal reference (the step's latest accepted
+        result) and every parent reference before it, newest first. Answers from the
+        execution's manifest once it was compacted. NOT_FOUND for an unknown execution or
+        step.
+        """
 
 def add_ExecutionServiceServicer_to_server(servicer: ExecutionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,8 +1,19 @@
-"""Entry point of the api role: ``python -m noetl_api`` / ``noetl-api``."""
+"""Entry point of the api role: ``python -m noetl_api`` / ``noetl-api``.
+
+Needs NOETL_POSTGRES_DSN, NOETL_NATS_URL and NOETL_SHARD_MANAGER_TARGET; the result
+store is configured under NOETL_RESULT_* like the workers': the api reads every tier.
+"""
 
 from __future__ import annotations
 
-from noetl_common.config import CommandSettings, CoreSettings, ExecutionSettings, ShardSettings, load
+from noetl_common.config import (
+    CommandSettings,
+    CoreSettings,
+    ExecutionSettings,
+    ResultStoreSettings,
+    ShardSettings,
+    load,
+)
 from noetl_common.service import run_service
 
 from .service import ApiService
@@ -10,4 +21,4 @@ from .service import ApiService
 
 def main() -> int:
     return run_service(lambda: ApiService(load(CoreSettings), load(ShardSettings), load(CommandSettings),
-                                          load(ExecutionSettings)))
+                                          load(ExecutionSettings), load(ResultStoreSettings)))

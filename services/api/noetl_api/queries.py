@@ -1,4 +1,5 @@
-"""Read side: executions from the projected read models, events from the log."""
+"""Read side: executions from the projected read models, events from the log, lineage
+from the references (or, once compacted, from the execution's manifest)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from noetl_common.db import Pool
 from noetl_common.errors import InvalidInput, NotFound
-from noetl_store import ResultStore
+from noetl_store import ResultStore, entry_from_json, trace
 
 STATUSES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
@@ -38,8 +39,9 @@ class Queries:
                        "last_shard_seq": 0}
             else:
                 cur = await conn.execute(
-                    "SELECT * FROM noetl.execution_step WHERE execution_id = %s"
-                    " ORDER BY started_at NULLS LAST, step", (execution_id,))
+                    "SELECT s.*, r.tier AS result_tier, r.uri AS result_uri FROM noetl.execution_step s"
+                    " LEFT JOIN noetl.result_ref r ON r.ref_id = s.result_ref_id WHERE s.execution_id = %s"
+                    " ORDER BY s.started_at NULLS LAST, s.step", (execution_id,))
                 steps = list(await cur.fetchall())
         if include_results:
             refs = [s["result_ref_id"] for s in steps if s.get("result_ref_id")]
@@ -86,3 +88,35 @@ class Queries:
                 if await cur.fetchone() is None:
                     raise NotFound(f"execution {execution_id} not found")
         return rows
+
+    async def trace(self, execution_id: int, step: str) -> tuple[builtins.list[dict[str, Any]], bool]:
+        """(chain entries newest first, from_manifest) of a step's result. The step's
+        terminal reference is its latest accepted result (``execution_step.result_ref_id``
+        in the read model); a compacted execution answers from ``noetl.manifest_part``.
+        NotFound for an unknown execution or a step that never ran."""
+        if not step:
+            raise InvalidInput("step is required")
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT m.execution_id, p.step, p.chain FROM noetl.manifest m"
+                " LEFT JOIN noetl.manifest_part p ON p.execution_id = m.execution_id AND p.step = %s"
+                " WHERE m.execution_id = %s", (step, execution_id))
+            manifest = await cur.fetchone()
+            if manifest is not None:
+                if manifest["step"] is None:
+                    raise NotFound(f"step {step!r} of execution {execution_id} not found")
+                return [entry_from_json(e) for e in manifest["chain"] or []], True
+            cur = await conn.execute(
+                "SELECT s.step, s.result_ref_id FROM noetl.execution_step s WHERE s.execution_id = %s AND s.step = %s",
+                (execution_id, step))
+            row = await cur.fetchone()
+            if row is None:
+                cur = await conn.execute(
+                    "SELECT 1 FROM noetl.execution WHERE execution_id = %s"
+                    " UNION ALL SELECT 1 FROM noetl.execution_request WHERE execution_id = %s LIMIT 1",
+                    (execution_id, execution_id))
+                if await cur.fetchone() is None:
+                    raise NotFound(f"execution {execution_id} not found")
+                raise NotFound(f"step {step!r} of execution {execution_id} not found")
+            entries = await trace(conn, int(row["result_ref_id"])) if row["result_ref_id"] else []
+        return entries, False

@@ -6,7 +6,13 @@ import grpc
 from nats.aio.client import Client as NATS
 
 from noetl_common import natsio
-from noetl_common.config import CommandSettings, CoreSettings, ExecutionSettings, ShardSettings
+from noetl_common.config import (
+    CommandSettings,
+    CoreSettings,
+    ExecutionSettings,
+    ResultStoreSettings,
+    ShardSettings,
+)
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.service import Service
 from noetl_common.shardtasks import ShardTasks
@@ -18,7 +24,7 @@ from noetl_proto.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from noetl_store import CachedResultStore, PostgresResultStore
+from noetl_store import CachedResultStore, make_result_store
 
 from .admission import Admission
 from .catalog import Catalog
@@ -27,6 +33,9 @@ from .engine.shard import EngineDeps, ShardEngine
 from .queries import Queries
 from .servicers import CatalogServicer, CredentialServicer, ExecutionServicer, WorkerServicer
 from .submissions import Submitter
+
+# Results the api keeps in process (engine templates, GetExecution with results).
+RESULT_CACHE_ITEMS = 2048
 
 
 class ApiService(Service):
@@ -40,7 +49,8 @@ class ApiService(Service):
     )
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, commands: CommandSettings,
-                 executions: ExecutionSettings) -> None:
+                 executions: ExecutionSettings, results: ResultStoreSettings | None = None) -> None:
+        self.results_cfg = results or ResultStoreSettings()
         core.require("postgres_dsn", "nats_url", "shard_manager_target")
         super().__init__(core, shard)
         self.commands = commands
@@ -57,7 +67,9 @@ class ApiService(Service):
         self.js = self.nc.jetstream()
         await natsio.ensure_streams(self.js, command_ack_wait_sec=max(5.0, self.commands.lease_sec))
         self.catalog = Catalog(self.pool)
-        self.results = CachedResultStore(PostgresResultStore(self.pool), max_items=2048)
+        # The api reads every tier (engine templates, GetExecution with results).
+        self.results = CachedResultStore(await make_result_store(self.results_cfg, self.pool, self.js),
+                                         max_items=RESULT_CACHE_ITEMS)
         self.queries = Queries(self.pool, self.results)
         self.claims = Claims(self.pool, self.catalog, self.commands.lease_sec)
 
@@ -85,6 +97,12 @@ class ApiService(Service):
             self.engines = ShardTasks("engine", lambda shard, epoch: ShardEngine(deps, shard, epoch))
         return self.engines
 
+    async def on_joined(self) -> None:
+        # A rejoin hands out a new node id (the old one was freed when this member was
+        # declared dead and may be in use elsewhere): new execution ids must use it.
+        if self.engines is not None and self.ids.node_id != self.node_id:
+            self.ids.rebind(self.node_id)
+
     async def on_shards(self, gained: dict[int, int], lost: set[int]) -> None:
         await self._ready().apply(gained, lost)
 
@@ -92,7 +110,11 @@ class ApiService(Service):
         self._ready()
 
     async def on_stop(self) -> None:
-        if self.engines is not None:
-            await self.engines.stop_all()
-        if self.nc is not None:
-            await self.nc.drain()
+        try:
+            if self.engines is not None:
+                await self.engines.stop_all()
+            if self.nc is not None:
+                await self.nc.drain()
+        finally:
+            if getattr(self, "results", None) is not None:
+                await self.results.close()

@@ -47,10 +47,21 @@ def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
                             attempts=s["attempts"] or 0, visits=s["visits"] or 0, error=s.get("error") or "",
                             result_json=s.get("result_json") or "")
         if s.get("result_ref_id"):
-            step.result_ref.CopyFrom(common_pb2.ResultReference(ref_id=s["result_ref_id"], type="db"))
+            step.result_ref.CopyFrom(common_pb2.ResultReference(ref_id=s["result_ref_id"],
+                                                                type=s.get("result_tier") or "",
+                                                                uri=s.get("result_uri") or ""))
         for field in ("started_at", "ended_at"):
             set_timestamp(getattr(step, field), s.get(field))
     return ex
+
+
+def _trace_entry_pb(e: dict[str, Any]) -> execution_pb2.TraceEntry:
+    out = execution_pb2.TraceEntry(
+        ref_id=e["ref_id"], parent_ref_id=e.get("parent_ref_id") or 0, tier=e.get("tier") or "",
+        uri=e.get("uri") or "", size_bytes=e.get("size_bytes") or 0, task=e.get("task") or "",
+        command_id=e.get("command_id") or "", step=e.get("step") or "", sha256=e.get("sha256") or "")
+    set_timestamp(out.created_at, e.get("created_at"))
+    return out
 
 
 def _entry_pb(e: CatalogEntry, with_content: bool = True) -> catalog_pb2.CatalogEntry:
@@ -152,6 +163,13 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
                                 meta_json=json.dumps(r["meta"] or {}))
             set_timestamp(ev.created_at, r["created_at"])
         return out
+
+
+    async def GetTrace(self, request: execution_pb2.GetTraceRequest,
+                       context: grpc.aio.ServicerContext) -> execution_pb2.GetTraceResponse:
+        entries, from_manifest = await self._queries.trace(request.execution_id, request.step)
+        return execution_pb2.GetTraceResponse(entries=[_trace_entry_pb(e) for e in entries],
+                                              from_manifest=from_manifest)
 
 
 class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):

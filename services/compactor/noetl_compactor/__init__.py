@@ -1,2 +1,3 @@
-"""The compactor role. Built so far: event partitions are created ahead of need.
-Not built yet: retention (manifests, deleting compacted events, dropping partitions)."""
+"""The compactor role: retention (finished executions older than the horizon become
+``noetl.manifest`` / ``noetl.manifest_part``, their events are deleted, expired empty
+partitions are dropped) and event partitions created ahead of need."""

@@ -20,6 +20,8 @@ from noetl_proto.v1 import messages_pb2
 logger = logging.getLogger(__name__)
 
 REAPED = Counter("noetl_reaped_commands_total", "Commands reported or republished by the reaper", ["reason"])
+for _reason in ("lease_expired", "republished"):  # exported as 0 before the first one
+    REAPED.labels(_reason)
 
 
 class ShardReaper:

@@ -8,7 +8,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
+
 from noetl_common.db import Pool, transaction
+from noetl_common.errors import NoetlError
 
 from .balance import assign
 
@@ -108,6 +111,7 @@ class Membership:
         """Declare stale members dead and move shards to live members; returns moves made."""
         moves = 0
         async with transaction(self._pool) as conn:
+            await self._bounded_lock_wait(conn)
             cur = await conn.execute(
                 "UPDATE noetl.runtime SET status = 'dead' WHERE status = 'alive'"
                 " AND heartbeat_at < now() - make_interval(secs => %s) RETURNING runtime_id, role, instance",
@@ -115,9 +119,11 @@ class Membership:
             for r in await cur.fetchall():
                 logger.warning("member %s (%s, runtime %s) missed its lease: declared dead",
                                r["instance"], r["role"], r["runtime_id"])
+            # Only missing rows: ON CONFLICT alone would wait on a row a member's fence has locked.
             await conn.execute(
                 "INSERT INTO noetl.shard_lease (role, shard_id) SELECT r, s FROM unnest(%s::text[]) r,"
-                " generate_series(0, %s - 1) s ON CONFLICT DO NOTHING",
+                " generate_series(0, %s - 1) s WHERE NOT EXISTS (SELECT 1 FROM noetl.shard_lease l"
+                " WHERE l.role = r AND l.shard_id = s) ON CONFLICT DO NOTHING",
                 (list(self.roles), self.shard_count))
             cur = await conn.execute(
                 "SELECT runtime_id, role FROM noetl.runtime WHERE status = 'alive' AND role = ANY(%s)",
@@ -136,16 +142,35 @@ class Membership:
                 continue
             target = assign(self.shard_count, live[role], current[role])
             changed = [(s, o) for s, o in target.items() if current[role].get(s) != o]
+            moved = 0
             for shard, owner in changed:
                 # Row lock: waits for an in-flight fenced transaction of the old owner, then
                 # bumps the epoch so every later write of the old owner fails its fence.
-                async with transaction(self._pool) as conn:
-                    await conn.execute(
-                        "UPDATE noetl.shard_lease SET owner_runtime_id = %s, epoch = epoch + 1,"
-                        " leased_until = now() + make_interval(secs => %s), updated_at = now()"
-                        " WHERE role = %s AND shard_id = %s",
-                        (owner, self.lease_sec, role, shard))
-                moves += 1
-            if changed:
-                logger.info("rebalanced %s: %s shard(s) moved over %s member(s)", role, len(changed), len(live[role]))
+                # A transaction that holds the lock longer (its member froze mid-batch) is
+                # not waited for: the shard is retried next tick, the others move now, and
+                # Postgres ends the frozen transaction after a lease (make_pool's
+                # idle_tx_timeout_sec), releasing the lock.
+                try:
+                    async with transaction(self._pool) as conn:
+                        await self._bounded_lock_wait(conn)
+                        await conn.execute(
+                            "UPDATE noetl.shard_lease SET owner_runtime_id = %s, epoch = epoch + 1,"
+                            " leased_until = now() + make_interval(secs => %s), updated_at = now()"
+                            " WHERE role = %s AND shard_id = %s",
+                            (owner, self.lease_sec, role, shard))
+                except NoetlError as exc:
+                    if not isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                        raise
+                    logger.warning("%s shard %s is locked by a stalled transaction of its owner; retrying next tick",
+                                   role, shard)
+                    continue
+                moved += 1
+            moves += moved
+            if moved:
+                logger.info("rebalanced %s: %s shard(s) moved over %s member(s)", role, moved, len(live[role]))
         return moves
+
+    async def _bounded_lock_wait(self, conn: Any) -> None:
+        """Wait at most a quarter lease (1 s at most) for a row lock in this transaction."""
+        wait_ms = int(max(0.05, min(1.0, self.lease_sec / 4)) * 1000)
+        await conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{wait_ms}ms",))

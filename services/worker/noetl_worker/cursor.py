@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from noetl_common.errors import NoetlError, ToolError, Unavailable
+from noetl_common.errors import ToolError, Unavailable
 from noetl_dsl.templates import RenderContext
 from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, encode_json, envelope
@@ -46,7 +46,15 @@ from noetl_store import ResultStore, encode_json, envelope
 from .cursor_drivers import CursorDriver, CursorError, CursorSpec, Row
 from .metrics import CURSOR_ROWS
 from .pipeline import TaskRun, run_pipeline
-from .runner import TaskCaller, build_call_result, error_result, log_task_run, prepare
+from .runner import (
+    StoreFailure,
+    TaskCaller,
+    build_call_result,
+    error_result,
+    log_task_run,
+    persist_result,
+    prepare,
+)
 from .tools import Tools
 from .tools.outcome import CURSOR_ERROR, INVALID_COMMAND, REFERENCE_NOT_AVAILABLE, ErrorDetail
 
@@ -192,12 +200,11 @@ class CursorSlot:
         command, counts = self.command, self.counts
         value = counts.value()
         try:
-            ref = await self.store.put(value, execution_id=command.execution_id, step=command.step,
-                                       command_id=command.command_id, task=SLOT_TASK, parent_ref_id=None)
-        except (NoetlError, TypeError, ValueError) as exc:
+            ref = await persist_result(self.store, value, command=command, task=SLOT_TASK, parent_ref_id=None)
+        except StoreFailure as exc:
             logger.error("cannot store the cursor slot's counts: %s", exc, extra=self.extra)
-            return error_result(command, REFERENCE_NOT_AVAILABLE, f"cannot store the cursor slot's result: {exc}",
-                                worker_id=self.worker_id, kind=type(exc).__name__, retryable=True)
+            return error_result(command, REFERENCE_NOT_AVAILABLE, str(exc), worker_id=self.worker_id,
+                                kind="StoreFailure", retryable=True)
         logger.info("cursor slot %s: processed=%d succeeded=%d failed=%d", "failed" if error else "drained",
                     counts.processed, counts.succeeded, counts.failed, extra=self.extra)
         if error is not None and not error.code:

@@ -1,12 +1,20 @@
 """Entry point of the worker role (``noetl-worker`` / ``python -m noetl_worker``).
 
 Needs NOETL_POSTGRES_DSN, NOETL_NATS_URL, NOETL_API_TARGET and
-NOETL_SHARD_MANAGER_TARGET; tuning under NOETL_WORKER_* and NOETL_COMMAND_*.
+NOETL_SHARD_MANAGER_TARGET; tuning under NOETL_WORKER_* and NOETL_COMMAND_*; where
+results are stored under NOETL_RESULT_* (tier db|s3, cache none|kv).
 """
 
 from __future__ import annotations
 
-from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, WorkerSettings, load
+from noetl_common.config import (
+    CommandSettings,
+    CoreSettings,
+    ResultStoreSettings,
+    ShardSettings,
+    WorkerSettings,
+    load,
+)
 from noetl_common.service import run_service
 
 from .service import WorkerService
@@ -15,7 +23,8 @@ from .service import WorkerService
 def build() -> WorkerService:
     core = load(CoreSettings)
     core.require("postgres_dsn", "nats_url", "api_target", "shard_manager_target")
-    return WorkerService(core, load(ShardSettings), load(CommandSettings), load(WorkerSettings))
+    return WorkerService(core, load(ShardSettings), load(CommandSettings), load(WorkerSettings),
+                         results=load(ResultStoreSettings))
 
 
 def main() -> int:

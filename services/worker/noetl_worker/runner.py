@@ -1,10 +1,11 @@
 """Executes one claimed command: parse it, build the render scope, run the pipeline,
 persist every task result, and build the ``CallResult`` (references only).
 
-Persist-before-emit: each task result goes through ``_Persister.record`` (one
-``ResultStore.put`` whose ``parent_ref`` is the previous task's reference) before any
-``CallResult`` is built. A store failure stops the command with
-``REFERENCE_NOT_AVAILABLE``: a result is never silently lost.
+Persist-before-emit: every result the worker reports (each task of a pipeline, a
+cursor slot's counts) is stored by ``persist_result`` (one ``ResultStore.put``, bounded
+by a timeout, whose ``parent_ref`` is the previous task's reference) before any
+``CallResult`` is built. A store failure or timeout stops the command with
+``REFERENCE_NOT_AVAILABLE``: a result is never silently lost, and never waited on forever.
 """
 
 from __future__ import annotations
@@ -30,12 +31,35 @@ from .tools.outcome import INVALID_COMMAND, REFERENCE_NOT_AVAILABLE
 logger = logging.getLogger(__name__)
 
 
+# Outer bound of one persist (the store bounds its own calls too, NOETL_RESULT_TIMEOUT_SEC).
+PERSIST_TIMEOUT_SEC = 120.0
+
+
 class StoreFailure(NoetlError):
     """A task result could not be persisted."""
 
 
+async def persist_result(store: ResultStore, value: Any, *, command: messages_pb2.Command, task: str,
+                         parent_ref_id: int | None, limit_sec: float | None = None) -> Reference:
+    """Persist-before-emit: store one result of ``command`` and return its reference.
+    Every result the worker reports goes through here. Raises ``StoreFailure`` (the
+    caller reports ``REFERENCE_NOT_AVAILABLE``) when the store fails, refuses the value or
+    does not answer within ``limit_sec`` (default ``PERSIST_TIMEOUT_SEC``)."""
+    limit = PERSIST_TIMEOUT_SEC if limit_sec is None else limit_sec
+    try:
+        async with asyncio.timeout(limit):
+            return await store.put(value, execution_id=command.execution_id, step=command.step,
+                                   command_id=command.command_id, task=task, parent_ref_id=parent_ref_id)
+    except TimeoutError as exc:
+        raise StoreFailure(f"cannot store the result of task '{task}': the result store did not answer "
+                           f"within {limit:g}s") from exc
+    except (NoetlError, TypeError, ValueError) as exc:
+        raise StoreFailure(f"cannot store the result of task '{task}': {exc}") from exc
+
+
 class _Persister:
-    """Stores each task result, chaining references through ``parent_ref_id``."""
+    """Stores each task result (``persist_result``), chaining references through
+    ``parent_ref_id``."""
 
     def __init__(self, store: ResultStore, command: messages_pb2.Command) -> None:
         self.store = store
@@ -48,12 +72,8 @@ class _Persister:
         if not outcome.ok and outcome.data is None:
             return  # nothing to keep: the error itself travels in the envelope
         parent = self.stored[-1][1].ref_id if self.stored else None
-        try:
-            ref = await self.store.put(outcome.data, execution_id=self.command.execution_id,
-                                       step=self.command.step, command_id=self.command.command_id,
-                                       task=run.name, parent_ref_id=parent)
-        except (NoetlError, TypeError, ValueError) as exc:
-            raise StoreFailure(f"cannot store the result of task '{run.name}': {exc}") from exc
+        ref = await persist_result(self.store, outcome.data, command=self.command, task=run.name,
+                                   parent_ref_id=parent)
         self.stored.append((run, ref))
 
     def references(self, last: TaskRun | None) -> tuple[Reference | None, Reference | None]:

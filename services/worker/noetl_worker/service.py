@@ -44,11 +44,17 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
 from noetl_common import grpcutil, natsio
-from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, WorkerSettings
+from noetl_common.config import (
+    CommandSettings,
+    CoreSettings,
+    ResultStoreSettings,
+    ShardSettings,
+    WorkerSettings,
+)
 from noetl_common.errors import NoetlError, Unavailable
 from noetl_common.service import Service
 from noetl_proto.v1 import execution_pb2_grpc, messages_pb2, worker_pb2, worker_pb2_grpc
-from noetl_store import CachedResultStore, PostgresResultStore, ResultStore, encode_json, envelope_from_proto
+from noetl_store import ResultStore, encode_json, envelope_from_proto, make_result_store
 
 from .cursor import CURSOR_KIND, run_cursor_slot
 from .cursor_drivers import Row, default_drivers
@@ -100,10 +106,12 @@ class WorkerService(Service):
     sharded = False
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, command: CommandSettings,
-                 worker: WorkerSettings, *, tools: Tools | None = None, store: ResultStore | None = None) -> None:
+                 worker: WorkerSettings, *, tools: Tools | None = None, store: ResultStore | None = None,
+                 results: ResultStoreSettings | None = None) -> None:
         super().__init__(core, shard)
         self.command_cfg = command
         self.worker_cfg = worker
+        self.results_cfg = results or ResultStoreSettings()
         self.tools = tools
         self.store = store
         self.nc: NATS | None = None
@@ -127,8 +135,12 @@ class WorkerService(Service):
     async def on_start(self) -> None:
         self.core.require("postgres_dsn", "nats_url", "api_target")
         assert self.pool is not None
+        self.nc = await natsio.connect(self.core.nats_url, name=f"noetl-worker-{self.worker_id}")
+        self.js = self.nc.jetstream()
+        await natsio.ensure_streams(self.js)
         if self.store is None:
-            self.store = CachedResultStore(PostgresResultStore(self.pool), max_items=RESULT_CACHE_ITEMS)
+            # Writes the configured tier (NOETL_RESULT_TIER), reads every tier.
+            self.store = await make_result_store(self.results_cfg, self.pool, self.js, lru_items=RESULT_CACHE_ITEMS)
         self.api_channel = grpcutil.channel(self.core.api_target)
         self.api = worker_pb2_grpc.WorkerServiceStub(self.api_channel)
         if self.tools is None:
@@ -139,9 +151,6 @@ class WorkerService(Service):
                                cursors=default_drivers(credentials, pools))
         if self.tools.python is not None:
             await self.tools.python.start()
-        self.nc = await natsio.connect(self.core.nats_url, name=f"noetl-worker-{self.worker_id}")
-        self.js = self.nc.jetstream()
-        await natsio.ensure_streams(self.js)
         await self.nc.subscribe(CANCEL_HINTS_SUBJECT, cb=self._on_cancel_hint)
 
     async def on_serving(self) -> None:

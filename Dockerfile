@@ -1,0 +1,71 @@
+# syntax=docker/dockerfile:1
+# One image per role, all from this file: `docker build --target <role> .`
+# (`make images` builds the seven). Targets: api, shard-manager, projector,
+# checkpointer, compactor, reaper, worker.
+#
+#   builder   python slim + the project's source: builds every wheel and a venv at
+#             /opt/noetl (deploy/docker/build-venv.sh). Nothing compiles: every
+#             dependency ships binary wheels.
+#   runtime   python slim + /opt/noetl only; no compilers, no pip, no source tree;
+#             runs as uid/gid 10001; gRPC on 50051, Prometheus /metrics on 9464.
+#   <role>    runtime + the role's entry point.
+#
+# Health: every role serves grpc.health.v1 on its gRPC port. Kubernetes probes it
+# natively (`grpc: {port: 50051}`, see deploy/helm/noetl); Docker uses the
+# HEALTHCHECK below (deploy/docker/healthcheck.py, the same RPC).
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS builder
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY deploy/docker/build-venv.sh /usr/local/bin/build-venv
+COPY pyproject.toml ./
+COPY libs/ libs/
+COPY services/ services/
+RUN sh /usr/local/bin/build-venv /src /opt/noetl /tmp/wheels && rm -rf /tmp/wheels
+
+FROM ${PYTHON_IMAGE} AS runtime
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="noetl-runtime" \
+      org.opencontainers.image.description="Durable, horizontally scalable runtime for NoETL playbooks" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --system --gid 10001 noetl \
+ && useradd --system --uid 10001 --gid noetl --no-create-home --home-dir /tmp --shell /usr/sbin/nologin noetl
+COPY --from=builder /opt/noetl /opt/noetl
+COPY deploy/docker/healthcheck.py /opt/noetl/healthcheck.py
+ENV PATH=/opt/noetl/bin:${PATH} \
+    HOME=/tmp \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    NOETL_GRPC_LISTEN=0.0.0.0:50051 \
+    NOETL_METRICS_LISTEN=0.0.0.0:9464
+WORKDIR /tmp
+USER 10001:10001
+EXPOSE 50051 9464
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "/opt/noetl/healthcheck.py"]
+
+FROM runtime AS api
+ENTRYPOINT ["noetl-api"]
+
+FROM runtime AS shard-manager
+ENTRYPOINT ["noetl-shard-manager"]
+
+FROM runtime AS projector
+ENTRYPOINT ["noetl-projector"]
+
+FROM runtime AS checkpointer
+ENTRYPOINT ["noetl-checkpointer"]
+
+FROM runtime AS compactor
+ENTRYPOINT ["noetl-compactor"]
+
+FROM runtime AS reaper
+ENTRYPOINT ["noetl-reaper"]
+
+FROM runtime AS worker
+ENTRYPOINT ["noetl-worker"]

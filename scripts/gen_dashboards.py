@@ -1,0 +1,447 @@
+"""Generate the Grafana dashboards shipped by the Helm chart (an overview and one per role).
+
+    python scripts/gen_dashboards.py           # write deploy/helm/noetl/dashboards/*.json
+    python scripts/gen_dashboards.py --check   # exit 1 if the committed files are stale
+
+Every expression reads only metrics the runtime exports (grep ``Counter(``/``Gauge(``/
+``Histogram(`` under libs/ and services/) plus Prometheus' own ``up`` and the Python
+client's ``process_*``. Series carry the target labels ``namespace``, ``pod`` and
+``component`` (the role), which the chart's ServiceMonitor sets; the dashboards filter on
+``namespace=~"$namespace"``. ``make check-deploy`` runs every expression against a real
+Prometheus scraping a local stack and fails on any that returns no data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "noetl" / "dashboards"
+NS = 'namespace=~"$namespace"'
+RI = "$__rate_interval"
+ROLES = ("api", "shard-manager", "projector", "checkpointer", "compactor", "reaper", "worker")
+SHARDED = ("api", "projector", "checkpointer", "compactor", "reaper")
+SERVER_ERRORS = "INTERNAL|UNKNOWN|UNAVAILABLE|DEADLINE_EXCEEDED|DATA_LOSS|UNIMPLEMENTED"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def eq(label: str, value: str) -> str:
+    return f'{label}="{value}"'
+
+
+def rx(label: str, value: str) -> str:
+    return f'{label}=~"{value}"'
+
+
+def sel(*matchers: str) -> str:
+    return "{" + ",".join((NS, *matchers)) + "}"
+
+
+def comp(role: str, *matchers: str) -> str:
+    return sel(f'component="{role}"', *matchers)
+
+
+def held(metric: str, role: str) -> str:
+    """A per-shard gauge, only on the pod that holds the shard now (a pod keeps exporting
+    the last value of a shard it lost)."""
+    return (f"{metric}{sel()} and on (namespace, instance, shard) "
+            f"(noetl_shard_owner{sel(eq('role', role))} == 1)")
+
+
+def quantile(q: float, metric: str, labels: str, by: str = "") -> str:
+    keys = ", ".join(["le", *[b for b in by.split(",") if b.strip()]])
+    return f"histogram_quantile({q}, sum by ({keys}) (rate({metric}_bucket{labels}[{RI}])))"
+
+
+@dataclass
+class Panel:
+    title: str
+    targets: list[tuple[str, str]]  # (expr, legend)
+    unit: str = "short"
+    kind: str = "timeseries"
+    description: str = ""
+    width: int = 12
+    height: int = 8
+
+
+@dataclass
+class Row:
+    title: str
+    panels: list[Panel] = field(default_factory=list)
+
+
+def stat(title: str, expr: str, unit: str = "short", description: str = "") -> Panel:
+    return Panel(title, [(expr, title)], unit, "stat", description, width=4, height=4)
+
+
+# ---------------------------------------------------------------- shared rows
+
+
+def process_row(role: str) -> Row:
+    c = comp(role)
+    return Row("Pods", [
+        stat("Pods up", f"sum(up{c})", description="Scrape targets of this role that answer."),
+        stat("Process restarts (1h)", f"sum(changes(process_start_time_seconds{c}[1h]))",
+             description="Restarts of the role's processes in their pods during the last hour."),
+        stat("Resident memory (max pod)", f"max(process_resident_memory_bytes{c})", "bytes"),
+        stat("Open file descriptors (max pod)", f"max(process_open_fds{c})"),
+        stat("gRPC calls/s", f"sum(rate(noetl_grpc_requests_total{c}[{RI}]))", "reqps"),
+        stat("Python GC collections/s", f"sum(rate(python_gc_collections_total{c}[{RI}]))"),
+        Panel("CPU by pod", [(f"sum by (pod) (rate(process_cpu_seconds_total{c}[{RI}]))", "{{pod}}")], "percentunit",
+              description="CPU seconds per second (1 = one core)."),
+        Panel("Resident memory by pod", [(f"sum by (pod) (process_resident_memory_bytes{c})", "{{pod}}")], "bytes"),
+    ])
+
+
+def grpc_row(role: str) -> Row:
+    c = comp(role)
+    return Row("gRPC (server side)", [
+        Panel("Calls by method and code", [
+            (f"sum by (method, code) (rate(noetl_grpc_requests_total{c}[{RI}]))", "{{method}} {{code}}")], "reqps"),
+        Panel("Latency p99 by method", [
+            (quantile(0.99, "noetl_grpc_request_seconds", c, "method"), "{{method}}")], "s"),
+    ])
+
+
+def lease_row(role: str) -> Row:
+    return Row("Shards and leases", [
+        Panel("Shards held by pod", [
+            (f"sum by (pod) (noetl_shard_owner{comp(role, eq('role', role))})", "{{pod}}")],
+            description="noetl_shard_owner: 1 per shard lease the pod holds."),
+        Panel("Lease renewal rounds and losses", [
+            (f"sum by (pod) (rate(noetl_lease_renewals_total{comp(role)}[{RI}]))", "renewals/s {{pod}}"),
+            (f"sum by (pod) (increase(noetl_lease_losses_total{comp(role)}[{RI}]))", "lost {{pod}}")],
+            description="Leases are lost when shards are reassigned (scaling, a rollout) or expire "
+                        "(a member missed its renewals)."),
+    ])
+
+
+# ---------------------------------------------------------------- dashboards
+
+
+def overview() -> list[Row]:
+    up = sel(rx("component", "|".join(ROLES)))
+    errors = (f"(sum by (component) (rate(noetl_grpc_requests_total{sel(rx('code', SERVER_ERRORS))}[{RI}])) "
+              f"or sum by (component) (rate(noetl_grpc_requests_total{sel()}[{RI}])) * 0) "
+              f"/ sum by (component) (rate(noetl_grpc_requests_total{sel()}[{RI}]))")
+    return [
+        Row("Executions", [
+            stat("Active executions", f"max(noetl_active_executions{sel()})",
+                 description="Running + waiting to start, as admission control last measured it (refreshed on "
+                             "submissions, at most once a second per api replica)."),
+            stat("Queued commands", f"max(noetl_queued_commands{sel()})",
+                 description="Commands waiting for a worker, as admission control last measured it."),
+            stat("Submissions/s", f"sum(rate(noetl_grpc_requests_total{comp('api', rx('method', '.*/SubmitExecution'))}[{RI}]))",
+                 "reqps"),
+            stat("Workers busy", f"sum(noetl_worker_busy{sel()})",
+                 description="Commands running now, all workers."),
+            stat("Max projection lag", f"max({held('noetl_projection_lag_ms', 'projector')})", "ms"),
+            stat("Max checkpoint age", f"max({held('noetl_checkpoint_age_ms', 'checkpointer')})", "ms"),
+            Panel("Events appended vs projected", [
+                (f"sum(rate(noetl_engine_events_total{sel()}[{RI}]))", "appended (engine)"),
+                (f"sum(rate(noetl_projected_events_total{sel()}[{RI}]))", "projected")], "ops"),
+            Panel("Commands finished by status", [
+                (f"sum by (status) (rate(noetl_worker_commands_total{sel()}[{RI}]))", "{{status}}")], "ops"),
+            Panel("Submissions rejected by admission control", [
+                (f"sum by (reason) (rate(noetl_submissions_rejected_total{sel()}[{RI}]))", "{{reason}}")], "reqps"),
+            Panel("Commands reaped", [
+                (f"sum by (reason) (rate(noetl_reaped_commands_total{sel()}[{RI}]))", "{{reason}}")], "ops",
+                description="lease_expired: the worker died or froze mid-task (re-issued, or dead-lettered past "
+                            "NOETL_COMMAND_MAX_ATTEMPTS); republished: queued too long."),
+        ]),
+        Row("Cluster", [
+            stat("Shard-manager leader", f"max(noetl_shard_manager_leader{sel()})",
+                 description="1 while a shard-manager replica holds the leader lease."),
+            stat("Shard moves (1h)", f"sum(increase(noetl_shard_moves_total{sel()}[1h]))"),
+            stat("Lease losses (1h)", f"sum(increase(noetl_lease_losses_total{sel()}[1h]))"),
+            stat("Pods up", f"sum(up{up})"),
+            stat("Commands republished (1h)", f"sum(increase(noetl_engine_republished_commands_total{sel()}[1h]))"),
+            stat("Events compacted/s", f"sum(noetl_compactor_events_per_second{sel()})", "ops"),
+            Panel("Pods up by role", [(f"sum by (component) (up{up})", "{{component}}")]),
+            Panel("Shards owned by role", [(f"sum by (role) (noetl_shard_owner{sel()})", "{{role}}")],
+                  description="Should equal NOETL_SHARD_COUNT for every sharded role."),
+            Panel("gRPC server-error ratio by role", [(errors, "{{component}}")], "percentunit"),
+            Panel("CPU by role", [
+                (f"sum by (component) (rate(process_cpu_seconds_total{up}[{RI}]))", "{{component}}")],
+                "percentunit"),
+        ]),
+    ]
+
+
+def api() -> list[Row]:
+    c = comp("api")
+    return [
+        Row("Admission and submissions", [
+            stat("Active executions", f"max(noetl_active_executions{c})"),
+            stat("Queued commands", f"max(noetl_queued_commands{c})"),
+            stat("Submissions/s", f"sum(rate(noetl_grpc_requests_total{comp('api', rx('method', '.*/SubmitExecution'))}[{RI}]))",
+                 "reqps"),
+            stat("Rejected (1h)", f"sum(increase(noetl_submissions_rejected_total{c}[1h]))"),
+            stat("Claims/s", f"sum(rate(noetl_grpc_requests_total{comp('api', rx('method', '.*/ClaimCommand'))}[{RI}]))",
+                 "reqps"),
+            stat("Commands republished (1h)", f"sum(increase(noetl_engine_republished_commands_total{c}[1h]))"),
+            Panel("Active executions and queued commands", [
+                (f"max(noetl_active_executions{c})", "active executions"),
+                (f"max(noetl_queued_commands{c})", "queued commands")],
+                description="Measured by admission control on submissions (at most once a second per replica)."),
+            Panel("Rejections by reason", [
+                (f"sum by (reason) (rate(noetl_submissions_rejected_total{c}[{RI}]))", "{{reason}}")], "reqps"),
+        ]),
+        Row("Engine", [
+            Panel("Events appended by shard", [
+                (f"sum by (shard) (rate(noetl_engine_events_total{c}[{RI}]))", "shard {{shard}}")], "ops"),
+            Panel("Batch transaction time", [
+                (quantile(0.5, "noetl_engine_batch_seconds", c), "p50"),
+                (quantile(0.99, "noetl_engine_batch_seconds", c), "p99")], "s"),
+            Panel("Inputs per batch", [
+                (quantile(0.5, "noetl_engine_batch_inputs", c), "p50"),
+                (quantile(0.99, "noetl_engine_batch_inputs", c), "p99")]),
+            Panel("Inputs replayed after takeovers", [
+                (f"sum by (shard) (increase(noetl_engine_replayed_inputs_total{c}[{RI}]))", "shard {{shard}}")],
+                description="Inputs delivered to a previous owner of the shard but not committed by it."),
+        ]),
+        Row("Result store (reads by the engine and GetExecution)", [
+            Panel("Reference resolve time p99 by tier", [
+                (quantile(0.99, "noetl_reference_resolve_ms", c, "tier"), "{{tier}}")], "ms"),
+            Panel("Read-through cache lookups", [
+                (f"sum by (cache, outcome) (rate(noetl_result_cache_requests_total{c}[{RI}]))", "{{cache}} {{outcome}}")],
+                "ops", description="Only with NOETL_RESULT_CACHE=kv."),
+        ]),
+        lease_row("api"), grpc_row("api"), process_row("api"),
+    ]
+
+
+def shard_manager() -> list[Row]:
+    c = comp("shard-manager")
+    return [
+        Row("Leadership and assignment", [
+            stat("Leader", f"max(noetl_shard_manager_leader{c})"),
+            stat("Shard moves (1h)", f"sum(increase(noetl_shard_moves_total{c}[1h]))"),
+            stat("Members joining/s", f"sum(rate(noetl_grpc_requests_total{comp('shard-manager', rx('method', '.*/Join'))}[{RI}]))",
+                 "reqps"),
+            stat("Heartbeats/s", f"sum(rate(noetl_grpc_requests_total{comp('shard-manager', rx('method', '.*/Heartbeat'))}[{RI}]))",
+                 "reqps"),
+            Panel("Leader by pod", [(f"max by (pod) (noetl_shard_manager_leader{c})", "{{pod}}")]),
+            Panel("Shard moves", [(f"sum(increase(noetl_shard_moves_total{c}[{RI}]))", "moves")],
+                  description="Ownership changes made by the leader (rebalances, dead members)."),
+            Panel("Shards owned by role", [(f"sum by (role) (noetl_shard_owner{sel()})", "{{role}}")]),
+            Panel("Shards held by pod", [(f"sum by (role, pod) (noetl_shard_owner{sel()})", "{{role}} {{pod}}")]),
+        ]),
+        grpc_row("shard-manager"), process_row("shard-manager"),
+    ]
+
+
+def projector() -> list[Row]:
+    c = comp("projector")
+    return [
+        Row("Projection", [
+            stat("Max lag", f"max({held('noetl_projection_lag_ms', 'projector')})", "ms"),
+            stat("Projected events/s", f"sum(rate(noetl_projected_events_total{c}[{RI}]))", "ops"),
+            stat("Appended events/s (engine)", f"sum(rate(noetl_engine_events_total{sel()}[{RI}]))", "ops"),
+            Panel("Lag by shard (held shards)", [
+                (f"max by (shard) ({held('noetl_projection_lag_ms', 'projector')})", "shard {{shard}}")], "ms",
+                description="Age of the newest projected event when it was projected; the alert fires above 1000 ms "
+                            "sustained while the shard is being projected."),
+            Panel("Projected events by shard", [
+                (f"sum by (shard) (rate(noetl_projected_events_total{c}[{RI}]))", "shard {{shard}}")], "ops"),
+            Panel("Appended vs projected", [
+                (f"sum(rate(noetl_engine_events_total{sel()}[{RI}]))", "appended"),
+                (f"sum(rate(noetl_projected_events_total{c}[{RI}]))", "projected")], "ops"),
+        ]),
+        lease_row("projector"), grpc_row("projector"), process_row("projector"),
+    ]
+
+
+def checkpointer() -> list[Row]:
+    c = comp("checkpointer")
+    return [
+        Row("Checkpoints", [
+            stat("Max checkpoint age", f"max({held('noetl_checkpoint_age_ms', 'checkpointer')})", "ms"),
+            stat("Sealed/s", f"sum(rate(noetl_checkpoints_sealed_total{c}[{RI}]))", "ops"),
+            stat("Barriers requested/s", f"sum(rate(noetl_checkpoint_barriers_requested_total{c}[{RI}]))", "ops"),
+            Panel("Checkpoint age by shard (held shards)", [
+                (f"max by (shard) ({held('noetl_checkpoint_age_ms', 'checkpointer')})", "shard {{shard}}")], "ms",
+                description="Time since the shard's last sealed checkpoint while work is unsealed (0 when idle)."),
+            Panel("Epochs sealed by shard", [
+                (f"sum by (shard) (rate(noetl_checkpoints_sealed_total{c}[{RI}]))", "shard {{shard}}")], "ops"),
+            Panel("Barriers requested by shard", [
+                (f"sum by (shard) (rate(noetl_checkpoint_barriers_requested_total{c}[{RI}]))", "shard {{shard}}")],
+                "ops"),
+        ]),
+        lease_row("checkpointer"), grpc_row("checkpointer"), process_row("checkpointer"),
+    ]
+
+
+def compactor() -> list[Row]:
+    c = comp("compactor")
+    return [
+        Row("Retention", [
+            stat("Events compacted/s (last batches)", f"sum(noetl_compactor_events_per_second{c})", "ops"),
+            stat("Executions compacted (1h)", f"sum(increase(noetl_compactor_executions_total{c}[1h]))"),
+            stat("Events deleted (1h)", f"sum(increase(noetl_compactor_events_deleted_total{c}[1h]))"),
+            stat("Partitions dropped (24h)", f"sum(increase(noetl_compactor_partitions_dropped_total{c}[24h]))"),
+            Panel("Compaction throughput by shard", [
+                (f"sum by (shard) (noetl_compactor_events_per_second{c})", "shard {{shard}}")], "ops",
+                description="Events compacted per second by each shard's last batch (NOETL_COMPACTOR_ENABLED)."),
+            Panel("Executions compacted into manifests", [
+                (f"sum by (shard) (rate(noetl_compactor_executions_total{c}[{RI}]))", "shard {{shard}}")], "ops"),
+            Panel("Events deleted", [
+                (f"sum(rate(noetl_compactor_events_deleted_total{c}[{RI}]))", "events"),
+                (f"sum(rate(noetl_compactor_barrier_events_deleted_total{c}[{RI}]))", "checkpoint barriers")], "ops"),
+        ]),
+        lease_row("compactor"), grpc_row("compactor"), process_row("compactor"),
+    ]
+
+
+def reaper() -> list[Row]:
+    c = comp("reaper")
+    return [
+        Row("Reaping", [
+            stat("Claims expired (1h)", f"sum(increase(noetl_reaped_commands_total{comp('reaper', eq('reason', 'lease_expired'))}[1h]))",
+                 description="Commands whose worker stopped renewing the claim; re-issued or dead-lettered."),
+            stat("Republished (1h)", f"sum(increase(noetl_reaped_commands_total{comp('reaper', eq('reason', 'republished'))}[1h]))"),
+            Panel("Commands reaped by reason", [
+                (f"sum by (reason) (rate(noetl_reaped_commands_total{c}[{RI}]))", "{{reason}}")], "ops"),
+        ]),
+        lease_row("reaper"), grpc_row("reaper"), process_row("reaper"),
+    ]
+
+
+def worker() -> list[Row]:
+    c = comp("worker")
+    return [
+        Row("Commands", [
+            stat("Busy slots", f"sum(noetl_worker_busy{c})",
+                 description="Commands running now; capacity is replicas x NOETL_WORKER_CONCURRENCY."),
+            stat("Commands/s", f"sum(rate(noetl_worker_commands_total{c}[{RI}]))", "ops"),
+            stat("Claims/s", f"sum(rate(noetl_worker_claims_total{c}[{RI}]))", "ops"),
+            stat("Cancel hints (1h)", f"sum(increase(noetl_worker_cancel_hints_total{c}[1h]))"),
+            Panel("Busy slots by pod", [(f"sum by (pod) (noetl_worker_busy{c})", "{{pod}}")]),
+            Panel("Commands finished by kind and status", [
+                (f"sum by (kind, status) (rate(noetl_worker_commands_total{c}[{RI}]))", "{{kind}} {{status}}")], "ops"),
+            Panel("Task duration by kind", [
+                (quantile(0.5, "noetl_worker_task_seconds", c, "kind"), "p50 {{kind}}"),
+                (quantile(0.99, "noetl_worker_task_seconds", c, "kind"), "p99 {{kind}}")], "s"),
+            Panel("Claims by outcome", [
+                (f"sum by (outcome) (rate(noetl_worker_claims_total{c}[{RI}]))", "{{outcome}}")], "ops"),
+        ]),
+        Row("Results", [
+            Panel("Result envelope size", [
+                (quantile(0.5, "noetl_event_result_bytes", c), "p50"),
+                (quantile(0.99, "noetl_event_result_bytes", c), "p99")], "bytes"),
+            Panel("Result store writes by tier and outcome", [
+                (f"sum by (tier, outcome) (rate(noetl_result_store_writes_total{c}[{RI}]))", "{{tier}} {{outcome}}")],
+                "ops"),
+            Panel("Reference resolve time p99 by tier", [
+                (quantile(0.99, "noetl_reference_resolve_ms", c, "tier"), "{{tier}}")], "ms"),
+            Panel("Read-through cache lookups", [
+                (f"sum by (cache, outcome) (rate(noetl_result_cache_requests_total{c}[{RI}]))", "{{cache}} {{outcome}}")],
+                "ops", description="Only with NOETL_RESULT_CACHE=kv."),
+        ]),
+        grpc_row("worker"), process_row("worker"),
+    ]
+
+
+DASHBOARDS = {
+    "noetl-overview": ("NoETL / Overview", overview),
+    "noetl-api": ("NoETL / api (client API + engine)", api),
+    "noetl-shard-manager": ("NoETL / shard-manager", shard_manager),
+    "noetl-projector": ("NoETL / projector", projector),
+    "noetl-checkpointer": ("NoETL / checkpointer", checkpointer),
+    "noetl-compactor": ("NoETL / compactor", compactor),
+    "noetl-reaper": ("NoETL / reaper", reaper),
+    "noetl-worker": ("NoETL / worker", worker),
+}
+
+
+# ---------------------------------------------------------------- Grafana JSON
+
+
+def panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, object]:
+    out: dict[str, object] = {
+        "id": pid, "type": p.kind, "title": p.title, "datasource": DS,
+        "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
+        "targets": [{"refId": chr(ord("A") + i), "datasource": DS, "expr": expr, "legendFormat": legend,
+                     "range": True, "instant": False}
+                    for i, (expr, legend) in enumerate(p.targets)],
+    }
+    if p.description:
+        out["description"] = p.description
+    if p.kind == "stat":
+        out["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                          "colorMode": "value", "graphMode": "area", "textMode": "auto", "justifyMode": "auto"}
+    else:
+        out["options"] = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                          "tooltip": {"mode": "multi", "sort": "desc"}}
+        out["fieldConfig"] = {"defaults": {"unit": p.unit, "custom": {"fillOpacity": 10, "showPoints": "never"}},
+                              "overrides": []}
+    return out
+
+
+def dashboard_json(uid: str, title: str, rows: list[Row]) -> dict[str, object]:
+    panels: list[dict[str, object]] = []
+    pid, y = 1, 0
+    for row in rows:
+        panels.append({"id": pid, "type": "row", "title": row.title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        pid, y, x, line = pid + 1, y + 1, 0, 0
+        for p in row.panels:
+            if x + p.width > 24:
+                x, y = 0, y + line
+                line = 0
+            panels.append(panel_json(p, pid, x, y))
+            pid, x, line = pid + 1, x + p.width, max(line, p.height)
+        y += line
+    return {
+        "uid": uid, "title": title, "tags": ["noetl"], "editable": True, "graphTooltip": 1,
+        "schemaVersion": 39, "version": 1, "refresh": "30s", "timezone": "browser",
+        "time": {"from": "now-1h", "to": "now"},
+        "annotations": {"list": []},
+        "links": [{"type": "dashboards", "tags": ["noetl"], "asDropdown": True, "title": "NoETL",
+                   "includeVars": True, "keepTime": True}],
+        "templating": {"list": [
+            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+             "current": {}, "hide": 0, "refresh": 1, "options": []},
+            {"name": "namespace", "label": "Namespace", "type": "query", "datasource": DS,
+             "query": {"query": "label_values(noetl_grpc_requests_total, namespace)", "refId": "namespace"},
+             "definition": "label_values(noetl_grpc_requests_total, namespace)",
+             "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2, "sort": 1, "hide": 0,
+             "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": []},
+        ]},
+        "panels": panels,
+    }
+
+
+def render() -> dict[str, str]:
+    return {f"{uid}.json": json.dumps(dashboard_json(uid, title, build()), indent=2) + "\n"
+            for uid, (title, build) in DASHBOARDS.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail if the committed dashboards are stale")
+    args = ap.parse_args(argv)
+    files = render()
+    if args.check:
+        stale = [n for n, text in files.items() if not (OUT / n).exists() or (OUT / n).read_text() != text]
+        extra = sorted(p.name for p in OUT.glob("*.json") if p.name not in files)
+        if stale or extra:
+            print(f"dashboards stale: {stale} extra: {extra}; run python scripts/gen_dashboards.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (OUT / name).write_text(text)
+    for p in OUT.glob("*.json"):
+        if p.name not in files:
+            p.unlink()
+    print(f"wrote {len(files)} dashboards to {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

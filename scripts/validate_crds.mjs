@@ -1,0 +1,44 @@
+// Validate prometheus-operator custom resources (ServiceMonitor, PrometheusRule) against
+// the JSON schemas of the operator's monitoring.coreos.com/v1 API types, as compiled by
+// the npm package @kubernetes-models/prometheus-operator (installed into .tools/node by
+// scripts/deploy_tools.sh).
+//
+//   node scripts/validate_crds.mjs < resources.json     # a JSON array of objects
+//
+// Prints one line per object; exits 1 if any is invalid, 2 if a kind is not covered.
+import { createRequire } from "node:module";
+import { readFileSync } from "node:fs";
+import { pathToFileURL } from "node:url";
+import path from "node:path";
+
+const root = process.env.NOETL_TOOLS_NODE || path.resolve(process.cwd(), ".tools/node");
+const require = createRequire(path.join(root, "package.json"));
+const pkgDir = path.dirname(require.resolve("@kubernetes-models/prometheus-operator/package.json"));
+const kinds = {};
+for (const kind of ["ServiceMonitor", "PrometheusRule", "PodMonitor"]) {
+  const mod = await import(pathToFileURL(path.join(pkgDir, "monitoring.coreos.com/v1", `${kind}.js`)).href);
+  kinds[`monitoring.coreos.com/v1/${kind}`] = mod[kind];
+}
+
+const objects = JSON.parse(readFileSync(0, "utf8"));
+let bad = 0;
+let uncovered = 0;
+for (const obj of objects) {
+  const key = `${obj.apiVersion}/${obj.kind}`;
+  const name = `${obj.kind}/${obj.metadata?.name}`;
+  const Model = kinds[key];
+  if (!Model) {
+    console.log(`UNCOVERED ${name}: no schema for ${key}`);
+    uncovered++;
+    continue;
+  }
+  try {
+    new Model(obj).validate();
+    console.log(`OK ${name} (${key})`);
+  } catch (err) {
+    bad++;
+    console.log(`INVALID ${name}: ${err.message}`);
+    for (const e of err.errors || []) console.log(`  ${e.instancePath} ${e.message} ${JSON.stringify(e.params)}`);
+  }
+}
+process.exit(bad ? 1 : uncovered ? 2 : 0);
