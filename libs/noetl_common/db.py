@@ -70,6 +70,23 @@ def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "n
 
 
 @contextlib.asynccontextmanager
+async def autocommit(pool: Pool) -> AsyncIterator[Conn]:
+    """A connection whose statements each commit on their own: for work that is ONE
+    statement (a claim, a lease renewal, a result insert, a read). It saves the BEGIN and
+    COMMIT round trips a one-statement transaction costs. psycopg errors come out translated."""
+    try:
+        async with pool.connection() as conn:
+            await conn.set_autocommit(True)
+            try:
+                yield conn
+            finally:
+                if not conn.closed:
+                    await conn.set_autocommit(False)
+    except psycopg.Error as exc:  # PoolTimeout included
+        raise translate(exc) from exc
+
+
+@contextlib.asynccontextmanager
 async def transaction(pool: Pool) -> AsyncIterator[Conn]:
     """A connection inside one transaction; psycopg errors come out translated."""
     try:

@@ -79,8 +79,12 @@ class Inputs:
 class Flow:
     """Routing for one playbook version (cache one per catalog id)."""
 
-    def __init__(self, playbook: Playbook) -> None:
+    def __init__(self, playbook: Playbook, *, copy_state: bool = True) -> None:
+        """``copy_state=False`` folds inputs into the given state object in place (the
+        engine does, to skip a deep copy per input: its cache is dropped whenever a batch
+        fails, so a half-applied state never outlives the failed transaction)."""
         self.pb = playbook
+        self._copy_state = copy_state
         preds = predecessors(playbook)
         self.joins = {name for name, p in preds.items() if len(p) >= 2}
         self.reach = {name: reachable_from(playbook, name) for name in playbook.step_names}
@@ -133,7 +137,7 @@ class Flow:
 
     def on_result(self, state: ExecState, res: CallResultInput, workload: Mapping[str, Any],
                   values: Mapping[str, Any]) -> Transition:
-        t = Transition(copy.deepcopy(state))
+        t = Transition(self._own(state))
         st = t.state
         pending = st.pending.get(res.command_id)
         ok = res.envelope.get("status") != "error"
@@ -168,14 +172,14 @@ class Flow:
         return t
 
     def on_cancel(self, state: ExecState, reason: str) -> Transition:
-        t = Transition(copy.deepcopy(state))
+        t = Transition(self._own(state))
         if t.state.terminal:
             return t
         self._finish(t, CANCELLED, EV_CANCELLED, reason or "cancelled by request")
         return t
 
     def on_timeout(self, state: ExecState, now_ms: int) -> Transition:
-        t = Transition(copy.deepcopy(state))
+        t = Transition(self._own(state))
         st = t.state
         if st.terminal or st.deadline_ms is None or now_ms < st.deadline_ms:
             return t
@@ -186,7 +190,7 @@ class Flow:
     def on_expired(self, state: ExecState, command_id: str, attempt: int, max_attempts: int,
                    reason: str) -> Transition:
         """A command's claim lease expired (worker lost) or it was never claimed."""
-        t = Transition(copy.deepcopy(state))
+        t = Transition(self._own(state))
         st = t.state
         pending = st.pending.get(command_id)
         if st.terminal or pending is None or pending.attempt != attempt:
@@ -341,6 +345,9 @@ class Flow:
         t.emit(event_type, result=result)
 
     # ------------------------------------------------------------ helpers
+
+    def _own(self, state: ExecState) -> ExecState:
+        return copy.deepcopy(state) if self._copy_state else state
 
     def _scope(self, st: ExecState, io: Inputs, event: dict[str, Any]) -> RenderContext:
         data: dict[str, Any] = dict(io.workload)

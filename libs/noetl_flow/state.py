@@ -6,7 +6,7 @@ never holds payloads, only references and small scalars (``context``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 RUNNING = "running"
@@ -91,7 +91,14 @@ class ExecState:
         return self.status in TERMINAL
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The JSON form (a hand-written ``asdict``: it runs once per touched execution per
+        engine batch). Result envelopes are shared, not copied: serialise before mutating."""
+        out = dict(self.__dict__)
+        out["steps"] = {name: {**run.__dict__, "loop": dict(run.loop.__dict__) if run.loop else None}
+                        for name, run in self.steps.items()}
+        out["pending"] = {cid: dict(p.__dict__) for cid, p in self.pending.items()}
+        out["armed"] = list(self.armed)
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ExecState:

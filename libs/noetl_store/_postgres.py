@@ -28,7 +28,7 @@ from typing import Any
 
 from psycopg.rows import dict_row
 
-from noetl_common.db import Pool, transaction
+from noetl_common.db import Pool, autocommit
 from noetl_common.errors import NoetlError, NotFound, Unavailable
 
 from ._codec import decode_json, encode_json
@@ -154,7 +154,7 @@ class PostgresResultStore(ResultStore):
             "parent": parent_ref_id, "data": data,
         }
         try:
-            async with transaction(self.pool) as conn:
+            async with autocommit(self.pool) as conn:
                 cur = conn.cursor(row_factory=dict_row)
                 await cur.execute(_PUT, params)
                 row = await cur.fetchone()
@@ -185,7 +185,7 @@ class PostgresResultStore(ResultStore):
         return {i: found[i] for i in ids if i in found}
 
     async def _fetch(self, ids: list[int]) -> list[dict[str, Any]]:
-        async with transaction(self.pool) as conn:
+        async with autocommit(self.pool) as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_GET, {"ids": ids})
             return await cur.fetchall()
@@ -245,7 +245,7 @@ class PostgresResultStore(ResultStore):
         """``{"results": [...in index order...], "stats": {...}}`` of a finished loop."""
         stats = (decode_json(row["data"]) or {}).get("stats", {})
         execution_id, _, instance = str(row["uri"]).removeprefix("loop://").partition("/")
-        async with transaction(self.pool) as conn:
+        async with autocommit(self.pool) as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_LOOP, {"execution_id": int(execution_id), "instance": instance})
             items = await cur.fetchall()
@@ -256,7 +256,7 @@ class PostgresResultStore(ResultStore):
 
     async def chain(self, ref_id: int, *, limit: int = 10_000) -> list[Reference]:
         """The reference and its ancestors (``parent_ref_id`` links), newest first."""
-        async with self._deadline(f"reading the chain of {ref_id}"), transaction(self.pool) as conn:
+        async with self._deadline(f"reading the chain of {ref_id}"), autocommit(self.pool) as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_CHAIN, {"ref_id": ref_id, "limit": limit})
             rows = await cur.fetchall()
@@ -279,7 +279,7 @@ class S3ResultStore(PostgresResultStore):
 
     async def _put(self, data: bytes, *, execution_id: int, step: str, command_id: str, task: str,
                    parent_ref_id: int | None) -> Reference:
-        async with transaction(self.pool) as conn:
+        async with autocommit(self.pool) as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_NEW_ID, {"parent": parent_ref_id})
             row = await cur.fetchone()
@@ -294,7 +294,7 @@ class S3ResultStore(PostgresResultStore):
                   "task": task, "tier": S3_TIER, "uri": uri, "size": len(data), "sha256": digest(data),
                   "parent": parent_ref_id}
         try:
-            async with transaction(self.pool) as conn:
+            async with autocommit(self.pool) as conn:
                 await conn.execute(_INSERT_REF, params)
         except NotFound as exc:
             raise NotFound(f"parent result reference {parent_ref_id} not found") from exc

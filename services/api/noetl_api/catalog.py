@@ -111,7 +111,7 @@ class Catalog:
         if row is None:
             raise NotFound(f"catalog entry {catalog_id} not found")
         playbook = load_playbook(row["doc"])
-        compiled = Compiled(_entry(row), playbook, Flow(playbook))
+        compiled = Compiled(_entry(row), playbook, Flow(playbook, copy_state=False))
         self._cache[catalog_id] = compiled
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

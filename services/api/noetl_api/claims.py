@@ -13,13 +13,30 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from noetl_common.db import Pool, transaction
+from noetl_common.db import Pool, autocommit
 from noetl_common.errors import Conflict, NotFound
 from noetl_dsl import merged_workload
 
 from .catalog import Catalog
 
 logger = logging.getLogger(__name__)
+
+
+_CLAIM = """
+WITH claimed AS (
+  UPDATE noetl.command SET status = 'claimed', worker_id = %(worker)s, claimed_at = now(),
+         lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
+  WHERE command_id = %(command_id)s AND status = 'queued' AND (attempt = %(attempt)s OR %(attempt)s = 0)
+  RETURNING *
+)
+SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item,
+       CASE WHEN %(need_payload)s THEN
+         (SELECT r.payload FROM noetl.execution_request r WHERE r.execution_id = c.execution_id) END AS payload
+FROM claimed c
+LEFT JOIN noetl.loop_item li
+  ON li.execution_id = c.execution_id AND li.loop_instance = c.context->'loop'->>'instance'
+ AND li.idx = (c.context->'loop'->>'index')::int
+"""
 
 
 class Claims:
@@ -30,14 +47,13 @@ class Claims:
         self._workloads: dict[int, dict[str, Any]] = {}
 
     async def claim(self, command_id: str, worker_id: str, attempt: int) -> dict[str, Any]:
-        async with transaction(self._pool) as conn:
-            cur = await conn.execute(
-                "UPDATE noetl.command SET status = 'claimed', worker_id = %s, claimed_at = now(),"
-                " lease_until = now() + make_interval(secs => %s), updated_at = now()"
-                " WHERE command_id = %s AND status = 'queued' AND (attempt = %s OR %s = 0)"
-                " RETURNING *",
-                (worker_id, self._lease, command_id, attempt, attempt),
-            )
+        # One statement (one round trip, its own transaction): the claim, the loop item a
+        # collection-loop iteration needs, and the submitted payload unless it is cached.
+        head = command_id.split(":", 1)[0]
+        need_payload = not (head.isdigit() and int(head) in self._workloads)
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute(_CLAIM, {"worker": worker_id, "lease": self._lease, "command_id": command_id,
+                                              "attempt": attempt, "need_payload": need_payload})
             row = await cur.fetchone()
             if row is None:
                 cur = await conn.execute("SELECT status, attempt, worker_id FROM noetl.command WHERE command_id = %s",
@@ -47,21 +63,11 @@ class Claims:
                     raise NotFound(f"command {command_id} not found")
                 raise Conflict(f"command {command_id} is {current['status']} (attempt {current['attempt']},"
                                f" worker {current['worker_id'] or '-'}), not claimable as attempt {attempt}")
-            loop = (row["context"] or {}).get("loop") or {}
-            item: Any = None
-            if loop and loop.get("mode") != "cursor":
-                cur = await conn.execute(
-                    "SELECT item FROM noetl.loop_item WHERE execution_id = %s AND loop_instance = %s AND idx = %s",
-                    (row["execution_id"], loop["instance"], loop["index"]))
-                found = await cur.fetchone()
-                if found is None:
-                    raise NotFound(f"loop item {loop['instance']}[{loop['index']}] of command {command_id} not found")
-                item = found["item"]
-            req = None
-            if row["execution_id"] not in self._workloads:
-                cur = await conn.execute("SELECT payload FROM noetl.execution_request WHERE execution_id = %s",
-                                         (row["execution_id"],))
-                req = await cur.fetchone()
+        loop = (row["context"] or {}).get("loop") or {}
+        item: Any = row["loop_item"]
+        if loop and loop.get("mode") != "cursor" and not row["has_item"]:
+            raise NotFound(f"loop item {loop['instance']}[{loop['index']}] of command {command_id} not found")
+        req = {"payload": row["payload"]} if need_payload else None
         compiled = await self._catalog.compiled(row["catalog_id"])
         playbook = compiled.playbook
         workload = self._workloads.get(row["execution_id"])
@@ -94,7 +100,7 @@ class Claims:
     async def renew(self, command_id: str, worker_id: str, attempt: int,
                     progress: str) -> tuple[datetime | None, str]:
         """Returns (new lease expiry, "") or (None, why the worker must stop)."""
-        async with transaction(self._pool) as conn:
+        async with autocommit(self._pool) as conn:
             cur = await conn.execute(
                 "UPDATE noetl.command SET lease_until = now() + make_interval(secs => %s),"
                 " progress = COALESCE(%s::jsonb, progress), updated_at = now()"

@@ -249,17 +249,17 @@ class ShardEngine:
                 publish.extend((c.command_id, eid, c.attempt, c.kind) for c in t.commands)
                 publish.extend((cid, eid, attempt, kind) for cid, attempt, kind in t.republish)
                 updates.extend(t.updates)
-            if events:
-                await sql.append_events(conn, events)
-            await sql.save_states(conn, self.shard,
-                                  [(s, last, _deadline(s)) for s, last in touched.values()])
-            await sql.insert_commands(conn, self.shard, new_commands)
-            await sql.store_loop_results(conn, loop_results)
-            await sql.update_commands(conn, updates)
             started_ids = [e for e in requests if e in touched]
             horizon = snowflake_at(int((time.time() - 60) * 1000))
             new_sweep = min(max(started_ids, default=sweep_from), horizon)
-            await sql.finish_batch(conn, self.shard, seq, new_sweep, barrier_epoch, barrier_seq)
+            async with conn.pipeline():  # every write of the batch in one round trip
+                await sql.append_events(conn, events)
+                await sql.save_states(conn, self.shard,
+                                      [(s, last, _deadline(s)) for s, last in touched.values()])
+                await sql.insert_commands(conn, self.shard, new_commands)
+                await sql.store_loop_results(conn, loop_results)
+                await sql.update_commands(conn, updates)
+                await sql.finish_batch(conn, self.shard, seq, new_sweep, barrier_epoch, barrier_seq)
         # committed: the cache mirrors what is in Postgres now
         for eid, (state, _) in touched.items():
             if state.terminal:

@@ -81,14 +81,18 @@ async def queued_commands(conn: psycopg.AsyncConnection[Any], shard: int) -> lis
     return list(await cur.fetchall())
 
 
-async def append_events(conn: psycopg.AsyncConnection[Any], rows: Iterable[tuple[Any, ...]]) -> None:
-    """COPY the batch's events (execution_id, shard_id, shard_seq, type, step, command_id, result, meta)."""
-    async with conn.cursor().copy(
-        "COPY noetl.event (execution_id, shard_id, shard_seq, event_type, step, command_id, result, meta)"
-        " FROM STDIN"
-    ) as copy:
-        for row in rows:
-            await copy.write_row(row)
+async def append_events(conn: psycopg.AsyncConnection[Any], rows: Sequence[tuple[Any, ...]]) -> None:
+    """Append the batch's events (execution_id, shard_id, shard_seq, type, step, command_id,
+    result, meta) in ONE statement (pipeline-friendly, unlike COPY)."""
+    if not rows:
+        return
+    cols = list(zip(*rows, strict=True))
+    await conn.execute(
+        "INSERT INTO noetl.event (execution_id, shard_id, shard_seq, event_type, step, command_id, result, meta)"
+        " SELECT * FROM unnest(%s::bigint[], %s::int[], %s::bigint[], %s::text[], %s::text[], %s::text[],"
+        " %s::text[]::jsonb[], %s::text[]::jsonb[])",
+        [list(c) for c in cols],
+    )
 
 
 async def save_states(conn: psycopg.AsyncConnection[Any], shard: int,

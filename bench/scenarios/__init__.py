@@ -1,0 +1,1 @@
+"""One module per scenario; each verifies its result before it reports a figure."""

@@ -1,0 +1,105 @@
+"""Fan-out throughput and growth: a parallel loop over range(n) of trivial python tasks
+(iteration i returns 2 * i), submit -> COMPLETED seen on WatchExecution.
+
+* fan-out: n = 1,000 at ``max_in_flight`` 16 and 64: wall time and iterations/s;
+* growth: the same loop (``max_in_flight`` 16) at 100 / 1,000 / 10,000 (/ 100,000):
+  wall time, events written (rows of noetl.event for the execution), write
+  transactions and JetStream messages per iteration, and each role's peak RSS (VmRSS of
+  the role process and its children, sampled every 0.5 s during the run). The 1,000-item
+  point is the fan-out run at width 16 (the same loop, measured once).
+
+Every run is verified (n ordered results, accepted once each, sum == n * (n - 1)) before
+its time is reported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..playbooks import fan_out, fan_out_expected_sum
+from ..stack import BenchError
+from .common import Ctx, Meter, deadline_for, run_loop, verify_loop
+
+WARMUP_ITEMS = 20
+
+
+def one_loop(ctx: Ctx, n: int, width: int, label: str) -> dict[str, Any]:
+    playbook = fan_out(width)
+    ctx.progress.start(f"{label}: warm-up ({WARMUP_ITEMS} items)", WARMUP_ITEMS, "iterations")
+    warm = run_loop(ctx, playbook, WARMUP_ITEMS, timeout=120)
+    verify_loop(ctx, warm, WARMUP_ITEMS, fan_out_expected_sum(WARMUP_ITEMS))
+    ctx.progress.start(f"{label}: {n:,} items, max_in_flight {width}", n, "iterations")
+    with Meter(ctx) as meter:
+        run = run_loop(ctx, playbook, n, timeout=deadline_for(n))
+    checked = verify_loop(ctx, run, n, fan_out_expected_sum(n))
+    ctx.progress.finish()
+    return {"items": n, "max_in_flight": width, "execution_id": run.execution_id,
+            "wall_s": round(run.wall_s, 3), "iterations_per_s": round(n / run.wall_s, 1),
+            **checked, "events_per_item": round(checked["events"] / n, 3),
+            "meter": meter.summary(n, "iteration")}
+
+
+def fanout(ctx: Ctx) -> dict[str, Any]:
+    out: dict[str, Any] = {"runs": []}
+    errors = []
+    for width in ctx.plan.fanout_widths:
+        try:
+            out["runs"].append(one_loop(ctx, ctx.plan.fanout_items, width, "fan-out"))
+        except BenchError as exc:
+            errors.append(f"max_in_flight {width}: {exc}")
+            out["runs"].append({"items": ctx.plan.fanout_items, "max_in_flight": width, "error": str(exc)})
+    if errors and len(errors) == len(ctx.plan.fanout_widths):
+        raise BenchError("; ".join(errors))
+    return out
+
+
+def growth(ctx: Ctx, fanout_result: dict[str, Any] | None) -> dict[str, Any]:
+    plan = ctx.plan
+    reuse = {r["items"]: r for r in (fanout_result or {}).get("runs", [])
+             if r.get("max_in_flight") == plan.growth_width and "error" not in r}
+    points = []
+    for n in plan.growth_sizes:
+        if n in reuse:
+            points.append({**reuse[n], "reused": "the fan-out run at the same width"})
+            continue
+        try:
+            points.append(one_loop(ctx, n, plan.growth_width, "growth"))
+        except BenchError as exc:
+            points.append({"items": n, "max_in_flight": plan.growth_width, "error": str(exc)})
+    good = [p for p in points if "error" not in p]
+    if not good:
+        raise BenchError("; ".join(f"{p['items']}: {p['error']}" for p in points))
+    return {"points": points, **shape(good)}
+
+
+def shape(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Is the cost linear, is memory flat? Compared from the 1,000-item point (or the
+    smallest above 100) to the largest."""
+    base = next((p for p in points if p["items"] == 1000), None) or next(
+        (p for p in sorted(points, key=lambda p: p["items"]) if p["items"] > 100), points[0])
+    top = max(points, key=lambda p: p["items"])
+    out: dict[str, Any] = {"from_items": base["items"], "to_items": top["items"]}
+    if top is base:
+        return out
+    per_item = {p["items"]: p["wall_s"] / p["items"] for p in points}
+    out["wall_per_item_ms"] = {k: round(v * 1000, 3) for k, v in per_item.items()}
+    out["wall_per_item_ratio"] = round(per_item[top["items"]] / per_item[base["items"]], 2)
+    out["events_per_item"] = {p["items"]: p["events_per_item"] for p in points}
+
+    def cpu_ms(p: dict[str, Any]) -> float:  # the stack's CPU per item, idle use subtracted
+        trees = p["meter"]["usage"]["trees"]
+        return 1000 * sum(v.get("cpu_s_minus_idle", v["cpu_s"]) for k, v in trees.items()
+                          if k != "bench-client") / p["items"]
+
+    out["cpu_ms_per_item"] = {p["items"]: round(cpu_ms(p), 2) for p in points}
+    out["cpu_per_item_ratio"] = round(cpu_ms(top) / cpu_ms(base), 2)
+    out["others_cores"] = {p["items"]: p["meter"]["usage"]["others_cores_busy"] for p in points}
+    b_rss = base["meter"]["usage"]["trees"]
+    t_rss = top["meter"]["usage"]["trees"]
+    growth = {}
+    for role in t_rss:
+        if role in b_rss and role not in ("bench-client",):
+            growth[role] = {"from_mib": b_rss[role]["peak_rss_mib"], "to_mib": t_rss[role]["peak_rss_mib"],
+                            "delta_mib": round(t_rss[role]["peak_rss_mib"] - b_rss[role]["peak_rss_mib"], 1)}
+    out["rss_growth"] = growth
+    return out
