@@ -3,9 +3,12 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from noetl_proto.v1 import messages_pb2 as _messages_pb2
 import builtins as _builtins
 import sys
@@ -17,6 +20,26 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ClaimFailure:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ClaimFailureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ClaimFailure.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CLAIM_FAILURE_UNSPECIFIED: _ClaimFailure.ValueType  # 0
+    CLAIM_FAILURE_NOT_CLAIMABLE: _ClaimFailure.ValueType  # 1
+    """Claimed by another worker, finished, cancelled, or re-issued under another attempt."""
+    CLAIM_FAILURE_NOT_FOUND: _ClaimFailure.ValueType  # 2
+
+class ClaimFailure(_ClaimFailure, metaclass=_ClaimFailureEnumTypeWrapper):
+    """Why a claim of a batch did not succeed."""
+
+CLAIM_FAILURE_UNSPECIFIED: ClaimFailure.ValueType  # 0
+CLAIM_FAILURE_NOT_CLAIMABLE: ClaimFailure.ValueType  # 1
+"""Claimed by another worker, finished, cancelled, or re-issued under another attempt."""
+CLAIM_FAILURE_NOT_FOUND: ClaimFailure.ValueType  # 2
+Global___ClaimFailure: _TypeAlias = ClaimFailure  # noqa: Y015
 
 @_typing.final
 class ClaimCommandRequest(_message.Message):
@@ -62,6 +85,82 @@ class ClaimCommandResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClaimCommandResponse: _TypeAlias = ClaimCommandResponse  # noqa: Y015
+
+@_typing.final
+class ClaimCommandsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    CLAIMS_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    @_builtins.property
+    def claims(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimCommandRequest]: ...
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        claims: _abc.Iterable[Global___ClaimCommandRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimCommandsRequest: _TypeAlias = ClaimCommandsRequest  # noqa: Y015
+
+@_typing.final
+class ClaimOutcome(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMAND_ID_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    command_id: _builtins.str
+    failure: Global___ClaimFailure.ValueType
+    message: _builtins.str
+    @_builtins.property
+    def command(self) -> _messages_pb2.Command:
+        """Set when the claim succeeded."""
+
+    def __init__(
+        self,
+        *,
+        command_id: _builtins.str = ...,
+        command: _messages_pb2.Command | None = ...,
+        failure: Global___ClaimFailure.ValueType = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "failure", b"failure", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimOutcome: _TypeAlias = ClaimOutcome  # noqa: Y015
+
+@_typing.final
+class ClaimCommandsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimOutcome]:
+        """One outcome per requested claim, in request order."""
+
+    def __init__(
+        self,
+        *,
+        outcomes: _abc.Iterable[Global___ClaimOutcome] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcomes", b"outcomes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimCommandsResponse: _TypeAlias = ClaimCommandsResponse  # noqa: Y015
 
 @_typing.final
 class RenewLeaseRequest(_message.Message):

@@ -40,6 +40,11 @@ class WorkerServiceStub:
                 request_serializer=noetl_dot_v1_dot_worker__pb2.ClaimCommandRequest.SerializeToString,
                 response_deserializer=noetl_dot_v1_dot_worker__pb2.ClaimCommandResponse.FromString,
                 _registered_method=True)
+        self.ClaimCommands = channel.unary_unary(
+                '/noetl.v1.WorkerService/ClaimCommands',
+                request_serializer=noetl_dot_v1_dot_worker__pb2.ClaimCommandsRequest.SerializeToString,
+                response_deserializer=noetl_dot_v1_dot_worker__pb2.ClaimCommandsResponse.FromString,
+                _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/noetl.v1.WorkerService/RenewLease',
                 request_serializer=noetl_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
@@ -54,6 +59,14 @@ class WorkerServiceServicer:
     def ClaimCommand(self, request, context):
         """Claims a queued command: UPDATE ... WHERE status = 'queued' RETURNING.
         FAILED_PRECONDITION when another worker holds it or it is no longer runnable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimCommands(self, request, context):
+        """Claims several queued commands in one round trip (one SQL statement). Each claim
+        succeeds or fails on its own; a lost race is reported per command, not as an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -74,6 +87,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ClaimCommand,
                     request_deserializer=noetl_dot_v1_dot_worker__pb2.ClaimCommandRequest.FromString,
                     response_serializer=noetl_dot_v1_dot_worker__pb2.ClaimCommandResponse.SerializeToString,
+            ),
+            'ClaimCommands': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimCommands,
+                    request_deserializer=noetl_dot_v1_dot_worker__pb2.ClaimCommandsRequest.FromString,
+                    response_serializer=noetl_dot_v1_dot_worker__pb2.ClaimCommandsResponse.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
@@ -109,6 +127,33 @@ class WorkerService:
             '/noetl.v1.WorkerService/ClaimCommand',
             noetl_dot_v1_dot_worker__pb2.ClaimCommandRequest.SerializeToString,
             noetl_dot_v1_dot_worker__pb2.ClaimCommandResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimCommands(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/noetl.v1.WorkerService/ClaimCommands',
+            noetl_dot_v1_dot_worker__pb2.ClaimCommandsRequest.SerializeToString,
+            noetl_dot_v1_dot_worker__pb2.ClaimCommandsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,10 @@ class WorkerServiceStub:
     """Claims a queued command: UPDATE ... WHERE status = 'queued' RETURNING.
     FAILED_PRECONDITION when another worker holds it or it is no longer runnable.
     """
+    ClaimCommands: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ClaimCommandsRequest, _worker_pb2.ClaimCommandsResponse]
+    """Claims several queued commands in one round trip (one SQL statement). Each claim
+    succeeds or fails on its own; a lost race is reported per command, not as an error.
+    """
     RenewLease: _grpc.UnaryUnaryMultiCallable[_worker_pb2.RenewLeaseRequest, _worker_pb2.RenewLeaseResponse]
     """Extends the claim lease of a running command; tells the worker to stop when
     the command was cancelled or the lease was lost.
@@ -50,6 +54,10 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     ClaimCommand: _aio.UnaryUnaryMultiCallable[_worker_pb2.ClaimCommandRequest, _worker_pb2.ClaimCommandResponse]  # type: ignore[assignment]
     """Claims a queued command: UPDATE ... WHERE status = 'queued' RETURNING.
     FAILED_PRECONDITION when another worker holds it or it is no longer runnable.
+    """
+    ClaimCommands: _aio.UnaryUnaryMultiCallable[_worker_pb2.ClaimCommandsRequest, _worker_pb2.ClaimCommandsResponse]  # type: ignore[assignment]
+    """Claims several queued commands in one round trip (one SQL statement). Each claim
+    succeeds or fails on its own; a lost race is reported per command, not as an error.
     """
     RenewLease: _aio.UnaryUnaryMultiCallable[_worker_pb2.RenewLeaseRequest, _worker_pb2.RenewLeaseResponse]  # type: ignore[assignment]
     """Extends the claim lease of a running command; tells the worker to stop when
@@ -67,6 +75,16 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.ClaimCommandResponse, _abc.Awaitable[_worker_pb2.ClaimCommandResponse]]:
         """Claims a queued command: UPDATE ... WHERE status = 'queued' RETURNING.
         FAILED_PRECONDITION when another worker holds it or it is no longer runnable.
+        """
+
+    @_abc_1.abstractmethod
+    def ClaimCommands(
+        self,
+        request: _worker_pb2.ClaimCommandsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ClaimCommandsResponse, _abc.Awaitable[_worker_pb2.ClaimCommandsResponse]]:
+        """Claims several queued commands in one round trip (one SQL statement). Each claim
+        succeeds or fails on its own; a lost race is reported per command, not as an error.
         """
 
     @_abc_1.abstractmethod

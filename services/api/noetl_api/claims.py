@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from noetl_common.db import Pool, autocommit
-from noetl_common.errors import Conflict, NotFound
+from noetl_common.errors import Conflict, NoetlError, NotFound
 from noetl_dsl import merged_workload
 
 from .catalog import Catalog
@@ -23,20 +24,30 @@ logger = logging.getLogger(__name__)
 
 
 _CLAIM = """
-WITH claimed AS (
-  UPDATE noetl.command SET status = 'claimed', worker_id = %(worker)s, claimed_at = now(),
+WITH wanted AS (
+  SELECT * FROM unnest(%(ids)s::text[], %(attempts)s::int[]) AS w(command_id, attempt)
+), claimed AS (
+  UPDATE noetl.command c SET status = 'claimed', worker_id = %(worker)s, claimed_at = now(),
          lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
-  WHERE command_id = %(command_id)s AND status = 'queued' AND (attempt = %(attempt)s OR %(attempt)s = 0)
-  RETURNING *
+  FROM wanted w
+  WHERE c.command_id = w.command_id AND c.status = 'queued' AND (c.attempt = w.attempt OR w.attempt = 0)
+  RETURNING c.*
 )
 SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item,
-       CASE WHEN %(need_payload)s THEN
+       CASE WHEN c.execution_id = ANY(%(need_payload)s::bigint[]) THEN
          (SELECT r.payload FROM noetl.execution_request r WHERE r.execution_id = c.execution_id) END AS payload
 FROM claimed c
 LEFT JOIN noetl.loop_item li
   ON li.execution_id = c.execution_id AND li.loop_instance = c.context->'loop'->>'instance'
  AND li.idx = (c.context->'loop'->>'index')::int
 """
+
+
+@dataclass
+class Claimed:
+    row: dict[str, Any]
+    spec: dict[str, Any]
+    context: dict[str, Any]
 
 
 class Claims:
@@ -46,33 +57,56 @@ class Claims:
         self._lease = lease_sec
         self._workloads: dict[int, dict[str, Any]] = {}
 
-    async def claim(self, command_id: str, worker_id: str, attempt: int) -> dict[str, Any]:
-        # One statement (one round trip, its own transaction): the claim, the loop item a
-        # collection-loop iteration needs, and the submitted payload unless it is cached.
-        head = command_id.split(":", 1)[0]
-        need_payload = not (head.isdigit() and int(head) in self._workloads)
+    async def claim(self, command_id: str, worker_id: str, attempt: int) -> Claimed:
+        """Claim one command; NotFound / Conflict when it cannot be claimed."""
+        outcome = (await self.claim_many([(command_id, attempt)], worker_id))[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def claim_many(self, wanted: list[tuple[str, int]], worker_id: str) -> list[Claimed | NoetlError]:
+        """Claim several commands in ONE statement (one round trip, its own transaction): the
+        claims, the loop items collection-loop iterations need, and the submitted payloads
+        not cached yet. Returns, per requested claim in order, the claim or why it failed."""
+        ids = [c for c, _ in wanted]
+        heads = {int(h) for c in ids if (h := c.split(":", 1)[0]).isdigit()}
+        need = [e for e in heads if e not in self._workloads]
         async with autocommit(self._pool) as conn:
-            cur = await conn.execute(_CLAIM, {"worker": worker_id, "lease": self._lease, "command_id": command_id,
-                                              "attempt": attempt, "need_payload": need_payload})
-            row = await cur.fetchone()
+            cur = await conn.execute(_CLAIM, {"worker": worker_id, "lease": self._lease, "ids": ids,
+                                              "attempts": [a for _, a in wanted], "need_payload": need})
+            rows = {r["command_id"]: r for r in await cur.fetchall()}
+            missing = [c for c in ids if c not in rows]
+            current: dict[str, dict[str, Any]] = {}
+            if missing:
+                cur = await conn.execute("SELECT command_id, status, attempt, worker_id FROM noetl.command"
+                                         " WHERE command_id = ANY(%s)", (missing,))
+                current = {r["command_id"]: r for r in await cur.fetchall()}
+        out: list[Claimed | NoetlError] = []
+        for command_id, attempt in wanted:
+            row = rows.get(command_id)
             if row is None:
-                cur = await conn.execute("SELECT status, attempt, worker_id FROM noetl.command WHERE command_id = %s",
-                                         (command_id,))
-                current = await cur.fetchone()
-                if current is None:
-                    raise NotFound(f"command {command_id} not found")
-                raise Conflict(f"command {command_id} is {current['status']} (attempt {current['attempt']},"
-                               f" worker {current['worker_id'] or '-'}), not claimable as attempt {attempt}")
+                now = current.get(command_id)
+                if now is None:
+                    out.append(NotFound(f"command {command_id} not found"))
+                else:
+                    out.append(Conflict(f"command {command_id} is {now['status']} (attempt {now['attempt']},"
+                                        f" worker {now['worker_id'] or '-'}), not claimable as attempt {attempt}"))
+                continue
+            try:
+                out.append(await self._assemble(row))
+            except NoetlError as exc:
+                out.append(exc)
+        return out
+
+    async def _assemble(self, row: dict[str, Any]) -> Claimed:
         loop = (row["context"] or {}).get("loop") or {}
-        item: Any = row["loop_item"]
         if loop and loop.get("mode") != "cursor" and not row["has_item"]:
-            raise NotFound(f"loop item {loop['instance']}[{loop['index']}] of command {command_id} not found")
-        req = {"payload": row["payload"]} if need_payload else None
+            raise NotFound(f"loop item {loop['instance']}[{loop['index']}] of command {row['command_id']} not found")
         compiled = await self._catalog.compiled(row["catalog_id"])
         playbook = compiled.playbook
         workload = self._workloads.get(row["execution_id"])
         if workload is None:
-            workload = merged_workload(playbook, (req or {}).get("payload") or {})
+            workload = merged_workload(playbook, row.get("payload") or {})
             self._workloads[row["execution_id"]] = workload
             if len(self._workloads) > 5000:
                 self._workloads.pop(next(iter(self._workloads)))
@@ -93,9 +127,9 @@ class Claims:
                 context["resume"] = (row.get("progress") or {}).get("row")
                 context["iter"] = {"_index": index}
             else:
-                context["iter"] = {str(loop["iterator"]): item, "_index": index}
+                context["iter"] = {str(loop["iterator"]): row["loop_item"], "_index": index}
             context["loop_index"] = index
-        return {"row": row, "spec": spec, "context": context}
+        return Claimed(row, spec, context)
 
     async def renew(self, command_id: str, worker_id: str, attempt: int,
                     progress: str) -> tuple[datetime | None, str]:

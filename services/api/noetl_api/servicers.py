@@ -27,7 +27,7 @@ from noetl_proto.v1 import (
 )
 
 from .catalog import Catalog, CatalogEntry
-from .claims import Claims
+from .claims import Claimed, Claims
 from .queries import TERMINAL, Queries
 from .submissions import Submitter
 
@@ -236,6 +236,17 @@ class CredentialServicer(catalog_pb2_grpc.CredentialServiceServicer):
         return out
 
 
+def _command_pb(got: Claimed) -> messages_pb2.Command:
+    row = got.row
+    cmd = messages_pb2.Command(
+        command_id=row["command_id"], execution_id=row["execution_id"], shard_id=row["shard_id"],
+        step=row["step"], attempt=row["attempt"], kind=row["kind"],
+        spec_json=json.dumps(got.spec, default=str), context_json=json.dumps(got.context, default=str),
+        timeout_seconds=row["timeout_sec"] or 0.0)
+    set_timestamp(cmd.lease_until, row["lease_until"])
+    return cmd
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, claims: Claims) -> None:
         self._claims = claims
@@ -245,14 +256,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if not request.command_id or not request.worker_id:
             raise InvalidInput("command_id and worker_id are required")
         got = await self._claims.claim(request.command_id, request.worker_id, request.attempt)
-        row = got["row"]
-        cmd = messages_pb2.Command(
-            command_id=row["command_id"], execution_id=row["execution_id"], shard_id=row["shard_id"],
-            step=row["step"], attempt=row["attempt"], kind=row["kind"],
-            spec_json=json.dumps(got["spec"], default=str), context_json=json.dumps(got["context"], default=str),
-            timeout_seconds=row["timeout_sec"] or 0.0)
-        set_timestamp(cmd.lease_until, row["lease_until"])
-        return worker_pb2.ClaimCommandResponse(command=cmd)
+        return worker_pb2.ClaimCommandResponse(command=_command_pb(got))
+
+    async def ClaimCommands(self, request: worker_pb2.ClaimCommandsRequest,
+                            context: grpc.aio.ServicerContext) -> worker_pb2.ClaimCommandsResponse:
+        if not request.worker_id or any(not c.command_id for c in request.claims):
+            raise InvalidInput("worker_id and every claim's command_id are required")
+        if len(request.claims) > 1000:
+            raise InvalidInput(f"at most 1000 claims per call, got {len(request.claims)}")
+        outcomes = await self._claims.claim_many([(c.command_id, c.attempt) for c in request.claims],
+                                                 request.worker_id)
+        out = worker_pb2.ClaimCommandsResponse()
+        for c, got in zip(request.claims, outcomes, strict=True):
+            if isinstance(got, Claimed):
+                out.outcomes.add(command_id=c.command_id, command=_command_pb(got))
+            else:
+                failure = (worker_pb2.CLAIM_FAILURE_NOT_FOUND if isinstance(got, NotFound)
+                           else worker_pb2.CLAIM_FAILURE_NOT_CLAIMABLE)
+                out.outcomes.add(command_id=c.command_id, failure=failure, message=str(got))
+        return out
 
     async def RenewLease(self, request: worker_pb2.RenewLeaseRequest,
                          context: grpc.aio.ServicerContext) -> worker_pb2.RenewLeaseResponse:
