@@ -22,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from psycopg.rows import dict_row
 
+from noetl_common.coalesce import Coalescer
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import NoetlError, NotFound, Unavailable
 
@@ -103,6 +105,38 @@ SELECT ref_id, tier, uri FROM chain ORDER BY depth
 """
 
 
+# Many results in one statement (group commit of concurrent puts): ids are drawn once
+# per row in a CTE referenced twice (materialised), so ref and payload rows agree.
+_PUT_MANY = """
+WITH input AS (
+  SELECT * FROM unnest(%(execution_ids)s::bigint[], %(steps)s::text[], %(command_ids)s::text[],
+                       %(tasks)s::text[], %(sizes)s::bigint[], %(shas)s::text[], %(parents)s::bigint[],
+                       %(datas)s::bytea[]) WITH ORDINALITY
+       AS i(execution_id, step, command_id, task, size, sha256, parent, data, ord)
+), ids AS MATERIALIZED (
+  SELECT i.*, nextval(pg_get_serial_sequence('noetl.result_ref', 'ref_id')) AS ref_id FROM input i
+), ref AS (
+  INSERT INTO noetl.result_ref (ref_id, execution_id, step, command_id, task, tier, uri, size_bytes,
+                                sha256, parent_ref_id)
+  SELECT ref_id, execution_id, step, command_id, task, %(tier)s, %(prefix)s || ref_id, size, sha256, parent
+  FROM ids RETURNING ref_id
+), pay AS (
+  INSERT INTO noetl.result_payload (ref_id, data) SELECT ref_id, data FROM ids
+)
+SELECT ids.ord, ids.ref_id FROM ids ORDER BY ids.ord
+"""
+
+
+@dataclass(frozen=True)
+class _PutItem:
+    data: bytes
+    execution_id: int
+    step: str
+    command_id: str
+    task: str
+    parent_ref_id: int | None
+
+
 class PostgresResultStore(ResultStore):
     """Writes tier ``db``; reads every tier. The pool is the caller's; ``objects`` is closed
     with the store when ``owns_objects``."""
@@ -115,6 +149,7 @@ class PostgresResultStore(ResultStore):
         self.objects = objects
         self.timeout_sec = timeout_sec
         self.owns_objects = owns_objects
+        self._writes: Coalescer[_PutItem, Reference] = Coalescer(self._put_many, max_batch=128)
 
     async def close(self) -> None:
         if self.objects is not None and self.owns_objects:
@@ -148,10 +183,34 @@ class PostgresResultStore(ResultStore):
 
     async def _put(self, data: bytes, *, execution_id: int, step: str, command_id: str, task: str,
                    parent_ref_id: int | None) -> Reference:
+        # Concurrent puts (a worker's slots) are written together: one statement, one commit.
+        return await self._writes.submit(_PutItem(data, execution_id, step, command_id, task, parent_ref_id))
+
+    async def _put_many(self, items: Sequence[_PutItem]) -> list[Reference | BaseException]:
+        if len(items) == 1:
+            return [await self._put_one(items[0])]
         params = {
-            "execution_id": execution_id, "step": step, "command_id": command_id, "task": task,
-            "tier": TIER, "prefix": URI_PREFIX, "size": len(data), "sha256": digest(data),
-            "parent": parent_ref_id, "data": data,
+            "execution_ids": [i.execution_id for i in items], "steps": [i.step for i in items],
+            "command_ids": [i.command_id for i in items], "tasks": [i.task for i in items],
+            "sizes": [len(i.data) for i in items], "shas": [digest(i.data) for i in items],
+            "parents": [i.parent_ref_id for i in items], "datas": [i.data for i in items],
+            "tier": TIER, "prefix": URI_PREFIX,
+        }
+        try:
+            async with autocommit(self.pool) as conn:
+                cur = conn.cursor(row_factory=dict_row)
+                await cur.execute(_PUT_MANY, params)
+                rows = await cur.fetchall()
+        except NotFound:  # a parent reference's foreign key: find which one, item by item
+            return list(await asyncio.gather(*(self._put_one(i) for i in items), return_exceptions=True))
+        refs = {int(r["ord"]): int(r["ref_id"]) for r in rows}
+        return [Reference(refs[n], TIER, f"{URI_PREFIX}{refs[n]}") for n in range(1, len(items) + 1)]
+
+    async def _put_one(self, item: _PutItem) -> Reference:
+        params = {
+            "execution_id": item.execution_id, "step": item.step, "command_id": item.command_id,
+            "task": item.task, "tier": TIER, "prefix": URI_PREFIX, "size": len(item.data),
+            "sha256": digest(item.data), "parent": item.parent_ref_id, "data": item.data,
         }
         try:
             async with autocommit(self.pool) as conn:
@@ -159,7 +218,7 @@ class PostgresResultStore(ResultStore):
                 await cur.execute(_PUT, params)
                 row = await cur.fetchone()
         except NotFound as exc:  # the parent reference's foreign key
-            raise NotFound(f"parent result reference {parent_ref_id} not found") from exc
+            raise NotFound(f"parent result reference {item.parent_ref_id} not found") from exc
         if row is None:  # pragma: no cover - INSERT ... RETURNING always returns a row
             raise NoetlError("result store: insert returned no row")
         return Reference(int(row["ref_id"]), TIER, str(row["uri"]))

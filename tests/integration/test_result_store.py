@@ -418,3 +418,22 @@ async def test_factory_refuses_a_missing_bucket_or_wrong_keys(pool: Pool, s3_ser
     await store.close()
     with pytest.raises(ConfigError, match="NOETL_RESULT_CACHE=kv needs NATS"):
         await make_result_store(ResultStoreSettings(cache="kv"), pool, None)
+
+
+async def test_concurrent_db_puts_are_group_committed_and_isolate_a_bad_parent(pool: Pool) -> None:
+    """Concurrent puts on the db tier go out as one multi-row statement; a bad parent in
+    the batch fails only its own put."""
+    store = PostgresResultStore(pool)
+    parent = await put(store, {"root": True})
+    good = [put(store, {"n": n}, parent=parent) for n in range(40)]
+    bad = put(store, {"n": -1}, parent=9_999_999_996)
+    results = await asyncio.gather(*good, bad, return_exceptions=True)
+    ids, failure = results[:-1], results[-1]
+    assert isinstance(failure, NotFound) and "9999999996" in str(failure)
+    assert all(isinstance(i, int) for i in ids) and len(set(ids)) == 40
+    assert await store.get_many(ids) == {i: {"n": n} for n, i in enumerate(ids)}  # type: ignore[misc]
+    async with pool.connection() as conn:
+        rows = await (await conn.execute(
+            "SELECT count(*) AS n FROM noetl.result_ref r JOIN noetl.result_payload p USING (ref_id)"
+            " WHERE r.ref_id = ANY(%s) AND r.parent_ref_id = %s", (list(ids), parent))).fetchone()
+    assert rows is not None and rows["n"] == 40

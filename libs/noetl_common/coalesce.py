@@ -1,0 +1,61 @@
+"""Group concurrent requests into batches with no waiting window (group commit).
+
+While one batch is being flushed, new requests queue up; when the flush returns, all
+of them go out as the next batch. A lone request is flushed at once, so latency under
+light load is unchanged, and under load each round trip carries many requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+Flush = Callable[[Sequence[T]], Awaitable[Sequence[R | BaseException]]]
+
+
+class Coalescer(Generic[T, R]):
+    """``await submit(item)`` returns that item's result from ``flush(batch)``, which
+    returns one result (or an exception, raised to that caller only) per item, in order.
+    If ``flush`` itself raises, every caller of the batch gets the error."""
+
+    def __init__(self, flush: Flush[T, R], *, max_batch: int = 64) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self._flush = flush
+        self._max = max_batch
+        self._queue: list[tuple[T, asyncio.Future[R]]] = []
+        self._runner: asyncio.Task[None] | None = None
+
+    async def submit(self, item: T) -> R:
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queue.append((item, fut))
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue[: self._max], self._queue[self._max:]
+            live = [(item, fut) for item, fut in batch if not fut.cancelled()]
+            if not live:
+                continue
+            try:
+                results = await self._flush([item for item, _ in live])
+            except BaseException as exc:
+                for _, fut in live:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            for (_, fut), result in zip(live, results, strict=True):
+                if fut.done():
+                    continue
+                if isinstance(result, BaseException):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)

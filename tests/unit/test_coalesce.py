@@ -1,0 +1,56 @@
+"""The group-commit coalescer: batches while a flush is in flight, per-item errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from noetl_common.coalesce import Coalescer
+
+
+async def test_concurrent_submissions_share_flushes_and_keep_order() -> None:
+    batches: list[list[int]] = []
+    flushing = asyncio.Event()
+
+    async def flush(items: Sequence[int]) -> list[int | BaseException]:
+        batches.append(list(items))
+        flushing.set()
+        await asyncio.sleep(0.01)
+        return [i * 10 for i in items]
+
+    c: Coalescer[int, int] = Coalescer(flush, max_batch=50)
+    first = asyncio.create_task(c.submit(0))
+    await flushing.wait()  # the lone first request goes out at once
+    rest = await asyncio.gather(*(c.submit(i) for i in range(1, 20)))
+    assert await first == 0 and rest == [i * 10 for i in range(1, 20)]
+    assert batches == [[0], list(range(1, 20))]  # the others queued behind it: one flush
+
+
+async def test_per_item_errors_and_batch_errors() -> None:
+    async def flush(items: Sequence[int]) -> list[int | BaseException]:
+        if 99 in items:
+            raise RuntimeError("whole batch failed")
+        return [ValueError(f"bad {i}") if i % 2 else i for i in items]
+
+    c: Coalescer[int, int] = Coalescer(flush, max_batch=3)
+    assert await c.submit(2) == 2
+    with pytest.raises(ValueError, match="bad 3"):
+        await c.submit(3)
+    with pytest.raises(RuntimeError, match="whole batch"):
+        await c.submit(99)
+    assert await c.submit(4) == 4
+
+
+async def test_max_batch_bounds_each_flush() -> None:
+    sizes: list[int] = []
+
+    async def flush(items: Sequence[int]) -> list[int | BaseException]:
+        sizes.append(len(items))
+        await asyncio.sleep(0)
+        return list(items)
+
+    c: Coalescer[int, int] = Coalescer(flush, max_batch=4)
+    await asyncio.gather(*(c.submit(i) for i in range(13)))
+    assert max(sizes) <= 4 and sum(sizes) == 13
