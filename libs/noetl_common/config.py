@@ -185,6 +185,38 @@ class WorkerSettings(BaseSettings):
     fetch_batch: int = Field(default=16, ge=1)
 
 
+class TracingSettings(BaseSettings):
+    """OpenTelemetry tracing (``NOETL_OTEL_*``; docs/DEPLOY.md "Tracing"). Off by default.
+
+    ``exporter``: ``none`` (no provider, no interceptors: tracing costs nothing),
+    ``otlp`` (OTLP/HTTP protobuf to ``endpoint``, e.g. ``http://otel-collector:4318``;
+    ``/v1/traces`` is appended when the URL has no path), ``console`` (one JSON document
+    per span on stdout) or ``jsonl`` (one JSON line per span appended to ``file``, whose
+    ``{role}``, ``{pid}`` and ``{instance}`` are expanded: a file per process)."""
+
+    model_config = SettingsConfigDict(env_prefix="NOETL_OTEL_", extra="ignore")
+
+    exporter: Literal["none", "otlp", "console", "jsonl"] = "none"
+    endpoint: str = Field(default="", description="OTLP/HTTP collector URL (exporter otlp)")
+    file: str = Field(default="", description="span file of exporter jsonl ({role}, {pid}, {instance} expanded)")
+    # Default: noetl-<role>.
+    service_name: str = ""
+    # Fraction of new traces recorded (a trace continued from a parent follows the parent's decision).
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+    timeout_sec: float = Field(default=10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _exporter_complete(self) -> TracingSettings:
+        if self.exporter == "otlp":
+            if not self.endpoint:
+                raise ValueError("NOETL_OTEL_EXPORTER=otlp needs NOETL_OTEL_ENDPOINT (e.g. http://otel-collector:4318)")
+            if not self.endpoint.startswith(("http://", "https://")):
+                raise ValueError(f"NOETL_OTEL_ENDPOINT must be an http(s):// URL, got {self.endpoint!r}")
+        if self.exporter == "jsonl" and not self.file:
+            raise ValueError("NOETL_OTEL_EXPORTER=jsonl needs NOETL_OTEL_FILE (e.g. /tmp/spans/{role}-{pid}.jsonl)")
+        return self
+
+
 def load(cls: type[T], **overrides: object) -> T:
     """Build a settings object from the environment, with a clear ConfigError on bad values."""
     try:

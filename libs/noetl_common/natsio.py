@@ -32,7 +32,9 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import NotFoundError
+from opentelemetry.context import Context
 
+from . import tracing
 from .errors import NoetlError, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -150,15 +152,20 @@ async def ensure_streams(js: JetStreamContext, *, events_max_age_sec: float = 7 
 
 
 async def publish(js: JetStreamContext, subject: str, payload: bytes, *, msg_id: str | None = None,
-                  headers: dict[str, str] | None = None, ack_wait: float = 5.0) -> Any:
-    """Publish to JetStream and wait up to ``ack_wait`` seconds for the ack (the message is stored)."""
+                  headers: dict[str, str] | None = None, ack_wait: float = 5.0,
+                  trace_parent: Context | None = None) -> Any:
+    """Publish to JetStream and wait up to ``ack_wait`` seconds for the ack (the message is stored).
+    With tracing on, the publish is a producer span (child of ``trace_parent``, default the
+    current context) whose ``traceparent`` travels in the message headers."""
     hdrs = dict(headers or {})
     if msg_id:
         hdrs["Nats-Msg-Id"] = msg_id
-    try:
-        return await js.publish(subject, payload, timeout=ack_wait, headers=hdrs or None)
-    except (NatsError, OSError) as exc:
-        raise translate(exc) from exc
+    with tracing.producer(subject, hdrs, msg_id=msg_id, parent=trace_parent) as span:
+        try:
+            return await js.publish(subject, payload, timeout=ack_wait, headers=hdrs or None)
+        except (NatsError, OSError) as exc:
+            tracing.set_error(span, f"{type(exc).__name__}: {exc}")
+            raise translate(exc) from exc
 
 
 async def hint(nc: NATS, subject: str, payload: bytes = b"") -> None:

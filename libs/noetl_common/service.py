@@ -26,8 +26,8 @@ from prometheus_client import Counter, Gauge, start_http_server
 from noetl_proto.v1 import shard_manager_pb2 as sm_pb2
 from noetl_proto.v1 import shard_manager_pb2_grpc as sm_grpc
 
-from . import grpcutil
-from .config import CoreSettings, ShardSettings
+from . import grpcutil, tracing
+from .config import CoreSettings, ShardSettings, TracingSettings, load
 from .db import Pool, make_pool
 from .errors import ConfigError, NoetlError
 from .logs import setup_logging
@@ -35,6 +35,7 @@ from .shards import ShardOwnership
 
 logger = logging.getLogger(__name__)
 
+# 1 per shard held; the series is removed when the shard is lost (not set to 0).
 SHARD_OWNER = Gauge("noetl_shard_owner", "1 for each shard this instance holds", ["role", "shard", "instance"])
 LEASE_RENEWALS = Counter("noetl_lease_renewals_total", "Shard lease renewal rounds", ["role"])
 LEASE_LOSSES = Counter("noetl_lease_losses_total", "Shard leases lost (reassigned or expired)", ["role"])
@@ -141,7 +142,7 @@ class Service:
             await self.pool.open(wait=True, timeout=30)
         await self.on_start()
 
-        self.server = grpc.aio.server(interceptors=[grpcutil.ErrorInterceptor()],
+        self.server = grpc.aio.server(interceptors=[*tracing.server_interceptors(), grpcutil.ErrorInterceptor()],
                                       options=[("grpc.so_reuseport", 0),
                                                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                                                ("grpc.max_send_message_length", 64 * 1024 * 1024)])
@@ -270,13 +271,19 @@ class Service:
         LEASE_RENEWALS.labels(self.role).inc()
         if lost:
             LEASE_LOSSES.labels(self.role).inc(len(lost))
-        for s in lost:
-            SHARD_OWNER.labels(self.role, str(s), self.core.instance).set(0)
+        self._owner_lost(lost)
         for s in gained:
             SHARD_OWNER.labels(self.role, str(s), self.core.instance).set(1)
         if gained or lost:
             logger.info("%s shards gained=%s lost=%s", self.role, sorted(gained), sorted(lost))
             await self.on_shards(gained, lost)
+
+    def _owner_lost(self, shards: set[int]) -> None:
+        """A lost shard's ``noetl_shard_owner`` series goes away (not 0: another member
+        holds it now, and its per-shard gauges are dropped by ``ShardTasks`` likewise)."""
+        for s in shards:
+            with contextlib.suppress(KeyError):
+                SHARD_OWNER.remove(self.role, str(s), self.core.instance)
 
     def wake_membership(self) -> None:
         """Heartbeat now (e.g. the leader announced new assignments)."""
@@ -305,8 +312,7 @@ class Service:
                     logger.warning("shard-manager asked %s to rejoin; dropping shards %s", self.role, sorted(lost))
                     if lost:
                         LEASE_LOSSES.labels(self.role).inc(len(lost))
-                        for s in lost:
-                            SHARD_OWNER.labels(self.role, str(s), self.core.instance).set(0)
+                        self._owner_lost(lost)
                         await self.on_shards({}, lost)
                     await self._join()
                     continue
@@ -323,11 +329,13 @@ class Service:
                     expired = self.ownership.expire()
                     if expired:
                         LEASE_LOSSES.labels(self.role).inc(len(expired))
+                        self._owner_lost(expired)
                         await self.on_shards({}, expired)
 
     async def _release_all(self) -> None:
         assert self.ownership is not None
         lost = self.ownership.clear()
+        self._owner_lost(lost)
         if lost:
             await self.on_shards({}, lost)
 
@@ -338,10 +346,12 @@ class Service:
 
 
 def run_service(factory: Callable[[], Service]) -> int:
-    """Entry point helper: logging, signals, run; exit code 0 on a clean stop, 2 on bad config."""
+    """Entry point helper: logging, tracing (``NOETL_OTEL_*``), signals, run; exit code 0 on
+    a clean stop, 2 on bad config."""
     setup_logging(os.environ.get("NOETL_LOG_LEVEL", "INFO"))
     try:
         svc = factory()
+        tracing.setup(load(TracingSettings), role=svc.role, instance=svc.core.instance)
     except ConfigError as exc:
         logging.getLogger("noetl").error("%s", exc)
         print(f"error: {exc}", flush=True)
@@ -358,4 +368,6 @@ def run_service(factory: Callable[[], Service]) -> int:
     except ConfigError as exc:
         logging.getLogger("noetl").error("%s", exc)
         return 2
+    finally:
+        tracing.shutdown()  # flushes the exporter
     return 0

@@ -178,16 +178,21 @@ def meta(event: Any) -> dict[str, Any]:
 
 def worker_busy(state: devstack.StackState) -> float:
     """Commands the stack's workers are running now (sum of their `noetl_worker_busy` gauges)."""
+    return metric_sum(state, "worker", "noetl_worker_busy")
+
+
+def metric_sum(state: devstack.StackState, role: str, name: str) -> float:
+    """The sum of every sample of metric `name` (any labels) over the role's live processes."""
     import urllib.request
 
     total = 0.0
-    for proc in state.processes("worker"):
-        if not proc.metrics:
+    for proc in state.processes(role):
+        if not proc.metrics or not proc.alive():
             continue
         with urllib.request.urlopen(f"http://{proc.metrics}/metrics", timeout=5) as resp:
             for line in resp.read().decode().splitlines():
-                if line.startswith("noetl_worker_busy "):
-                    total += float(line.split()[1])
+                if line.startswith((f"{name} ", f"{name}{{")):
+                    total += float(line.rsplit(" ", 1)[1])
     return total
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from chaos import HEADER, Db, process_of, stack_for, wait_for
-from harness import Runner
+from harness import Runner, metric_sum
 
 from noetl_cli import devstack
 
@@ -118,6 +118,7 @@ def test_task_that_kills_its_worker_is_dead_lettered(runner: Runner, db: Db) -> 
         "        import os, signal, time\n"
         "        os.kill(os.getppid(), signal.SIGKILL)\n"
         "        time.sleep(30)\n")
+    dead_letters = metric_sum(state, "api", "noetl_engine_dead_letters_total")
     with Resurrector(state) as supervisor:
         eid = runner.submit(text).execution_id
         out = runner.wait(eid, 120)
@@ -135,6 +136,8 @@ def test_task_that_kills_its_worker_is_dead_lettered(runner: Runner, db: Db) -> 
                   " AND event_type = 'command.dead_lettered'", (eid,))
     assert len(dead) == 1 and dead[0]["step"] == "boom" and dead[0]["meta"]["attempt"] == MAX_ATTEMPTS
     assert db.value("SELECT status FROM noetl.command WHERE execution_id = %s AND step = 'boom'", (eid,)) == "dead"
+    # counted by the engine that appended it (noetl_engine_dead_letters_total, the alert's metric)
+    assert metric_sum(state, "api", "noetl_engine_dead_letters_total") == dead_letters + 1
     db.assert_routed_once(eid)
     db.wait_projected()
     db.assert_projection_is_a_fold(eid)

@@ -243,12 +243,20 @@ async def test_tools_reject_python_without_code() -> None:
     assert out.error is not None and out.error.code == "INVALID_TASK"
 
 
-async def test_children_do_not_see_the_runtime_dsn(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NOETL_POSTGRES_DSN", "postgresql://secret")
-    monkeypatch.setenv("NOETL_WORKER_MODE", "pool")
+async def test_children_do_not_see_the_runtime_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    secrets = {"NOETL_POSTGRES_DSN": "postgresql://secret", "NOETL_NATS_URL": "nats://u:pw@nats:4222",
+               "NOETL_RESULT_S3_ACCESS_KEY": "AKIA", "NOETL_RESULT_S3_SECRET_KEY": "s3-secret",
+               "NOETL_OTEL_ENDPOINT": "https://u:pw@collector:4318",
+               "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer x",
+               "NOETL_FUTURE_PASSWORD": "pw", "NOETL_SOME_TOKEN": "t"}
+    visible = {"NOETL_WORKER_MODE": "pool", "NOETL_WORKER_CONCURRENCY": "8", "NOETL_RESULT_TIER": "db",
+               "NOETL_OTEL_EXPORTER": "none", "HOME_KEYBOARD": "kept: not a NOETL_* name"}
+    for name, v in {**secrets, **visible}.items():
+        monkeypatch.setenv(name, v)
     async with PythonPool(1) as pool:
-        code = "import os\nresult = [os.getenv('NOETL_POSTGRES_DSN'), os.getenv('NOETL_WORKER_MODE')]"
-        assert await value(pool, code) == [None, "pool"]
+        names = sorted({**secrets, **visible})
+        code = f"import os\nresult = {{n: os.getenv(n) for n in {names!r}}}"
+        assert await value(pool, code) == {**dict.fromkeys(secrets), **visible}
 
 
 async def test_children_survive_sigterm_to_the_process_group() -> None:

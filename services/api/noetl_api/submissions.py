@@ -13,7 +13,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from noetl_common import natsio
+from noetl_common import natsio, tracing
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import InvalidInput, NoetlError, NotFound, PlaybookInvalid
 from noetl_common.ids import SnowflakeGenerator, shard_for
@@ -90,11 +90,13 @@ class Submitter:
         async with transaction(self._pool) as conn:
             cur = await conn.execute(
                 "INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
-                " idempotency_key, parent_execution_id, parent_step, timeout_sec)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+                " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id",
                 (execution_id, shard, entry.catalog_id, json.dumps(payload), idempotency_key or None,
-                 parent_execution_id or None, parent_step or None, timeout),
+                 parent_execution_id or None, parent_step or None, timeout,
+                 # the engine continues this trace for every command (engine/traces.py)
+                 tracing.current_traceparent()),
             )
             inserted = await cur.fetchone()
         if inserted is None:  # lost an idempotency race to a concurrent retry

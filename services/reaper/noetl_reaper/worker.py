@@ -11,7 +11,7 @@ import time
 from nats.js import JetStreamContext
 from prometheus_client import Counter
 
-from noetl_common import natsio
+from noetl_common import natsio, tracing
 from noetl_common.config import CommandSettings
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError
@@ -56,9 +56,10 @@ class ShardReaper:
                 " AND status = 'claimed' AND lease_until < now() ORDER BY lease_until LIMIT 500", (self.shard,))
             expired = list(await cur.fetchall())
             cur = await conn.execute(
-                "SELECT command_id, execution_id, attempt, kind FROM noetl.command WHERE shard_id = %s"
-                " AND status = 'queued' AND updated_at < now() - make_interval(secs => %s)"
-                " ORDER BY updated_at LIMIT 500", (self.shard, self.cfg.republish_after_sec))
+                "SELECT c.command_id, c.execution_id, c.attempt, c.kind, r.traceparent FROM noetl.command c"
+                " LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id WHERE c.shard_id = %s"
+                " AND c.status = 'queued' AND c.updated_at < now() - make_interval(secs => %s)"
+                " ORDER BY c.updated_at LIMIT 500", (self.shard, self.cfg.republish_after_sec))
             stale = list(await cur.fetchall())
         for row in expired:
             msg = messages_pb2.EngineInput(expired=messages_pb2.CommandExpired(
@@ -71,8 +72,10 @@ class ShardReaper:
         for row in stale:
             notice = messages_pb2.CommandNotice(command_id=row["command_id"], execution_id=row["execution_id"],
                                                 shard_id=self.shard, attempt=row["attempt"], kind=row["kind"])
+            # the execution's trace goes on with the republished notice (docs/DEPLOY.md "Tracing")
             await natsio.publish(self.js, natsio.commands_subject(self.shard), notice.SerializeToString(),
-                                 msg_id=f"{row['command_id']}#{row['attempt']}#r{window}")
+                                 msg_id=f"{row['command_id']}#{row['attempt']}#r{window}",
+                                 trace_parent=tracing.context_from(row["traceparent"]))
             REAPED.labels("republished").inc()
         if expired or stale:
             logger.info("reaper shard %s: %s expired lease(s) reported, %s queued command(s) republished",

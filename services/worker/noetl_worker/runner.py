@@ -18,6 +18,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from noetl_common import tracing
 from noetl_common.errors import NoetlError
 from noetl_dsl.templates import RenderContext
 from noetl_proto.v1 import messages_pb2
@@ -129,9 +130,19 @@ class TaskCaller:
         return CallInfo(self.command.execution_id, self.command.command_id, self.command.step, key, self.cancelled)
 
     async def __call__(self, task: Mapping[str, Any], scope: RenderContext) -> ToolOutcome:
-        call = self.call_info(str(scope.get("_task") or task.get("name") or "task"))
-        return await self.tools.run_task(task, scope, step_input=self.step_input, workbook=self.workbook,
-                                         timeout_sec=self.timeout, call=call)
+        name = str(scope.get("_task") or task.get("name") or "task")
+        call = self.call_info(name)
+        kind = str(task.get("kind") or "")
+        # One span per tool run, in the execution's trace (noetl_common.tracing).
+        with tracing.span(f"tool.run {kind or 'unknown'}", attributes={
+                "noetl.execution_id": self.command.execution_id, "noetl.command_id": self.command.command_id,
+                "noetl.step": self.command.step, "noetl.task": name, "noetl.tool.kind": kind,
+                "noetl.attempt": self.command.attempt, "noetl.call_key": call.key}) as span:
+            outcome = await self.tools.run_task(task, scope, step_input=self.step_input, workbook=self.workbook,
+                                                timeout_sec=self.timeout, call=call)
+            if outcome.error is not None:
+                tracing.set_error(span, f"{outcome.error.code}: {outcome.error.message}"[:500])
+            return outcome
 
 
 def parse_command(command: messages_pb2.Command) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:

@@ -39,6 +39,7 @@ from noetl_store import ResultStore, envelope_from_proto
 
 from ..catalog import Catalog
 from . import sql
+from .traces import EngineTraces
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,11 @@ REPLAYED = Counter("noetl_engine_replayed_inputs_total",
                    "Inputs consumed after a takeover that were already in the stream when the shard was taken "
                    "(delivered to the previous owner but not committed by it)", ["shard"])
 REPUBLISHED = Counter("noetl_engine_republished_commands_total", "Commands republished on takeover or re-issue")
+DEAD_LETTERS = Counter("noetl_engine_dead_letters_total", "command.dead_lettered events appended", ["shard"])
 
 MAX_BATCH = 500
 EV_CHECKPOINT = "checkpoint.committed"
+EV_DEAD_LETTERED = "command.dead_lettered"
 
 
 @dataclass
@@ -67,6 +70,7 @@ class EngineDeps:
     commands: CommandSettings
     executions: ExecutionSettings
     workloads: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)
+    traces: EngineTraces = field(default_factory=EngineTraces)
 
 
 @dataclass
@@ -145,8 +149,10 @@ class ShardEngine:
             if row is None:
                 raise LeaseLost(f"shard {self.shard} epoch {self.epoch} is not ours")
             queued = await sql.queued_commands(conn, self.shard)
+            await self.d.traces.load(conn, {q["execution_id"] for q in queued}, {})
             await conn.commit()
         REPLAYED.labels(str(self.shard))  # the series exists (0) from the takeover on
+        DEAD_LETTERS.labels(str(self.shard))
         try:
             self._replay_until = int((await self.d.js.stream_info(natsio.EVENTS_STREAM)).state.last_seq)
         except Exception as exc:  # metrics only
@@ -216,6 +222,7 @@ class ShardEngine:
             states.update(await sql.load_states(conn, [e for e in ids if e not in states]))
             need_requests = [e for e in ids if e not in states or e not in self.d.workloads]
             requests = await sql.load_requests(conn, need_requests)
+            await self.d.traces.load(conn, ids, requests)
             for inp in inputs:
                 if inp.kind == "barrier":
                     epoch = int(inp.msg.checkpoint_epoch)
@@ -227,7 +234,7 @@ class ShardEngine:
                                        json.dumps({"checkpoint_epoch": epoch, "epoch_id": epoch,
                                                    "lease_epoch": self.epoch})))
                     continue
-                t = await self._apply(inp, states, requests, conn, loop_results)
+                t = await self.d.traces.fold(inp, self.shard, self._apply(inp, states, requests, conn, loop_results))
                 if t is None:
                     continue
                 eid = t.state.execution_id
@@ -280,6 +287,9 @@ class ShardEngine:
         if ended:
             await self._cancel_children(ended)
         if events:
+            self.d.traces.committed(events)
+            if dead := sum(1 for e in events if e[3] == EV_DEAD_LETTERED):
+                DEAD_LETTERS.labels(str(self.shard)).inc(dead)
             BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
             await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
         BATCH_INPUTS.observe(len(inputs))
@@ -404,7 +414,7 @@ class ShardEngine:
             notice = messages_pb2.CommandNotice(command_id=cid, execution_id=eid, shard_id=self.shard,
                                                 attempt=attempt, kind=kind)
             await natsio.publish(self.d.js, natsio.commands_subject(self.shard), notice.SerializeToString(),
-                                 msg_id=f"{cid}#{attempt}")
+                                 msg_id=f"{cid}#{attempt}", trace_parent=self.d.traces.notice_parent(eid))
 
         results = await asyncio.gather(*(one(*i) for i in items), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]

@@ -32,8 +32,19 @@ logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct(">I")
 SANDBOX_MODULE = "noetl_worker.sandbox"
-# The runtime's own connection strings are not the task code's business.
-HIDDEN_ENV = ("NOETL_POSTGRES_DSN",)
+# The runtime's own connection strings and secrets are not the task code's business:
+# these, and any other NOETL_* name that looks secret-bearing (HIDDEN_ENV_MARKERS), are
+# left out of the children's environment, as are the OTLP exporter's standard header
+# variables (they carry collector credentials).
+HIDDEN_ENV = ("NOETL_POSTGRES_DSN", "NOETL_NATS_URL", "NOETL_RESULT_S3_ACCESS_KEY", "NOETL_RESULT_S3_SECRET_KEY",
+              "NOETL_OTEL_ENDPOINT", "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+HIDDEN_ENV_MARKERS = ("DSN", "URL", "SECRET", "PASSWORD", "TOKEN", "KEY", "CREDENTIAL", "HEADERS")
+
+
+def hidden_env(name: str) -> bool:
+    """True for the variables task code must not see (HIDDEN_ENV, secret-looking NOETL_*)."""
+    upper = name.upper()
+    return upper in HIDDEN_ENV or (upper.startswith("NOETL_") and any(m in upper for m in HIDDEN_ENV_MARKERS))
 STDOUT_IN_DETAILS = 4096
 
 
@@ -98,8 +109,8 @@ class PythonPool:
 
     def __init__(self, size: int, *, executable: str | None = None, max_tasks_per_child: int = 1000,
                  start_timeout: float = 30.0, env: Mapping[str, str] | None = None) -> None:
-        """``env``: the children's environment (default: this process's, without
-        ``NOETL_POSTGRES_DSN``), captured when the pool is built."""
+        """``env``: the children's environment (default: this process's, without the
+        runtime's secrets: ``hidden_env``), captured when the pool is built."""
         if size < 1:
             raise ConfigError("python pool size must be at least 1")
         self.size = size
@@ -107,7 +118,7 @@ class PythonPool:
         self.max_tasks_per_child = max_tasks_per_child
         self.start_timeout = start_timeout
         self.env = dict(env) if env is not None else {
-            k: v for k, v in os.environ.items() if k not in HIDDEN_ENV}
+            k: v for k, v in os.environ.items() if not hidden_env(k)}
         self._idle: asyncio.Queue[_Child] = asyncio.Queue()
         self._children: set[_Child] = set()
         self._background: set[asyncio.Task[None]] = set()
