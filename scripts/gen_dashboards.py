@@ -45,8 +45,8 @@ def comp(role: str, *matchers: str) -> str:
 
 
 def held(metric: str, role: str) -> str:
-    """A per-shard gauge, only on the pod that holds the shard now (a pod keeps exporting
-    the last value of a shard it lost)."""
+    """A per-shard gauge, only on the pod that holds the shard now. A pod drops the series
+    of a shard it loses; the join also hides a pod's last scrape until it goes stale."""
     return (f"{metric}{sel()} and on (namespace, instance, shard) "
             f"(noetl_shard_owner{sel(eq('role', role))} == 1)")
 
@@ -130,14 +130,16 @@ def overview() -> list[Row]:
     return [
         Row("Executions", [
             stat("Active executions", f"max(noetl_active_executions{sel()})",
-                 description="Running + waiting to start, as admission control last measured it (refreshed on "
-                             "submissions, at most once a second per api replica)."),
+                 description="Running + waiting to start, as admission control last measured it (every api "
+                             "replica measures every 5 s, and at most once a second on submissions)."),
             stat("Queued commands", f"max(noetl_queued_commands{sel()})",
                  description="Commands waiting for a worker, as admission control last measured it."),
             stat("Submissions/s", f"sum(rate(noetl_grpc_requests_total{comp('api', rx('method', '.*/SubmitExecution'))}[{RI}]))",
                  "reqps"),
-            stat("Workers busy", f"sum(noetl_worker_busy{sel()})",
-                 description="Commands running now, all workers."),
+            stat("Worker slots busy", f"sum(noetl_worker_busy{sel()}) / sum(noetl_worker_concurrency{sel()})",
+                 "percentunit",
+                 description="Commands running now / command slots (replicas x NOETL_WORKER_CONCURRENCY), all "
+                             "workers; the saturation alert fires above 0.9."),
             stat("Max projection lag", f"max({held('noetl_projection_lag_ms', 'projector')})", "ms"),
             stat("Max checkpoint age", f"max({held('noetl_checkpoint_age_ms', 'checkpointer')})", "ms"),
             Panel("Events appended vs projected", [
@@ -147,10 +149,12 @@ def overview() -> list[Row]:
                 (f"sum by (status) (rate(noetl_worker_commands_total{sel()}[{RI}]))", "{{status}}")], "ops"),
             Panel("Submissions rejected by admission control", [
                 (f"sum by (reason) (rate(noetl_submissions_rejected_total{sel()}[{RI}]))", "{{reason}}")], "reqps"),
-            Panel("Commands reaped", [
-                (f"sum by (reason) (rate(noetl_reaped_commands_total{sel()}[{RI}]))", "{{reason}}")], "ops",
+            Panel("Commands reaped and dead-lettered", [
+                (f"sum by (reason) (rate(noetl_reaped_commands_total{sel()}[{RI}]))", "{{reason}}"),
+                (f"sum(rate(noetl_engine_dead_letters_total{sel()}[{RI}]))", "dead-lettered")], "ops",
                 description="lease_expired: the worker died or froze mid-task (re-issued, or dead-lettered past "
-                            "NOETL_COMMAND_MAX_ATTEMPTS); republished: queued too long."),
+                            "NOETL_COMMAND_MAX_ATTEMPTS); republished: queued too long; dead-lettered: "
+                            "command.dead_lettered appended (the step failed)."),
         ]),
         Row("Cluster", [
             stat("Shard-manager leader", f"max(noetl_shard_manager_leader{sel()})",
@@ -159,6 +163,8 @@ def overview() -> list[Row]:
             stat("Lease losses (1h)", f"sum(increase(noetl_lease_losses_total{sel()}[1h]))"),
             stat("Pods up", f"sum(up{up})"),
             stat("Commands republished (1h)", f"sum(increase(noetl_engine_republished_commands_total{sel()}[1h]))"),
+            stat("Dead letters (1h)", f"sum(increase(noetl_engine_dead_letters_total{sel()}[1h]))",
+                 description="Commands that ran out of attempts (NOETL_COMMAND_MAX_ATTEMPTS): their steps failed."),
             stat("Events compacted/s", f"sum(noetl_compactor_events_per_second{sel()})", "ops"),
             Panel("Pods up by role", [(f"sum by (component) (up{up})", "{{component}}")]),
             Panel("Shards owned by role", [(f"sum by (role) (noetl_shard_owner{sel()})", "{{role}}")],
@@ -186,7 +192,8 @@ def api() -> list[Row]:
             Panel("Active executions and queued commands", [
                 (f"max(noetl_active_executions{c})", "active executions"),
                 (f"max(noetl_queued_commands{c})", "queued commands")],
-                description="Measured by admission control on submissions (at most once a second per replica)."),
+                description="Measured by admission control: every 5 s per replica, and at most once a second on "
+                            "submissions."),
             Panel("Rejections by reason", [
                 (f"sum by (reason) (rate(noetl_submissions_rejected_total{c}[{RI}]))", "{{reason}}")], "reqps"),
         ]),
@@ -202,6 +209,10 @@ def api() -> list[Row]:
             Panel("Inputs replayed after takeovers", [
                 (f"sum by (shard) (increase(noetl_engine_replayed_inputs_total{c}[{RI}]))", "shard {{shard}}")],
                 description="Inputs delivered to a previous owner of the shard but not committed by it."),
+            Panel("Dead letters by shard", [
+                (f"sum by (shard) (increase(noetl_engine_dead_letters_total{c}[{RI}]))", "shard {{shard}}")],
+                description="command.dead_lettered appended: a command's claim expired NOETL_COMMAND_MAX_ATTEMPTS "
+                            "times; its step failed."),
         ]),
         Row("Result store (reads by the engine and GetExecution)", [
             Panel("Reference resolve time p99 by tier", [
@@ -315,11 +326,17 @@ def worker() -> list[Row]:
     return [
         Row("Commands", [
             stat("Busy slots", f"sum(noetl_worker_busy{c})",
-                 description="Commands running now; capacity is replicas x NOETL_WORKER_CONCURRENCY."),
+                 description="Commands running now, all workers."),
+            stat("Slots", f"sum(noetl_worker_concurrency{c})",
+                 description="Command slots: replicas x NOETL_WORKER_CONCURRENCY."),
             stat("Commands/s", f"sum(rate(noetl_worker_commands_total{c}[{RI}]))", "ops"),
             stat("Claims/s", f"sum(rate(noetl_worker_claims_total{c}[{RI}]))", "ops"),
             stat("Cancel hints (1h)", f"sum(increase(noetl_worker_cancel_hints_total{c}[1h]))"),
-            Panel("Busy slots by pod", [(f"sum by (pod) (noetl_worker_busy{c})", "{{pod}}")]),
+            stat("Saturation", f"sum(noetl_worker_busy{c}) / sum(noetl_worker_concurrency{c})", "percentunit",
+                 description="Busy slots / slots; the saturation alert fires above 0.9 sustained."),
+            Panel("Busy slots by pod", [
+                (f"sum by (pod) (noetl_worker_busy{c})", "busy {{pod}}"),
+                (f"sum by (pod) (noetl_worker_concurrency{c})", "slots {{pod}}")]),
             Panel("Commands finished by kind and status", [
                 (f"sum by (kind, status) (rate(noetl_worker_commands_total{c}[{RI}]))", "{{kind}} {{status}}")], "ops"),
             Panel("Task duration by kind", [

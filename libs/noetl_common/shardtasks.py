@@ -1,7 +1,11 @@
 """Run one worker object per owned shard; start and stop them as leases come and go.
 
 A shard worker has ``epoch``, ``stop()`` (ask it to finish its current batch and
-return) and ``async run()``. Used by every sharded role."""
+return) and ``async run()``. Used by every sharded role.
+
+Per-shard gauges (``{shard}``-labelled, registered with ``forget_on_loss``) lose the
+shard's label set when the process loses the shard, so a member never keeps exporting
+the last value of a shard another member now holds."""
 
 from __future__ import annotations
 
@@ -13,12 +17,29 @@ from collections.abc import Callable
 from typing import Protocol
 
 from nats.aio.client import Client as NATS
+from prometheus_client import Gauge
 
 from . import natsio
 from .config import CoreSettings, ShardSettings
 from .service import Service
 
 logger = logging.getLogger(__name__)
+
+
+_PER_SHARD_GAUGES: dict[str, list[Gauge]] = {}
+
+
+def forget_on_loss(role: str, gauge: Gauge) -> Gauge:
+    """Register ``gauge`` (labelled ``shard`` only): its series of a shard ``role`` loses
+    is removed (``ShardTasks`` named ``role`` calls ``forget_shard``)."""
+    _PER_SHARD_GAUGES.setdefault(role, []).append(gauge)
+    return gauge
+
+
+def forget_shard(role: str, shard: int) -> None:
+    for gauge in _PER_SHARD_GAUGES.get(role, ()):
+        with contextlib.suppress(KeyError):
+            gauge.remove(str(shard))
 
 
 class ShardWorker(Protocol):
@@ -49,6 +70,8 @@ class ShardTasks:
             entry = self._running.get(shard)
             if entry is not None and (shard in lost or entry[0].epoch != gained.get(shard)):
                 await self._stop(shard)
+            if shard in lost:  # after the worker stopped: it cannot set the gauge again
+                forget_shard(self._name, shard)
         for shard, epoch in gained.items():
             if shard not in self._running:
                 worker = self._factory(shard, epoch)

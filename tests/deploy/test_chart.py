@@ -204,7 +204,7 @@ def test_config_map_settings_are_known_and_valid(rendered: dict[str, str]) -> No
 
     classes = [cfg.CoreSettings, cfg.ShardSettings, cfg.CommandSettings, cfg.ExecutionSettings,
                cfg.ProjectionSettings, cfg.CheckpointSettings, cfg.CompactorSettings, cfg.ResultStoreSettings,
-               cfg.WorkerSettings]
+               cfg.WorkerSettings, cfg.TracingSettings]
     known = {f"{c.model_config.get('env_prefix', '')}{f}".upper() for c in classes for f in c.model_fields}
     for values in (*VALUE_SETS, "live"):
         docs = documents(rendered[values])
@@ -225,11 +225,36 @@ def test_config_map_settings_are_known_and_valid(rendered: dict[str, str]) -> No
             os.environ.update(saved)
 
 
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_tracing_settings_reach_every_role(rendered: dict[str, str], values: str) -> None:
+    """tracing.* becomes NOETL_OTEL_* in the ConfigMap (off by default); collector headers
+    come only from a Secret, and only with the otlp exporter."""
+    docs = documents(rendered[values])
+    tracing = values_of(values)["tracing"]
+    data = find(docs, "ConfigMap", f"{NAMESPACE}-config")["data"]
+    assert data["NOETL_OTEL_EXPORTER"] == tracing["exporter"]
+    assert data.get("NOETL_OTEL_ENDPOINT", "") == tracing["endpoint"]
+    assert float(data["NOETL_OTEL_SAMPLE_RATIO"]) == float(tracing["sampleRatio"])
+    for role in ROLES:
+        (c,) = find(docs, "Deployment", f"noetl-{role}")["spec"]["template"]["spec"]["containers"]
+        headers = _env(c).get("OTEL_EXPORTER_OTLP_HEADERS")
+        if tracing["existingSecret"] and tracing["exporter"] == "otlp":
+            assert headers is not None and headers["valueFrom"]["secretKeyRef"] == {
+                "name": tracing["existingSecret"], "key": tracing["headersKey"]}, role
+        else:
+            assert headers is None, role
+    if values == "default":
+        assert data["NOETL_OTEL_EXPORTER"] == "none"
+
+
 def test_values_schema_refuses_credentials_and_chart_owned_settings() -> None:
     bad = {
         "config.NOETL_POSTGRES_DSN=host=x password=y": "NOETL_POSTGRES_DSN",
         "config.NOETL_GRPC_LISTEN=0.0.0.0:1": "NOETL_GRPC_LISTEN",
         "nats.url=nats://user:pw@nats:4222": "nats.url",
+        "tracing.endpoint=https://user:pw@collector:4318": "tracing.endpoint",
+        "tracing.exporter=otlp": "tracing",
+        "config.NOETL_OTEL_EXPORTER=console": "NOETL_OTEL_EXPORTER",
         "worker.replicas=-1": "worker.replicas",
         "api.bogus=1": "bogus",
     }

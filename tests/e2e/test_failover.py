@@ -240,8 +240,18 @@ def test_sigstopped_projector_is_fenced_out(runner: Runner, db: Db) -> None:
 def test_meta_control_metrics_are_exported(runner: Runner, db: Db) -> None:
     state = runner.state
     db.wait_projected()
-    # checkpoint age is reported once the checkpointer looked at a shard
-    texts = {p.instance: scrape(p) for p in state.processes() if p.alive()}
+    sharded = [p for role in ("api", "projector", "checkpointer", "compactor", "reaper")
+               for p in state.processes(role)]
+
+    def every_member_exports_its_shards() -> dict[str, str] | None:
+        # a member picks a new assignment up on its next heartbeat (a lost shard's series is
+        # removed, so a member between a loss and its next gain exports none for a moment);
+        # checkpoint age is reported once the checkpointer looked at a shard
+        texts = {p.instance: scrape(p) for p in state.processes() if p.alive()}
+        return texts if all(samples(texts[p.instance], "noetl_shard_owner") for p in sharded) else None
+
+    texts = wait_for(every_member_exports_its_shards, 15, "every sharded member to export noetl_shard_owner",
+                     interval=0.5)
     for role in ("api", "projector", "checkpointer", "compactor", "reaper"):
         for p in state.processes(role):
             text = texts[p.instance]

@@ -3,7 +3,9 @@ system is saturated, instead of queueing without bound.
 
 Saturation is measured from Postgres (so every api replica sees the same picture) and
 cached for ``refresh_sec``: executions running or committed-but-not-started, and
-commands queued for workers.
+commands queued for workers. The gauges (``noetl_active_executions``,
+``noetl_queued_commands``) show the last measurement; the api also measures every
+``GAUGE_REFRESH_SEC`` without submissions (``measure``), so they never go stale.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 ACTIVE = Gauge("noetl_active_executions", "Executions running or waiting to start (admission view)")
 QUEUED = Gauge("noetl_queued_commands", "Commands queued for workers (admission view)")
 REJECTED = Counter("noetl_submissions_rejected_total", "Submissions refused by admission control", ["reason"])
+GAUGE_REFRESH_SEC = 5.0
 
 
 class Admission:
@@ -49,6 +52,10 @@ class Admission:
             raise Overloaded(f"system saturated: {self._queued} commands queued for workers (limit "
                              f"{self.max_queued}); retry after {self._hint(self._queued, self.max_queued):.1f}s",
                              retry_after=self._hint(self._queued, self.max_queued))
+
+    async def measure(self) -> None:
+        """Refresh the measurement (and the gauges) unless it is fresher than ``refresh_sec``."""
+        await self._update()
 
     def admitted(self) -> None:
         """Count a submission until the next refresh sees it."""

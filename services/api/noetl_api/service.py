@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from nats.aio.client import Client as NATS
 
@@ -26,13 +28,15 @@ from noetl_proto.v1 import (
 )
 from noetl_store import CachedResultStore, make_result_store
 
-from .admission import Admission
+from .admission import GAUGE_REFRESH_SEC, Admission
 from .catalog import Catalog
 from .claims import Claims
 from .engine.shard import EngineDeps, ShardEngine
 from .queries import Queries
 from .servicers import CatalogServicer, CredentialServicer, ExecutionServicer, WorkerServicer
 from .submissions import Submitter
+
+logger = logging.getLogger(__name__)
 
 # Results the api keeps in process (engine templates, GetExecution with results).
 RESULT_CACHE_ITEMS = 2048
@@ -87,8 +91,8 @@ class ApiService(Service):
         if self.engines is None:
             assert self.pool is not None and self.nc is not None and self.ownership is not None
             self.ids = SnowflakeGenerator(self.node_id)
-            admission = Admission(self.pool, max_active=self.executions.max_active,
-                                  max_queued=self.executions.max_queued_commands)
+            self.admission = admission = Admission(self.pool, max_active=self.executions.max_active,
+                                                   max_queued=self.executions.max_queued_commands)
             self.execution_servicer.bind(Submitter(
                 self.pool, self.catalog, self.ids, self.js, shard_count=self.shard_cfg.count,
                 default_timeout_sec=self.executions.default_timeout_sec, admission=admission))
@@ -108,6 +112,17 @@ class ApiService(Service):
 
     async def on_serving(self) -> None:
         self._ready()
+        self.spawn(self._measure_loop(), "admission-gauges")
+
+    async def _measure_loop(self) -> None:
+        """Keep noetl_active_executions / noetl_queued_commands current without submissions."""
+        while True:
+            try:
+                await self.admission.measure()
+            except Exception as exc:  # a gauge refresh: never worth stopping the api for
+                logger.warning("measuring active executions failed: %s", exc)
+            if await self.sleep(GAUGE_REFRESH_SEC):
+                return
 
     async def on_stop(self) -> None:
         try:

@@ -29,12 +29,14 @@ from noetl_common.db import Pool, transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
+from noetl_common.shardtasks import forget_on_loss
 from noetl_proto.v1 import messages_pb2
 
 logger = logging.getLogger(__name__)
 
 AGE = Gauge("noetl_checkpoint_age_ms", "Time since the shard's last sealed checkpoint while work is unsealed",
             ["shard"])
+forget_on_loss("checkpointer", AGE)
 SEALED = Counter("noetl_checkpoints_sealed_total", "Checkpoint epochs sealed", ["shard"])
 BARRIERS = Counter("noetl_checkpoint_barriers_requested_total", "Barriers requested from the engine", ["shard"])
 

@@ -17,6 +17,7 @@ from noetl_common import natsio
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
+from noetl_common.shardtasks import forget_on_loss
 from noetl_flow.projection import fold
 
 from . import store
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 SYSTEM_EVENTS = frozenset({"checkpoint.committed"})
 LAG = Gauge("noetl_projection_lag_ms", "Age of the newest projected event when it was projected", ["shard"])
+forget_on_loss("projector", LAG)
 MAX_LAG_MS = 2**31 - 1  # projection_checkpoint.lag_ms is an int (~24.8 days)
 PROJECTED = Counter("noetl_projected_events_total", "Events folded into the read models", ["shard"])
 

@@ -19,6 +19,7 @@ def _metric(cls: type[M], name: str, doc: str, labels: tuple[str, ...] = (), **k
 
 
 BUSY = _metric(Gauge, "noetl_worker_busy", "Commands this worker is running now")
+CONCURRENCY = _metric(Gauge, "noetl_worker_concurrency", "Command slots of this worker (NOETL_WORKER_CONCURRENCY)")
 COMMANDS = _metric(Counter, "noetl_worker_commands_total", "Commands finished by this worker",
                    ("kind", "status"))
 TASK_SECONDS = _metric(Histogram, "noetl_worker_task_seconds", "Task (tool call) duration", ("kind",),

@@ -43,7 +43,7 @@ from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
-from noetl_common import grpcutil, natsio
+from noetl_common import grpcutil, natsio, tracing
 from noetl_common.config import (
     CommandSettings,
     CoreSettings,
@@ -58,7 +58,7 @@ from noetl_store import ResultStore, encode_json, envelope_from_proto, make_resu
 
 from .cursor import CURSOR_KIND, run_cursor_slot
 from .cursor_drivers import Row, default_drivers
-from .metrics import BUSY, CANCEL_HINTS, CLAIMS, COMMANDS, RESULT_BYTES
+from .metrics import BUSY, CANCEL_HINTS, CLAIMS, COMMANDS, CONCURRENCY, RESULT_BYTES
 from .runner import error_result, execute_command
 from .tools import Credentials, HttpTool, PlaybookTool, PoolRegistry, PostgresTool, PythonPool, Tools
 
@@ -154,6 +154,7 @@ class WorkerService(Service):
         await self.nc.subscribe(CANCEL_HINTS_SUBJECT, cb=self._on_cancel_hint)
 
     async def on_serving(self) -> None:
+        CONCURRENCY.set(self.worker_cfg.concurrency)
         for n in range(self.worker_cfg.concurrency):
             self._slots.append(self.spawn(self._slot_loop(n), f"worker-slot-{n}"))
         logger.info("worker %s running %d slots", self.worker_id, len(self._slots))
@@ -206,6 +207,7 @@ class WorkerService(Service):
                 except Exception:
                     logger.exception("handling a command notice failed; it will be redelivered")
 
+    @tracing.consumer  # a span per notice, continuing the execution's trace (the notice headers)
     async def handle_notice(self, msg: Msg) -> None:
         try:
             notice = messages_pb2.CommandNotice.FromString(msg.data)

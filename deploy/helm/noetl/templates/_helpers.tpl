@@ -121,6 +121,13 @@ app.kubernetes.io/component: {{ .role }}
       name: {{ $v.resultStore.s3.existingSecret }}
       key: {{ $v.resultStore.s3.secretKeyKey }}
 {{- end }}
+{{- if and $v.tracing.existingSecret (eq $v.tracing.exporter "otlp") }}
+- name: OTEL_EXPORTER_OTLP_HEADERS
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.tracing.existingSecret }}
+      key: {{ $v.tracing.headersKey }}
+{{- end }}
 {{- end -}}
 
 {{/* Label matcher every alert expression carries. */}}
