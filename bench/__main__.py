@@ -2,12 +2,14 @@
 ``docs/BENCHMARKS.md`` and the plots. ``make bench`` / ``make bench-quick`` call this.
 
 Order: our main stack (raw limits first, on the idle stack, then turnaround, fan-out,
-growth, cursor drain, concurrency), in full mode a second stack with Postgres fsync on
-(turnaround and fan-out again), the recovery stack (2 api replicas, fast failover),
-then, with every stack of ours stopped, the peers one after another (Temporal, then
-Prefect), each in its own virtualenv. A scenario, a stack or a peer that fails is
-recorded as such and the run goes on; every process started is stopped on the way out
-(Ctrl-C and SIGTERM included).
+growth, the sequential loop, cursor drain, concurrency, compactor throughput), in full
+mode a second stack with Postgres fsync on (turnaround and fan-out again), the recovery
+stack (2 api replicas, fast failover), then, with every stack of ours stopped, the peers
+one after another (Temporal, then Prefect), each in its own virtualenv. A scenario, a
+stack or a peer that fails is recorded as such and the run goes on; every process
+started is stopped on the way out (Ctrl-C and SIGTERM included). The report is written
+either way; the exit status is 0 only if nothing failed (1 otherwise, the failures listed
+at the end; 130 when interrupted).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -30,12 +33,13 @@ from . import report
 from .machine import ProcSampler, machine_facts
 from .peers import runner as peers
 from .progress import Progress
-from .scenarios import concurrency, cursor, limits, loops, recovery, turnaround
+from .scenarios import compactor, concurrency, cursor, limits, loops, recovery, turnaround
 from .scenarios.common import Ctx, Plan
 from .stack import BASE_ENV, FAST_FAILOVER_ENV, RESULTS, BenchStack, reap_stale
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = ("limits", "turnaround", "fanout", "growth", "cursor", "concurrency", "durable", "recovery", "peers")
+SCENARIOS = ("limits", "turnaround", "fanout", "growth", "sequential", "cursor", "concurrency", "compactor",
+             "durable", "recovery", "peers")
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
@@ -59,15 +63,23 @@ class Run:
                 parsed = type(current)(value)
             self.plan = Plan(**{**self.plan.__dict__, key: parsed})
         self.only = set(args.only.split(",")) if args.only else set(SCENARIOS)
+        unknown = self.only - set(SCENARIOS)
+        if unknown:
+            raise SystemExit(f"--only: unknown scenario(s) {', '.join(sorted(unknown))}; known: {','.join(SCENARIOS)}")
+        self.results_dir = Path(args.results).resolve()
+        self.t0 = time.monotonic()
         self.progress = Progress()
         self.results: dict[str, Any] = {
             "mode": self.plan.mode, "command": args.command or " ".join(["python -m bench", *sys.argv[1:]]),
             "started_at": datetime.now(UTC).isoformat(timespec="seconds"), "plan": self.plan.__dict__,
             "machine": machine_facts(),
-            "settings": {"stack_env": BASE_ENV, "recovery_env": FAST_FAILOVER_ENV, "recovery_scale": {"api": 2}},
+            "settings": {"stack_env": BASE_ENV, "recovery_env": FAST_FAILOVER_ENV, "recovery_scale": {"api": 2},
+                         # the checkpointers' setting (the stack's roles inherit this environment)
+                         "checkpoint_interval_ms": int(BASE_ENV.get("NOETL_CHECKPOINT_INTERVAL_MS") or os.environ.get(
+                             "NOETL_CHECKPOINT_INTERVAL_MS") or 1000)},
             "scenarios": {}, "peers": {},
         }
-        self.log = RESULTS / "bench.log"
+        self.log = self.results_dir / "bench.log"
 
     # ------------------------------------------------------------ helpers
 
@@ -76,14 +88,15 @@ class Run:
         t0 = time.monotonic()
         try:
             out = fn()
-            into[name] = {"ok": True, **out}
+            into[name] = {"ok": True, **out, "duration_s": round(time.monotonic() - t0, 1)}
             self.progress.say(f"{name}: done in {time.monotonic() - t0:.1f}s")
         except KeyboardInterrupt:
-            into[name] = {"ok": False, "error": "interrupted"}
+            into[name] = {"ok": False, "error": "interrupted", "duration_s": round(time.monotonic() - t0, 1)}
             raise
         except Exception as exc:
             self.progress.finish()
-            into[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            into[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                          "duration_s": round(time.monotonic() - t0, 1)}
             with open(self.log, "a") as fh:
                 fh.write(f"--- {name}\n{traceback.format_exc()}\n")
             self.progress.say(f"{name}: FAILED: {exc} (traceback in {self.log})")
@@ -95,15 +108,19 @@ class Run:
         if not todo:
             return
         target = self.results["scenarios"] if into is None else into
+        t0 = time.monotonic()
         try:
-            with BenchStack(name, self.progress, scale=scale, env=env, fsync=fsync) as stack:
+            with BenchStack(name, self.progress, scale=scale, env=env, fsync=fsync,
+                            results=self.results_dir) as stack:
+                started = time.monotonic() - t0
                 ctx = Ctx(stack, self.progress, self.plan)
                 with ProcSampler(stack.roots, interval=0.5, flat=frozenset({"bench-client"})) as idle:
                     ctx.background_writes_per_s = stack.write_rate(3.0)
                 ctx.background_cores = {k: v["cores"] for k, v in idle.summary()["trees"].items()}
                 self.results["scenarios"].setdefault("_stacks", {})[name] = {
                     "background_write_txns_per_s": round(ctx.background_writes_per_s, 1),
-                    "background_cores": ctx.background_cores, "scale": scale or {}, "fsync": fsync}
+                    "background_cores": ctx.background_cores, "scale": scale or {}, "fsync": fsync,
+                    "start_s": round(started, 1)}
                 ctx.limits = self.results["scenarios"].get("limits", {})
                 for s in todo:
                     self.attempt(s, functools.partial(scenarios[s], ctx), into=target)
@@ -115,6 +132,9 @@ class Run:
             for s in todo:
                 target.setdefault(s, {"ok": False, "error": f"stack '{name}' failed: {type(exc).__name__}: {exc}"})
             self.progress.say(f"stack '{name}' failed: {exc}")
+        finally:
+            stacks = self.results["scenarios"].setdefault("_stacks", {})
+            stacks.setdefault(name, {})["wall_s"] = round(time.monotonic() - t0, 1)
 
     def _other_stacks(self) -> list[str]:
         """A local stack of the developer's (`make run`) left running shares the machine."""
@@ -131,7 +151,7 @@ class Run:
     # ------------------------------------------------------------ the run
 
     def run(self) -> int:
-        RESULTS.mkdir(parents=True, exist_ok=True)
+        self.results_dir.mkdir(parents=True, exist_ok=True)
         self.log.write_text("")
         p = self.progress
         p.say(f"bench ({self.plan.mode}): {', '.join(s for s in SCENARIOS if s in self.only)}")
@@ -146,8 +166,8 @@ class Run:
 
         main: dict[str, Callable[[Ctx], dict[str, Any]]] = {
             "limits": limits.run, "turnaround": turnaround.run, "fanout": do_fanout,
-            "growth": lambda ctx: loops.growth(ctx, fanout_box), "cursor": cursor.run,
-            "concurrency": concurrency.run,
+            "growth": lambda ctx: loops.growth(ctx, fanout_box), "sequential": loops.sequential,
+            "cursor": cursor.run, "concurrency": concurrency.run, "compactor": compactor.run,
         }
         interrupted = False
         try:
@@ -162,7 +182,7 @@ class Run:
                              env=FAST_FAILOVER_ENV, fsync=self.args.fsync)
             if "peers" in wanted:
                 if self.plan.peers:
-                    self.results["peers"] = peers.run_all(self.plan, p, RESULTS)
+                    self.results["peers"] = peers.run_all(self.plan, p, self.results_dir)
                 else:
                     self.results["peers"] = {"skipped": "quick mode runs no peers (make bench does)"}
         except KeyboardInterrupt:
@@ -170,16 +190,64 @@ class Run:
             p.say("interrupted: every process this run started has been stopped; writing what was measured")
         self.results["finished_at"] = datetime.now(UTC).isoformat(timespec="seconds")
         self.results["interrupted"] = interrupted
-        raw = RESULTS / f"bench-{self.plan.mode}.json"
+        failed = failures(self.results)
+        self.results["failures"] = failed
+        self.results["duration_s"] = round(time.monotonic() - self.t0, 1)  # measuring, without plots and report
+        raw = self.results_dir / f"bench-{self.plan.mode}.json"
+        self.results["results_file"] = _shown(raw)
         raw.write_text(json.dumps(self.results, indent=2, default=str))
-        p.say(f"raw results: {raw.relative_to(REPO)}")
+        p.say(f"raw results: {_shown(raw)}")
         plots: list[str] = []
         if not self.args.no_plots:
-            plots = peers.make_plots(raw, Path(self.args.out).parent / "bench", p, RESULTS)
+            plots = peers.make_plots(raw, Path(self.args.out).parent / "bench", p, self.results_dir)
         out = Path(self.args.out)
         out.write_text(report.render(self.results, plots, out.parent))
-        p.say(f"wrote {out}")
-        return 130 if interrupted else 0
+        p.say(f"wrote {out} (the run took {report.duration(self.results['duration_s'])})")
+        if interrupted:
+            return 130
+        if failed:
+            p.say(f"{len(failed)} failure(s):")
+            for f in failed:
+                p.say(f"  - {f}")
+            return 1
+        return 0
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def failures(results: dict[str, Any]) -> list[str]:
+    """Every scenario, part of a scenario (a fan-out width, a growth point) or peer that
+    did not produce a verified figure."""
+    out: list[str] = []
+
+    def one(name: str, d: Any) -> None:
+        if not isinstance(d, dict):
+            return
+        if not d.get("ok"):
+            out.append(f"{name}: {d.get('error') or 'failed'}")
+            return
+        for key, label in (("runs", "max_in_flight"), ("points", "items")):
+            for r in d.get(key, []) if isinstance(d.get(key), list) else []:
+                if isinstance(r, dict) and r.get("error"):
+                    out.append(f"{name} ({label} {r.get(label)}): {r['error']}")
+
+    for name, d in results.get("scenarios", {}).items():
+        if name.startswith("_"):
+            continue
+        if name == "durable":
+            for sub, sd in (d or {}).items():
+                one(f"{sub} (fsync on)", sd)
+            continue
+        one(name, d)
+    for name, d in results.get("peers", {}).items():
+        if name != "skipped":
+            one(f"peer {name}", d)
+    return out
 
 
 def rewrite(raw: Path, args: argparse.Namespace) -> int:
@@ -191,7 +259,8 @@ def rewrite(raw: Path, args: argparse.Namespace) -> int:
         growth.update(loops.shape(good))
         raw.write_text(json.dumps(results, indent=2, default=str))
     progress = Progress()
-    plots = [] if args.no_plots else peers.make_plots(raw, Path(args.out).parent / "bench", progress, RESULTS)
+    plots = [] if args.no_plots else peers.make_plots(raw, Path(args.out).parent / "bench", progress,
+                                                      Path(args.results))
     out = Path(args.out)
     out.write_text(report.render(results, plots, out.parent))
     progress.say(f"wrote {out} from {raw}")
@@ -212,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a size of the plan, e.g. --set growth_sizes=100,1000 --set turnaround_runs=20")
     ap.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    ap.add_argument("--results", default=str(RESULTS), metavar="DIR",
+                    help="where the raw results, bench.log and the role logs go (default bench/results)")
     ap.add_argument("--command", default="", help="the command line to record in the report")
     ap.add_argument("--from-results", metavar="JSON", default="",
                     help="measure nothing: rewrite the report (and plots) from a raw results file of an earlier run")

@@ -39,6 +39,21 @@ workflow:
 """
 
 
+def sequential_loop() -> str:
+    """The fan-out loop with ``mode: sequential`` (one iteration at a time); the same
+    results (iteration i returns 2 * i)."""
+    return HEADER.format(name="sequential_loop") + """workload:
+  n: 10
+workflow:
+  - step: fan
+    loop:
+      in: "{{ n }}"
+      iterator: i
+      spec: {mode: sequential}
+    tool: {kind: python, input: {i: "{{ i }}"}, code: "result = i * 2"}
+"""
+
+
 def fan_out_expected_sum(n: int) -> int:
     return n * (n - 1)
 

@@ -4,7 +4,8 @@ read (write transactions, JetStream sequences, Prometheus samples).
 
 ``BenchStack`` is a context manager: every process it starts (Postgres, NATS, the seven
 roles) is stopped on exit, whatever happened; the role logs are copied to
-``bench/results/logs/<name>/`` first so a failed scenario can be looked into.
+``bench/results/logs/<name>/`` (or the run's ``--results`` directory) first so a failed
+scenario can be looked into.
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ class Terminal:
 
 class BenchStack:
     def __init__(self, name: str, progress: Progress, *, scale: Mapping[str, int] | None = None,
-                 env: Mapping[str, str] | None = None, fsync: bool = False) -> None:
+                 env: Mapping[str, str] | None = None, fsync: bool = False, results: Path = RESULTS) -> None:
         self.name = name
+        self.results_dir = results
         self.progress = progress
         self.scale = dict(scale or {})
         self.env = {**BASE_ENV, **(env or {})}
@@ -181,7 +183,7 @@ class BenchStack:
                 self.conn.close()
         if self.state is not None:
             with contextlib.suppress(Exception):
-                keep = RESULTS / "logs" / self.name
+                keep = self.results_dir / "logs" / self.name
                 shutil.rmtree(keep, ignore_errors=True)
                 shutil.copytree(self.state.log_dir, keep)
             try:

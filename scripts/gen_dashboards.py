@@ -275,7 +275,8 @@ def checkpointer() -> list[Row]:
             stat("Barriers requested/s", f"sum(rate(noetl_checkpoint_barriers_requested_total{c}[{RI}]))", "ops"),
             Panel("Checkpoint age by shard (held shards)", [
                 (f"max by (shard) ({held('noetl_checkpoint_age_ms', 'checkpointer')})", "shard {{shard}}")], "ms",
-                description="Time since the shard's last sealed checkpoint while work is unsealed (0 when idle)."),
+                description="Age of the shard's oldest event not yet covered by a sealed checkpoint (0 when "
+                            "everything is sealed; about one checkpoint interval plus the projection lag when healthy)."),
             Panel("Epochs sealed by shard", [
                 (f"sum by (shard) (rate(noetl_checkpoints_sealed_total{c}[{RI}]))", "shard {{shard}}")], "ops"),
             Panel("Barriers requested by shard", [

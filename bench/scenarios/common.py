@@ -1,6 +1,7 @@
 """What every scenario shares: the plan (sizes per mode), the context handed to each
 scenario, the meter (write transactions, JetStream publishes, CPU and memory per role
-around a measured window), and following a loop execution with a progress count."""
+around a measured window), following a loop execution with a progress count, and the
+workers' ``noetl_event_result_bytes`` histogram around a run."""
 
 from __future__ import annotations
 
@@ -22,19 +23,23 @@ class Plan:
     fanout_widths: tuple[int, ...] = (16, 64)
     growth_sizes: tuple[int, ...] = (100, 1000, 10_000, 100_000)
     growth_width: int = 16
+    sequential_items: int = 1000
     cursor_rows: int = 20_000
     cursor_width: int = 16
     concurrency: int = 200
     recovery_items: int = 10_000
     recovery_kill_at: float = 0.3               # kill once this share of the iterations is in
     limits_seconds: float = 3.0
+    compactor_executions: int = 5000            # synthetic finished executions on one shard
+    compactor_events: int = 20                  # events per execution
     durable_rerun: bool = True                  # turnaround + fan-out again with Postgres fsync on
     peers: bool = True
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(mode="quick", turnaround_runs=50, growth_sizes=(100, 1000, 10_000), cursor_rows=2_000,
-                   concurrency=200, recovery_items=2_000, limits_seconds=1.5, durable_rerun=False, peers=False)
+        return cls(mode="quick", turnaround_runs=50, growth_sizes=(100, 1000, 10_000), sequential_items=300,
+                   cursor_rows=2_000, concurrency=200, recovery_items=2_000, limits_seconds=1.5,
+                   compactor_executions=1_000, durable_rerun=False, peers=False)
 
     @classmethod
     def full(cls) -> Plan:
@@ -100,6 +105,31 @@ class Meter:
             "js_messages": published, "js_messages_per_unit": round(total_pub / units, 2) if units else None,
             "usage": usage,
         }
+
+
+RESULT_BYTES = "noetl_event_result_bytes"
+
+
+def result_bytes(ctx: Ctx) -> dict[str, float]:
+    """The workers' ``noetl_event_result_bytes`` histogram now, summed over the worker
+    processes: {bucket upper bound (the ``le`` label): cumulative count, "count", "sum"}."""
+    stack = ctx.stack
+    out: dict[str, float] = {}
+    for proc in stack.st.processes("worker"):
+        if not proc.alive():
+            continue
+        text = stack.scrape(proc)
+        for labels, value in stack.samples(text, f"{RESULT_BYTES}_bucket"):
+            out[labels["le"]] = out.get(labels["le"], 0.0) + value
+        for key in ("count", "sum"):
+            out[key] = out.get(key, 0.0) + sum(v for _, v in stack.samples(text, f"{RESULT_BYTES}_{key}"))
+    if "+Inf" not in out:
+        raise BenchError(f"no worker exports {RESULT_BYTES}")
+    return out
+
+
+def histogram_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
 
 
 @dataclass

@@ -4,10 +4,11 @@ flight together), waited for through the read model. Reports completion throughp
 per-execution latency (read model: created_at -> ended_at), the projection lag p95
 (``noetl.projection_checkpoint.lag_ms`` each time a projector batch advanced a shard:
 the age of the newest event a batch projected) and the checkpoint age p99 (the
-checkpointer's ``noetl_checkpoint_age_ms`` gauge, every shard, sampled every 0.25 s while
-the executions ran; the gauge is the time since the shard's last seal, so a shard that
-sat idle reports its idle time once work arrives; the log-derived "seal delay" beside it
-is, for each checkpoint sealed during the run, the age of the oldest event it sealed).
+checkpointer's ``noetl_checkpoint_age_ms`` gauge, every shard, sampled every 0.3 s while
+the executions ran: the age of the shard's oldest event not yet covered by a sealed
+checkpoint, 0 when all are sealed; the log-derived "seal delay" beside it is, for each
+checkpoint sealed during the run, the age of the oldest event it sealed when it was
+sealed, i.e. the gauge's value at the moment of each seal, its peaks).
 Admission refusals (RESOURCE_EXHAUSTED) are retried after the hint
 and counted. Every execution's final value is checked."""
 
@@ -30,13 +31,17 @@ from ..stats import percentile, summary_ms
 from .common import Ctx, Meter
 
 # For each checkpoint sealed in the window: how old the oldest event it sealed was when it
-# was sealed (the age of unsealed work, from the log).
+# was sealed (the age of unsealed work, from the log), split at the barrier's append: oldest
+# event -> barrier appended (waiting for the checkpointer's next tick + the engine's turn),
+# barrier appended -> sealed (the projection passing it + the checkpointer's reaction).
 SEAL_DELAY = """
 WITH c AS (
   SELECT shard_id, epoch, last_shard_seq, sealed_at,
          lag(last_shard_seq, 1, 0::bigint) OVER (PARTITION BY shard_id ORDER BY epoch) AS prev_seq
   FROM noetl.checkpoint)
-SELECT extract(epoch FROM c.sealed_at - min(e.created_at)) * 1000
+SELECT extract(epoch FROM c.sealed_at - min(e.created_at)) * 1000,
+       extract(epoch FROM max(e.created_at) FILTER (WHERE e.shard_seq = c.last_shard_seq) - min(e.created_at)) * 1000,
+       extract(epoch FROM c.sealed_at - max(e.created_at) FILTER (WHERE e.shard_seq = c.last_shard_seq)) * 1000
 FROM c JOIN noetl.event e ON e.shard_id = c.shard_id AND e.shard_seq > c.prev_seq AND e.shard_seq <= c.last_shard_seq
 WHERE c.sealed_at BETWEEN %s AND %s
 GROUP BY c.shard_id, c.epoch, c.sealed_at
@@ -81,38 +86,8 @@ class _Sampler(threading.Thread):
                     self.errors += 1
 
 
-def prime_shards(ctx: Ctx) -> int:
-    """Run 3-step executions until every shard has sealed a checkpoint. (The checkpointer
-    reports a shard that was never sealed as aged since it took the shard, which would
-    put the stack's uptime into the first sample of each fresh shard.) Returns how many."""
-    stack = ctx.stack
-    shards = int(stack.scalar("SELECT count(*) FROM noetl.shard_lease WHERE role = 'api'") or 16)
-
-    def unsealed() -> set[int]:
-        sealed = {int(s) for (s,) in stack.sql("SELECT DISTINCT shard_id FROM noetl.checkpoint")}
-        return set(range(shards)) - sealed
-
-    ids: list[int] = []
-    missing = unsealed()
-    while missing and len(ids) < 20 * shards:
-        covered = {int(s) for (s,) in stack.sql(
-            "SELECT DISTINCT shard_id FROM noetl.execution_request WHERE execution_id = ANY(%s)", (ids,))}
-        if missing <= covered:
-            break
-        ids.append(stack.submit(THREE_STEPS, {"seed": len(ids)}))
-    for eid in ids:
-        if stack.watch(eid, time.monotonic() + 60) is None:
-            raise BenchError(f"priming execution {eid} did not finish")
-    deadline = time.monotonic() + 30
-    while unsealed() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return len(ids)
-
-
 def run(ctx: Ctx) -> dict[str, Any]:
     stack, n = ctx.stack, ctx.plan.concurrency
-    ctx.progress.start("concurrency: priming every shard (one sealed checkpoint each)")
-    primed = prime_shards(ctx)
     ctx.progress.start(f"concurrency: {n} executions of the 3-step playbook submitted at once", n, "executions")
     rng = random.Random(11)
     seeds = [rng.randrange(1_000_000) for _ in range(n)]
@@ -165,7 +140,10 @@ def run(ctx: Ctx) -> dict[str, Any]:
         if got != three_steps_expected(seed):
             raise BenchError(f"execution {eid}: c = {got}, expected {three_steps_expected(seed)}")
     db_t1 = stack.scalar("SELECT clock_timestamp()")
-    seal = [float(x) for (x,) in stack.sql(SEAL_DELAY, (db_t0, db_t1))]
+    seal_rows = stack.sql(SEAL_DELAY, (db_t0, db_t1))
+    seal = [float(r[0]) for r in seal_rows]
+    to_barrier = [float(r[1]) for r in seal_rows if r[1] is not None]
+    to_seal = [float(r[2]) for r in seal_rows if r[2] is not None]
     lat = [float(x) for (x,) in stack.sql(
         "SELECT extract(epoch FROM ended_at - created_at) FROM noetl.execution WHERE execution_id = ANY(%s)", (ids,))]
     ctx.progress.finish()
@@ -178,8 +156,10 @@ def run(ctx: Ctx) -> dict[str, Any]:
         "checkpoint_age_ms": {"samples": len(sampler.age_ms), "p50": _p(sampler.age_ms, 50),
                               "p99": _p(sampler.age_ms, 99), "max": max(sampler.age_ms, default=None)},
         "seal_delay_ms": {"checkpoints": len(seal), "p50": _p(seal, 50), "p99": _p(seal, 99),
-                          "max": round(max(seal), 1) if seal else None},
-        "sampler_errors": sampler.errors, "priming_executions": primed,
+                          "max": round(max(seal), 1) if seal else None,
+                          "to_barrier_p50": _p(to_barrier, 50), "to_barrier_p99": _p(to_barrier, 99),
+                          "barrier_to_seal_p50": _p(to_seal, 50), "barrier_to_seal_p99": _p(to_seal, 99)},
+        "sampler_errors": sampler.errors,
         "check": f"all {n} COMPLETED (read model); every execution's c == 2 * (seed + 1)",
         "meter": meter.summary(n, "execution"),
     }

@@ -8,35 +8,64 @@
   the role process and its children, sampled every 0.5 s during the run). The 1,000-item
   point is the fan-out run at width 16 (the same loop, measured once).
 
+* sequential: the same loop with ``mode: sequential`` (one iteration at a time), 1,000
+  items (quick mode: fewer, see the plan): wall time and iterations/s; checked as above
+  and, besides, that every iteration was dispatched only after the previous one was done.
+
 Every run is verified (n ordered results, accepted once each, sum == n * (n - 1)) before
-its time is reported.
+its time is reported. Around each measured run the workers' ``noetl_event_result_bytes``
+histogram is scraped; the report adds the runs' deltas up for the p99 envelope size.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..playbooks import fan_out, fan_out_expected_sum
+from ..playbooks import fan_out, fan_out_expected_sum, sequential_loop
 from ..stack import BenchError
-from .common import Ctx, Meter, deadline_for, run_loop, verify_loop
+from .common import Ctx, Meter, deadline_for, histogram_delta, result_bytes, run_loop, verify_loop
 
 WARMUP_ITEMS = 20
 
 
-def one_loop(ctx: Ctx, n: int, width: int, label: str) -> dict[str, Any]:
-    playbook = fan_out(width)
+def one_loop(ctx: Ctx, n: int, width: int, label: str, *, playbook: str | None = None) -> dict[str, Any]:
+    playbook = playbook or fan_out(width)
     ctx.progress.start(f"{label}: warm-up ({WARMUP_ITEMS} items)", WARMUP_ITEMS, "iterations")
     warm = run_loop(ctx, playbook, WARMUP_ITEMS, timeout=120)
     verify_loop(ctx, warm, WARMUP_ITEMS, fan_out_expected_sum(WARMUP_ITEMS))
     ctx.progress.start(f"{label}: {n:,} items, max_in_flight {width}", n, "iterations")
+    bytes0 = result_bytes(ctx)
     with Meter(ctx) as meter:
         run = run_loop(ctx, playbook, n, timeout=deadline_for(n))
     checked = verify_loop(ctx, run, n, fan_out_expected_sum(n))
+    envelopes = histogram_delta(bytes0, result_bytes(ctx))
     ctx.progress.finish()
     return {"items": n, "max_in_flight": width, "execution_id": run.execution_id,
             "wall_s": round(run.wall_s, 3), "iterations_per_s": round(n / run.wall_s, 1),
             **checked, "events_per_item": round(checked["events"] / n, 3),
-            "meter": meter.summary(n, "iteration")}
+            "result_bytes": envelopes, "meter": meter.summary(n, "iteration")}
+
+
+def sequential(ctx: Ctx) -> dict[str, Any]:
+    """The loop one iteration at a time: iterations/s, and proof that it was sequential."""
+    n = ctx.plan.sequential_items
+    out = one_loop(ctx, n, 1, "sequential loop", playbook=sequential_loop())
+    eid = out["execution_id"]
+    rows, overlaps, unordered = ctx.stack.sql(
+        "SELECT count(*), count(*) FILTER (WHERE created_at < prev_done),"
+        " count(*) FILTER (WHERE idx <> prev_idx + 1)"
+        " FROM (SELECT created_at, idx, lag(updated_at) OVER w AS prev_done, lag(idx) OVER w AS prev_idx"
+        "       FROM (SELECT created_at, updated_at, status,"
+        "                    regexp_replace(command_id, '^.*:', '')::int AS idx"
+        "             FROM noetl.command WHERE execution_id = %s AND status = 'done') c"
+        "       WINDOW w AS (ORDER BY created_at, idx)) x", (eid,))[0]
+    if rows != n or overlaps or unordered:
+        raise BenchError(f"execution {eid}: {rows} done commands (expected {n}), {overlaps} issued before the "
+                         f"previous one was done, {unordered} out of index order")
+    out["check"] += (f"; {n:,} commands, each issued no earlier than the previous one was done, in index order "
+                     "(one at a time)")
+    out["ms_per_iteration"] = round(1000 * out["wall_s"] / n, 2)
+    return out
 
 
 def fanout(ctx: Ctx) -> dict[str, Any]:

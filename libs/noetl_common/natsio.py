@@ -11,6 +11,7 @@ Streams:
 Core (non-JetStream) subjects carry hints only, never facts:
   ``noetl.progress.{execution_id}``  the read model of an execution changed
   ``noetl.projector.{shard}``        new events were appended to a shard
+  ``noetl.checkpointer.{shard}``     the projection passed a checkpoint barrier of a shard
   ``noetl.cancel.{shard}``           commands were cancelled: {"command_ids": [...]}
 """
 
@@ -69,6 +70,10 @@ def progress_subject(execution_id: int) -> str:
 
 def projector_subject(shard: int) -> str:
     return f"noetl.projector.{shard}"
+
+
+def checkpointer_subject(shard: int) -> str:
+    return f"noetl.checkpointer.{shard}"
 
 
 def cancel_subject(shard: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import pytest
 from harness import Runner
@@ -62,3 +63,53 @@ def test_idle_shards_are_not_barriered_again(runner: Runner) -> None:
     again = runner.sql("SELECT count(*) FROM noetl.event WHERE shard_id = %s"
                        " AND event_type = 'checkpoint.committed'", (shard,))[0][0]
     assert again == count
+
+
+def _age_ms(runner: Runner, shard: int) -> float | None:
+    """noetl_checkpoint_age_ms{shard} from the checkpointer(s) holding it."""
+    for proc in runner.state.processes("checkpointer"):
+        if not proc.metrics or not proc.alive():
+            continue
+        with urllib.request.urlopen(f"http://{proc.metrics}/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(f'noetl_checkpoint_age_ms{{shard="{shard}"}} '):
+                    return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+UNSEALED = ("SELECT count(*) FROM noetl.shard_lease l WHERE l.role = 'api' AND l.event_seq >"
+            " COALESCE((SELECT max(last_shard_seq) FROM noetl.checkpoint c WHERE c.shard_id = l.shard_id), 0)")
+
+
+def test_checkpoint_age_is_the_oldest_unsealed_events_age(runner: Runner) -> None:
+    """The gauge is the age of the shard's oldest event not covered by a sealed checkpoint:
+    0 when all are sealed, and a shard that sat idle reports how old its new work is, never
+    its idle time (nor more than the log says the oldest event waited)."""
+    idle = 6.0
+    deadline = time.monotonic() + 30
+    while runner.sql(UNSEALED)[0][0]:
+        assert time.monotonic() < deadline, "shards still unsealed"
+        time.sleep(0.1)
+    time.sleep(idle)  # every shard idle and sealed
+    eid = runner.submit(PLAYBOOK).execution_id
+    shard = int(runner.sql("SELECT shard_id FROM noetl.execution_request WHERE execution_id = %s", (eid,))[0][0])
+    seen: list[float] = []
+    deadline = time.monotonic() + 30
+    while True:
+        age = _age_ms(runner, shard)
+        assert age is not None, f"no checkpoint age exported for shard {shard}"
+        seen.append(age)
+        if not runner.sql(UNSEALED)[0][0] and age == 0.0:
+            break
+        assert time.monotonic() < deadline, f"shard {shard} not sealed: ages {seen[-5:]}"
+        time.sleep(0.05)
+    assert runner.wait(eid, 30).status == "COMPLETED"
+    # how long the oldest event of the execution's epoch waited, from the log
+    waited = runner.sql(
+        "SELECT extract(epoch FROM c.sealed_at - min(e.created_at)) * 1000 FROM noetl.event e"
+        " JOIN noetl.checkpoint c ON c.shard_id = e.shard_id AND c.last_shard_seq >= e.shard_seq"
+        " WHERE e.execution_id = %s AND c.epoch = (SELECT min(epoch) FROM noetl.checkpoint c2"
+        "   WHERE c2.shard_id = e.shard_id AND c2.last_shard_seq >= e.shard_seq) GROUP BY c.sealed_at", (eid,))
+    assert waited, "the execution's events were not sealed"
+    assert max(seen) < idle * 1000, f"the gauge reported the idle time: {max(seen):.0f} ms"
+    assert max(seen) <= float(max(w for (w,) in waited)) + 250, (max(seen), waited)

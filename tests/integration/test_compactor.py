@@ -168,6 +168,9 @@ def test_partition_expiry_rule() -> None:
 
 
 async def test_benchmark_helper_measures_events_per_second(pg_dsn: str) -> None:
-    figures = await measure(pg_dsn, executions=40, events=25, shard=SHARD + 1, shard_count=SHARDS)
+    figures = await measure(pg_dsn, executions=40, events=25, shard=SHARD + 1, shard_count=SHARDS, check=True)
     assert figures["executions"] == 40 and figures["events"] == 40 * 25
     assert figures["events_per_second"] > 0
+    # what `python -m bench` checks before it reports the rate
+    assert figures["events_generated"] == 40 * 25 and figures["written"] == 40
+    assert figures["manifests"] == 40 and figures["manifest_events"] == 40 * 25 and figures["events_left"] == 0

@@ -23,4 +23,4 @@ class CheckpointerService(ShardedService):
         if self.ids is None or self.ids.node_id != self.node_id:
             self.ids = SnowflakeGenerator(self.node_id)  # one per process: epochs are unique per node
         return ShardCheckpointer(self.pool, self.nc.jetstream(), self.ownership, self.ids,
-                                 shard, epoch, interval_sec=self.settings.interval_ms / 1000)
+                                 shard, epoch, interval_sec=self.settings.interval_ms / 1000, nc=self.nc)

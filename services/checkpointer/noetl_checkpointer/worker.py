@@ -1,16 +1,28 @@
 """One shard's checkpoint loop (ARCHITECTURE.md section 6).
 
-Every ``NOETL_CHECKPOINT_INTERVAL_MS``:
+Every ``NOETL_CHECKPOINT_INTERVAL_MS`` (a fixed cadence, tick start to tick start), in a
+transaction fenced on this member's checkpointer lease:
 * if the engine appended a barrier that is not sealed yet, seal it once the projection
-  has passed it: ``INSERT noetl.checkpoint (shard, epoch, last_shard_seq)`` in a
-  transaction fenced on this member's checkpointer lease;
-* otherwise, if the shard's log grew since the last sealed epoch, ask the engine for a
-  new barrier (``CheckpointBarrier`` on ``noetl.events.{shard}.barrier``); the engine
-  appends ``checkpoint.committed`` in order, exactly once per epoch. The checkpointer
-  never writes events itself.
+  has passed it: ``INSERT noetl.checkpoint (shard, epoch, last_shard_seq)``;
+* then, if the shard's log grew past the last sealed epoch (and no barrier is still
+  outstanding), ask the engine for a new barrier (``CheckpointBarrier`` on
+  ``noetl.events.{shard}.barrier``); the engine appends ``checkpoint.committed`` in
+  order, exactly once per epoch. The checkpointer never writes events itself.
 
-``noetl_checkpoint_age_ms{shard}`` is the time since the last seal while there is
-unsealed work, 0 when the shard is idle and fully sealed.
+Between ticks, while a barrier is outstanding, the seal does not wait for the next tick:
+the projector hints ``noetl.checkpointer.{shard}`` when a batch it projected held a
+barrier, and the checkpointer then checks the seal condition (a read-only query) and
+seals at once (the same fenced transaction as a tick). A probe every ``poll_sec`` is the
+backstop for a lost hint (then every 2x longer until the next tick). A seal that comes
+after a tick went by (the barrier still outstanding) asks for the next barrier at once if
+the last request is an interval old. An idle, fully sealed shard costs one tick per
+interval and nothing in between.
+
+``noetl_checkpoint_age_ms{shard}`` (seed 004 section 12) is the age of the oldest event of
+the shard not yet covered by a sealed checkpoint, 0 when everything is sealed. It is
+computed when scraped: the oldest unsealed event's ``created_at`` is read from the log
+(on a tick, after a seal), and the engine's append hint on ``noetl.projector.{shard}``
+marks the moment a fully sealed shard gets new work (checked against the log at once).
 """
 
 from __future__ import annotations
@@ -21,11 +33,12 @@ import logging
 import time
 from typing import Any
 
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from noetl_common import natsio
-from noetl_common.db import Pool, transaction
+from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
@@ -34,7 +47,8 @@ from noetl_proto.v1 import messages_pb2
 
 logger = logging.getLogger(__name__)
 
-AGE = Gauge("noetl_checkpoint_age_ms", "Time since the shard's last sealed checkpoint while work is unsealed",
+AGE = Gauge("noetl_checkpoint_age_ms",
+            "Age of the shard's oldest event not yet covered by a sealed checkpoint (0 when all are sealed)",
             ["shard"])
 forget_on_loss("checkpointer", AGE)
 SEALED = Counter("noetl_checkpoints_sealed_total", "Checkpoint epochs sealed", ["shard"])
@@ -42,43 +56,116 @@ BARRIERS = Counter("noetl_checkpoint_barriers_requested_total", "Barriers reques
 
 ROLE = "checkpointer"
 
+OLDEST_UNSEALED = ("SELECT created_at FROM noetl.event WHERE shard_id = %s AND shard_seq > %s"
+                   " ORDER BY shard_seq LIMIT 1")
+
 
 class ShardCheckpointer:
     def __init__(self, pool: Pool, js: JetStreamContext, ownership: ShardOwnership, ids: SnowflakeGenerator,
-                 shard: int, epoch: int, *, interval_sec: float) -> None:
+                 shard: int, epoch: int, *, interval_sec: float, nc: NATS | None = None,
+                 poll_sec: float | None = None) -> None:
         self.pool = pool
         self.js = js
+        self.nc = nc
         self.ownership = ownership
         self.ids = ids
         self.shard = shard
         self.epoch = epoch
         self.interval = interval_sec
-        self._stop = asyncio.Event()
-        self._requested: tuple[int, float] | None = None  # (epoch, monotonic time asked)
-        self._held_since = time.monotonic()
+        # while a barrier is outstanding: the backstop probe for a lost projector hint, after
+        # poll_sec, then doubling until the next tick
+        self.poll = poll_sec if poll_sec is not None else min(interval_sec, max(0.05, interval_sec / 10))
+        self._backoff = self.poll
+        self._stopped = False
+        self._wake = asyncio.Event()
+        self._requested: tuple[int, float] | None = None  # (epoch, monotonic time asked), until appended
+        self._asked_at: float | None = None  # monotonic time of the last barrier request
+        self._pending = False      # a barrier was requested or appended and is not sealed yet
+        self._verify = False       # the engine hinted new events on a shard believed fully sealed
+        # monotonic time the oldest unsealed event was appended (None: everything sealed), and
+        # the sealed shard_seq it was read for (None: an estimate from the engine's hint)
+        self._oldest: float | None = None
+        self._oldest_for: int | None = None
+        AGE.labels(str(shard)).set_function(self.age_ms)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopped = True
+        self._wake.set()
+
+    def age_ms(self) -> float:
+        """The gauge's value, computed when scraped."""
+        oldest = self._oldest
+        return 0.0 if oldest is None else max(0.0, (time.monotonic() - oldest) * 1000)
 
     async def run(self) -> None:
+        subs = []
+        if self.nc is not None:
+            with contextlib.suppress(Exception):  # hints only save latency: the ticks and probes stand alone
+                subs.append(await self.nc.subscribe(natsio.projector_subject(self.shard), cb=self._on_appended))
+                subs.append(await self.nc.subscribe(natsio.checkpointer_subject(self.shard), cb=self._on_projected))
+        next_tick = time.monotonic()
         try:
-            while not self._stop.is_set():
+            while not self._stopped:
                 if self.ownership.epoch(self.shard) != self.epoch:
                     raise LeaseLost(f"checkpointer shard {self.shard} epoch {self.epoch} no longer trusted")
+                self._wake.clear()
                 try:
-                    await self.tick()
+                    now = time.monotonic()
+                    if now >= next_tick:
+                        next_tick = now + self.interval
+                        self._backoff = self.poll
+                        await self.tick()
+                    elif self._pending or self._verify:
+                        sealed = await self.probe() == "sealed"
+                        self._backoff = min(2 * self._backoff, self.interval)
+                        if sealed and self._asked_at is not None and \
+                                time.monotonic() - self._asked_at >= self.interval:
+                            # a tick passed while this barrier was outstanding and asked for
+                            # nothing: ask now rather than at the next one
+                            next_tick = time.monotonic()
                 except LeaseLost:
                     raise
                 except NoetlError as exc:
                     logger.warning("checkpointer shard %s: %s", self.shard, exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), timeout=self.interval)
+                wait = next_tick - time.monotonic()
+                if self._pending:
+                    wait = min(wait, self._backoff)
+                if wait > 0 and not self._stopped:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout=wait)
         except LeaseLost as exc:
             logger.warning("%s; stopping", exc)
+        finally:
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            # this member no longer follows the shard: its gauge keeps the last value until
+            # the shard's series is removed (forget_on_loss) or a new owner takes it
+            last = self.age_ms()
+            AGE.labels(str(self.shard)).set_function(lambda: last)
 
-    async def tick(self) -> str:
-        """One round; returns what it did: sealed | requested | waiting | idle."""
+    # ------------------------------------------------------------ hints
+
+    async def _on_appended(self, _msg: Any) -> None:
+        """The engine appended events to the shard."""
+        if self._oldest is None:
+            self._oldest, self._oldest_for = time.monotonic(), None
+            self._verify = True
+            self._wake.set()
+
+    async def _on_projected(self, _msg: Any) -> None:
+        """The projector passed a barrier of the shard."""
+        if self._pending:
+            self._wake.set()
+
+    # ------------------------------------------------------------ rounds
+
+    async def tick(self, *, request: bool = True) -> str:
+        """One fenced round; returns what it did: sealed | requested | waiting | idle. A tick
+        that seals also asks for the next barrier when newer events wait (still "sealed").
+        With ``request=False`` it only seals (a probe found the seal condition met)."""
         async with transaction(self.pool) as conn:
+            at = time.monotonic()
             cur = await conn.execute(
                 "UPDATE noetl.shard_lease SET updated_at = now() WHERE role = %s AND shard_id = %s"
                 " AND owner_runtime_id = %s AND epoch = %s RETURNING shard_id",
@@ -86,34 +173,61 @@ class ShardCheckpointer:
             if await cur.fetchone() is None:
                 raise LeaseLost(f"checkpointer lease for shard {self.shard} epoch {self.epoch} is no longer held")
             state = await self._state(conn)
-            sealed_epoch, sealed_seq, sealed_at = state["sealed_epoch"], state["sealed_seq"], state["sealed_at"]
+            sealed_epoch, sealed_seq = state["sealed_epoch"], state["sealed_seq"]
             if state["barrier_epoch"] > sealed_epoch:
                 if state["projected_seq"] >= state["barrier_seq"]:
                     await conn.execute(
                         "INSERT INTO noetl.checkpoint (shard_id, epoch, last_shard_seq) VALUES (%s, %s, %s)"
                         " ON CONFLICT DO NOTHING", (self.shard, state["barrier_epoch"], state["barrier_seq"]))
-                    sealed_seq, sealed_at = state["barrier_seq"], state["now"]
+                    sealed_epoch, sealed_seq = state["barrier_epoch"], state["barrier_seq"]
                     outcome = "sealed"
                 else:
                     outcome = "waiting"
             elif state["event_seq"] > sealed_seq:
-                outcome = "request"
+                outcome = "requested" if request else "idle"
             else:
                 outcome = "idle"
-        unsealed = state["event_seq"] > sealed_seq
-        if not unsealed:
-            age_ms = 0.0
-        elif sealed_at is not None:
-            age_ms = (state["now"] - sealed_at).total_seconds() * 1000
-        else:  # never sealed on this shard: count from when this member took it
-            age_ms = (time.monotonic() - self._held_since) * 1000
-        AGE.labels(str(self.shard)).set(max(age_ms, 0.0))
+            ask = request and outcome in ("sealed", "requested") and state["event_seq"] > sealed_seq
+            await self._track(conn, state, sealed_seq, at)
+        self._pending = state["barrier_epoch"] > sealed_epoch or ask
         if outcome == "sealed":
             SEALED.labels(str(self.shard)).inc()
-        if outcome == "request":
+        if ask:
             await self._request_barrier()
-            return "requested"
         return outcome
+
+    async def probe(self) -> str:
+        """A read-only look between ticks: seal now if the engine appended the outstanding
+        barrier and the projection passed it; refresh the age after an append hint."""
+        async with autocommit(self.pool) as conn:
+            at = time.monotonic()
+            state = await self._state(conn)
+            sealable = state["barrier_epoch"] > state["sealed_epoch"] and \
+                state["projected_seq"] >= state["barrier_seq"]
+            if not sealable:
+                await self._track(conn, state, state["sealed_seq"], at)
+        self._verify = False
+        if sealable:
+            return await self.tick(request=False)
+        self._pending = self._pending and (state["barrier_epoch"] > state["sealed_epoch"] or
+                                           self._requested is not None)
+        return "waiting" if self._pending else "idle"
+
+    async def _track(self, conn: Any, state: dict[str, Any], sealed_seq: int, at: float) -> None:
+        """Keep the oldest unsealed event's time (``at``: monotonic time of ``state['now']``)."""
+        if state["event_seq"] <= sealed_seq:
+            self._oldest, self._oldest_for = None, sealed_seq
+            return
+        if self._oldest is not None and self._oldest_for == sealed_seq:
+            return  # the same oldest unsealed event as last time
+        cur = await conn.execute(OLDEST_UNSEALED, (self.shard, sealed_seq))
+        row = await cur.fetchone()
+        if row is None or state["now"] is None:  # compacted already: keep what is known
+            self._oldest = self._oldest if self._oldest is not None else at
+        else:
+            age = max(0.0, (state["now"] - row["created_at"]).total_seconds())
+            self._oldest = at - age
+        self._oldest_for = sealed_seq
 
     async def _request_barrier(self) -> None:
         # Ask again only if the engine has not answered a previous request for a while
@@ -126,6 +240,7 @@ class ShardCheckpointer:
         await natsio.publish(self.js, natsio.events_subject(self.shard, natsio.KIND_BARRIER), msg.SerializeToString(),
                              msg_id=f"barrier#{self.shard}#{epoch}")
         self._requested = (epoch, time.monotonic())
+        self._asked_at = self._requested[1]
         BARRIERS.labels(str(self.shard)).inc()
 
     async def _state(self, conn: Any) -> dict[str, Any]:
