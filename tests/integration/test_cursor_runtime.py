@@ -103,7 +103,7 @@ async def test_concurrent_slots_process_every_row_exactly_once(pg_dsn: str, tool
     work = await Work(pg_dsn, 120).create()
     reported: list[Row] = []
 
-    async def report(row: Row) -> None:
+    async def report(row: Row, counts: dict[str, int]) -> None:
         reported.append(row)
 
     store = PostgresResultStore(runtime_pool)
@@ -140,7 +140,7 @@ async def test_the_row_is_reported_before_its_claim_commits(pg_dsn: str, tools: 
     work = await Work(pg_dsn, 3).create()
     seen: list[tuple[int, str]] = []
 
-    async def report(row: Row) -> None:
+    async def report(row: Row, counts: dict[str, int]) -> None:
         # Another session still sees the row pending: the claim has not committed.
         [(status,)] = await work.query(f"SELECT status FROM {work.table} WHERE id = {row['id']}")
         seen.append((row["id"], status))

@@ -207,7 +207,8 @@ async def test_a_killed_slot_resumes_with_the_row_it_had_claimed(stack: Stack, t
     else:
         raise AssertionError("the claim of row 3 never committed")
     progress = await stack.sql("SELECT progress FROM noetl.command WHERE command_id = %s", (command_id,))
-    assert progress == [({"row": {"id": 3}},)]  # recorded before that commit
+    # recorded before that commit, with the slot's counts before the row (rows 1 and 2)
+    assert progress == [({"row": {"id": 3}, "counts": {"processed": 2, "succeeded": 2, "failed": 0}},)]
     first.request_stop()
     await asyncio.wait_for(running, timeout=20)
     assert await stack.sql(f"SELECT id FROM {sink} ORDER BY id") == [(1,), (2,)]
@@ -226,7 +227,8 @@ async def test_a_killed_slot_resumes_with_the_row_it_had_claimed(stack: Stack, t
         await asyncio.wait_for(running, timeout=20)
     env = envelope_from_proto(result.envelope)
     assert result.attempt == 2 and env["status"] == "ok", env
-    assert env["context"] == {"processed": 3, "succeeded": 3, "failed": 0}
+    # attempt 2 ran rows 3, 4 and 5 and took over attempt 1's counts: the slot counts all 5
+    assert env["context"] == {"processed": 5, "succeeded": 5, "failed": 0}
     assert await stack.sql(f"SELECT id, hits FROM {sink} ORDER BY seq") == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
     # Every claimed row was recorded while its claim was still uncommitted.
     assert stack.servicer.progress == [(1, "pending"), (2, "pending"), (3, "pending"), (4, "pending"),

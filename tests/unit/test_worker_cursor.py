@@ -99,7 +99,7 @@ async def test_rows_run_in_claim_order_and_counts_are_the_value() -> None:
                    "set": {"ctx.last_id": "{{ echo.id }}"}}]
     store = CountingStore()
 
-    async def report(row: Row) -> None:
+    async def report(row: Row, counts: dict[str, int]) -> None:
         seen.append(row)
 
     result = await run_cursor_slot(slot_command(tool, slot=2), store, tools_with(factory), report=report,
@@ -135,7 +135,7 @@ async def test_iter_scope_of_a_row() -> None:
 async def test_progress_is_reported_before_the_claim_commits() -> None:
     factory = MemoryFactory([{"id": 1}, {"id": 2}])
 
-    async def report(row: Row) -> None:
+    async def report(row: Row, counts: dict[str, int]) -> None:
         factory.log.append(("report", row))
 
     await run_cursor_slot(slot_command([ECHO]), MemoryResultStore(), tools_with(factory), report=report)
@@ -150,7 +150,7 @@ async def test_unrecorded_claim_is_rolled_back_and_retried() -> None:
     failures = [Unavailable("api down")]
     slept: list[float] = []
 
-    async def report(row: Row) -> None:
+    async def report(row: Row, counts: dict[str, int]) -> None:
         if failures:
             raise failures.pop()
 
@@ -177,6 +177,49 @@ async def test_resume_row_runs_first() -> None:
     result = await run_cursor_slot(slot_command([ECHO], resume={"id": 1}), MemoryResultStore(), tools)
     assert order == [1, 2]
     assert envelope_from_proto(result.envelope)["context"] == {"processed": 2, "succeeded": 2, "failed": 0}
+
+
+async def test_a_resumed_slot_takes_over_the_counts_reported_with_its_row() -> None:
+    """Each row is reported with the slot's counts before it; a re-issued attempt gets
+    them back with the row (``resume_counts``) and goes on counting from there, so the
+    slot's value covers the rows of every attempt (the loop's stats do not lose the rows a
+    killed worker had finished)."""
+    factory = MemoryFactory([{"id": 4}, {"id": 5}])
+    command = slot_command([ECHO], resume={"id": 3})
+    context = json.loads(command.context_json)
+    context["resume_counts"] = {"processed": 2, "succeeded": 1, "failed": 1}
+    command.context_json = json.dumps(context)
+    reports: list[tuple[Any, Any]] = []
+    indexes: list[tuple[int, int]] = []
+
+    async def report(row: Row, counts: dict[str, int]) -> None:
+        reports.append((row, dict(counts)))
+
+    class Record(Tools):
+        async def run_task(self, task: Any, scope: Any, **kw: Any) -> Any:
+            indexes.append((scope["rec"]["id"], scope["iter"]["_index"]))
+            return await super().run_task(task, scope, **kw)
+
+    tools = Record(cursors=tools_with(factory).cursors)
+    result = await run_cursor_slot(command, MemoryResultStore(), tools, report=report)
+    assert envelope_from_proto(result.envelope)["context"] == {"processed": 5, "succeeded": 4, "failed": 1}
+    assert reports == [({"id": 4}, {"processed": 3, "succeeded": 2, "failed": 1}),
+                       ({"id": 5}, {"processed": 4, "succeeded": 3, "failed": 1})]
+    assert indexes == [(3, 2), (4, 3), (5, 4)]  # the resumed row keeps the index it had
+
+
+async def test_counts_before_each_row_are_reported_with_it() -> None:
+    factory = MemoryFactory([{"id": 1}, {"id": 2}])
+    tool = [{"name": "t", "kind": "noop", "input": {"x": "{{ rec.id }}"},
+             "spec": {"policy": {"rules": [{"when": "{{ rec.id == 1 }}", "then": {"do": "fail"}}]}}}]
+    reports: list[tuple[Any, Any]] = []
+
+    async def report(row: Row, counts: dict[str, int]) -> None:
+        reports.append((row, dict(counts)))
+
+    await run_cursor_slot(slot_command(tool), MemoryResultStore(), tools_with(factory), report=report)
+    assert reports == [({"id": 1}, {"processed": 0, "succeeded": 0, "failed": 0}),
+                       ({"id": 2}, {"processed": 1, "succeeded": 0, "failed": 1})]
 
 
 async def test_failed_rows_are_counted_and_the_slot_moves_on() -> None:
@@ -234,7 +277,7 @@ async def test_stop_cancels_the_slot_and_rolls_back_the_claim() -> None:
     factory = MemoryFactory([{"id": 1}])
     reporting = asyncio.Event()
 
-    async def report(row: Row) -> None:
+    async def report(row: Row, counts: dict[str, int]) -> None:
         reporting.set()
         await asyncio.Event().wait()  # the api never answers; the command is stopped meanwhile
 

@@ -8,24 +8,29 @@ The engine renders ``loop.cursor`` once and dispatches ``max_in_flight`` command
         v
     claim:  BEGIN; <claim SQL> -> row | none
             none -> COMMIT; the slot is done
-            row  -> report it to the api (RenewLease progress {"row": row}), THEN COMMIT
+            row  -> report it to the api (RenewLease progress {"row": row, "counts": counts
+                    before the row}), THEN COMMIT
     run the task chain for the row with iter = {<iterator>: row, "_index": n}
     count it (processed; succeeded or failed), claim again
 
 Reporting before the commit is what makes a killed worker harmless without any
 stale-claim clause in the user's SQL: the api keeps the row in ``noetl.command.progress``
-and hands it back as ``resume`` to the slot's next attempt, which runs it first. If the
-report cannot be made the claim is rolled back (the row stays unclaimed) and retried
-with capped backoff; if the api says stop, the task is cancelled and the claim rolls
-back. A row may therefore run twice (the previous attempt may have finished it before
-dying): sinks should be idempotent, as for every at-least-once task.
+and hands it back as ``resume`` (with ``resume_counts``) to the slot's next attempt,
+which takes the counts over and runs the row first: the slot's counts cover every row
+its attempts claimed, not just the last attempt's. If the report cannot be made the
+claim is rolled back (the row stays unclaimed) and retried with capped backoff; if the
+api says stop, the task is cancelled and the claim rolls back. A row may therefore run
+twice (the previous attempt may have finished it before dying, or died after reporting
+it but before its claim committed, leaving it to another slot too): sinks should be
+idempotent, as for every at-least-once task.
 
 A row whose task chain fails counts as failed and the slot moves on; a claim that fails
 (SQL error, a claim returning several rows, an unknown driver) fails the slot with that
 error. Per-row results are not stored (a cursor may process millions of rows): the slot's
-value ``{"processed", "succeeded", "failed"}`` (plus ``last_error`` when a row failed) is
-stored once, persist-before-emit, and its envelope context carries those scalars, which
-the engine adds up into ``loop.done``. ``ctx`` updates made by rows' policies are merged
+value ``{"processed", "succeeded", "failed"}`` over all of its attempts (plus
+``last_error`` when a row of this attempt failed) is stored once, persist-before-emit,
+and its envelope context carries those scalars, which the engine adds up into
+``loop.done``. ``ctx`` updates made by rows' policies are merged
 (later rows win) and reported once; ``iter`` updates stay with their row.
 """
 
@@ -67,10 +72,10 @@ BACKOFF_START_SEC = 0.1
 BACKOFF_CAP_SEC = 5.0
 MAX_ERROR_TEXT = 200
 
-ReportRow = Callable[[Row], Awaitable[None]]
-"""Records the row a slot is about to commit a claim for. Raises ``Unavailable`` when it
-could not be recorded (the claim is rolled back and retried); a stop arrives as the
-slot's cancellation."""
+ReportRow = Callable[[Row, dict[str, int]], Awaitable[None]]
+"""Records the row a slot is about to commit a claim for, with the slot's counts before
+that row (``SlotCounts.totals``). Raises ``Unavailable`` when it could not be recorded
+(the claim is rolled back and retried); a stop arrives as the slot's cancellation."""
 
 
 @dataclass(slots=True)
@@ -81,11 +86,22 @@ class SlotCounts:
     last_error: str = ""
     ctx_updates: dict[str, Any] = field(default_factory=dict)
 
+    def totals(self) -> dict[str, int]:
+        return {"processed": self.processed, "succeeded": self.succeeded, "failed": self.failed}
+
     def value(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"processed": self.processed, "succeeded": self.succeeded, "failed": self.failed}
+        out: dict[str, Any] = self.totals()
         if self.last_error:
             out["last_error"] = self.last_error
         return out
+
+    def resume_from(self, counts: Any) -> None:
+        """Take over the counts a previous attempt reported with the row it had claimed."""
+        if isinstance(counts, Mapping):
+            for name in ("processed", "succeeded", "failed"):
+                value = counts.get(name)
+                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                    setattr(self, name, value)
 
 
 def row_key(row: Any) -> str:
@@ -140,7 +156,9 @@ class CursorSlot:
         try:
             resume = context.get("resume")
             if resume is not None:
-                logger.info("cursor slot resumes with the row its previous attempt had claimed", extra=self.extra)
+                self.counts.resume_from(context.get("resume_counts"))
+                logger.info("cursor slot resumes with the row its previous attempt had claimed (after %d row(s))",
+                            self.counts.processed, extra=self.extra)
                 await run_row(resume)
             while (row := await self._claim(driver, cursor)) is not None:
                 await run_row(row)
@@ -157,7 +175,7 @@ class CursorSlot:
             try:
                 async with driver.claim(cursor.claim) as row:
                     if row is not None and self.report is not None:
-                        await self.report(row)
+                        await self.report(row, self.counts.totals())
                 return row
             except Unavailable as exc:  # the row could not be recorded: the claim rolled back
                 logger.warning("cannot record the claimed row (%s); claiming again in %.1fs", exc, delay,
