@@ -77,6 +77,17 @@ class _Undefined(jinja2.ChainableUndefined):
             self._fail_with_undefined_error()
         return iter(())
 
+    # ``{{ typo == 'x' }}`` must not quietly be False (a `when` that never fires).
+    def __eq__(self, other: object) -> bool:
+        if self._top():
+            self._fail_with_undefined_error()
+        return super().__eq__(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = jinja2.ChainableUndefined.__hash__
+
     __lt__ = __le__ = __gt__ = __ge__ = jinja2.StrictUndefined.__lt__  # type: ignore[assignment]
 
 

@@ -4,6 +4,7 @@ deadlines, shard ownership lookups, and the invariants every failover must keep
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -20,11 +21,13 @@ from typing import Any, TypeVar
 
 import psycopg
 from harness import CREDENTIALS, Runner, start_stack
+from nats.js.errors import NotFoundError
 from psycopg.rows import dict_row
 
 from noetl_cli import devstack
 from noetl_cli.client import Api
 from noetl_cli.supervise import ServiceProcess, target_of
+from noetl_common import natsio
 from noetl_flow.projection import ExecutionView, fold
 from noetl_proto.v1 import catalog_pb2
 
@@ -258,3 +261,50 @@ def samples(text: str, name: str) -> list[dict[str, str]]:
         elif re.match(rf"^{re.escape(name)} \S+$", line):
             out.append({})
     return out
+
+
+# ---------------------------------------------------------------- the NATS events stream
+
+
+@dataclass
+class StreamMsg:
+    seq: int
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+
+
+def stream_messages(nats_url: str, subject: str) -> list[StreamMsg]:
+    """Every message stored in ``NOETL_EVENTS`` on ``subject``, oldest first (read by
+    sequence, no consumer is created)."""
+    async def scan() -> list[StreamMsg]:
+        nc = await natsio.connect(nats_url, name="test-scan")
+        try:
+            js = nc.jetstream()
+            out: list[StreamMsg] = []
+            seq = 1
+            while True:
+                try:
+                    msg = await js.get_msg(natsio.EVENTS_STREAM, seq=seq, subject=subject, next=True)
+                except NotFoundError:
+                    return out
+                assert msg.seq is not None
+                out.append(StreamMsg(msg.seq, msg.subject or subject, msg.data or b"", dict(msg.headers or {})))
+                seq = msg.seq + 1
+        finally:
+            await nc.close()
+
+    return asyncio.run(scan())
+
+
+def stream_publish(nats_url: str, subject: str, data: bytes, msg_id: str) -> Any:
+    """Publish one message to JetStream with ``Nats-Msg-Id = msg_id``; returns the PubAck
+    (``duplicate`` is True when the stream's dedup window swallowed it)."""
+    async def pub() -> Any:
+        nc = await natsio.connect(nats_url, name="test-publish")
+        try:
+            return await natsio.publish(nc.jetstream(), subject, data, msg_id=msg_id)
+        finally:
+            await nc.close()
+
+    return asyncio.run(pub())

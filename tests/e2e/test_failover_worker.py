@@ -1,7 +1,8 @@
 """Worker crashes: a worker SIGKILLed in the middle of a long task loses its claim lease,
 the reaper reports it, the engine re-issues the command (attempt 2) and the execution
 completes; a task that always kills its worker is dead-lettered after
-NOETL_COMMAND_MAX_ATTEMPTS attempts and fails the execution naming the step."""
+NOETL_COMMAND_MAX_ATTEMPTS attempts and fails the execution naming the step; a task that
+runs for several claim leases on a live worker is never reaped."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos import HEADER, Db, process_of, stack_for, wait_for
+from chaos import HEADER, Db, process_of, stack_for, stream_messages, wait_for
 from harness import Runner, metric_sum
 
 from noetl_cli import devstack
+from noetl_common import natsio
+from noetl_proto.v1 import messages_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -145,3 +148,63 @@ def test_task_that_kills_its_worker_is_dead_lettered(runner: Runner, db: Db) -> 
     wait_for(lambda: all(p.alive() for p in state.processes("worker")), 30, "every worker up again")
     ok = runner.run(HEADER.format(name="after") + "workflow:\n  - step: start\n    tool: {kind: python, code: 'result = 7'}\n")
     assert ok.status == "COMPLETED" and ok.result("start") == 7
+
+
+LONG_TASK_SEC = 7  # well past the 2 s claim lease
+
+
+def test_a_long_task_is_never_reaped(runner: Runner, db: Db) -> None:
+    """A task running for several claim leases keeps its claim: the worker renews it every
+    lease/3, so the reaper (running, owning the shard) never reports it and the engine
+    never re-issues it."""
+    text = HEADER.format(name="marathon") + (
+        "workflow:\n  - step: start\n    tool:\n      kind: python\n      code: |\n"
+        "        import time\n"
+        f"        time.sleep({LONG_TASK_SEC})\n"
+        "        result = 'finished'\n"
+        "    next: {arcs: [{step: after}]}\n"
+        "  - step: after\n    tool: {kind: noop}\n")
+    eid = runner.submit(text).execution_id
+    shard = db.shard_of(eid)
+    command = f"{eid}:start:1"
+    first = wait_for(lambda: claimed(db, eid), 20, "the command to be claimed")
+    assert first["command_id"] == command and first["attempt"] == 1
+    reaper = db.lease("reaper", shard)
+    assert reaper["owner_runtime_id"] and reaper["status"] == "alive", f"no live reaper owns shard {shard}"
+
+    # while it runs, one claim (same worker, attempt 1) whose lease keeps moving forward
+    samples: list[dict[str, Any]] = []
+    while True:
+        row = db.one("SELECT status, attempt, worker_id, lease_until FROM noetl.command WHERE command_id = %s",
+                     (command,))
+        assert row is not None
+        if row["status"] != "claimed":
+            break
+        samples.append(row)
+        time.sleep(0.25)
+    assert {(s["attempt"], s["worker_id"]) for s in samples} == {(1, first["worker_id"])}, samples
+    renewals = sorted({s["lease_until"] for s in samples})
+    assert len(renewals) >= 3, f"the claim lease was not renewed while the task ran: {renewals}"
+    assert (renewals[-1] - renewals[0]).total_seconds() > COMMAND_LEASE_SEC
+
+    out = runner.wait(eid, 60)
+    assert out.status == "COMPLETED", out.error
+    assert out.result("start") == "finished" and out.steps["start"]["attempts"] == 1
+    counts = db.assert_routed_once(eid)
+    assert counts.get("command.reissued", 0) == 0 and counts.get("command.dead_lettered", 0) == 0, counts
+    assert counts.get("call.duplicate", 0) == 0, counts
+    done = db.all("SELECT created_at, meta FROM noetl.event WHERE execution_id = %s AND event_type = 'call.done'"
+                  " AND command_id = %s", (eid, command))
+    assert len(done) == 1 and done[0]["meta"]["attempt"] == 1
+    entered = db.value("SELECT created_at FROM noetl.event WHERE execution_id = %s AND event_type = 'step.enter'"
+                       " AND command_id = %s", (eid, command))
+    ran = (done[0]["created_at"] - entered).total_seconds()
+    assert ran > 3 * COMMAND_LEASE_SEC, f"the task ran {ran:.1f}s: not long enough to prove anything"
+    assert db.one("SELECT status, attempt FROM noetl.command WHERE command_id = %s", (command,)) == {
+        "status": "done", "attempt": 1}
+    # the reaper never even reported it to the engine
+    reports = [messages_pb2.EngineInput.FromString(m.data).expired for m in
+               stream_messages(runner.state.nats_url, natsio.events_subject(shard, natsio.KIND_EXPIRED))]
+    assert [r for r in reports if r.command_id == command] == []
+    db.wait_projected()
+    db.assert_projection_is_a_fold(eid)
