@@ -22,7 +22,7 @@ T = TypeVar("T", bound=BaseSettings)
 class CoreSettings(BaseSettings):
     """Endpoints and identity shared by every role (``NOETL_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NOETL_", extra="ignore", allow_inf_nan=False)
 
     postgres_dsn: str = Field(default="", description="libpq connection string of the runtime database")
     nats_url: str = Field(default="", description="NATS server URL(s), comma separated")
@@ -44,7 +44,7 @@ class CoreSettings(BaseSettings):
 class ShardSettings(BaseSettings):
     """Shard leases (``NOETL_SHARD_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_SHARD_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NOETL_SHARD_", extra="ignore", allow_inf_nan=False)
 
     count: int = Field(default=16, ge=1, le=4096)
     heartbeat_sec: float = Field(default=10.0, gt=0)
@@ -69,7 +69,7 @@ class ShardSettings(BaseSettings):
 class CommandSettings(BaseSettings):
     """Command claim leases and retry budget (``NOETL_COMMAND_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_COMMAND_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NOETL_COMMAND_", extra="ignore", allow_inf_nan=False)
 
     lease_sec: float = Field(default=30.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
@@ -80,7 +80,7 @@ class CommandSettings(BaseSettings):
 class ExecutionSettings(BaseSettings):
     """Execution defaults and admission (``NOETL_EXECUTION_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_EXECUTION_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NOETL_EXECUTION_", extra="ignore", allow_inf_nan=False)
 
     default_timeout_sec: float = Field(default=3600.0, gt=0)
     # Sweep committed submissions whose nudge was lost.
@@ -92,7 +92,7 @@ class ExecutionSettings(BaseSettings):
 
 
 class ProjectionSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NOETL_PROJECTION_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NOETL_PROJECTION_", extra="ignore", allow_inf_nan=False)
 
     batch_size: int = Field(default=500, ge=1, le=100_000)
     poll_ms: int = Field(default=100, ge=5)
@@ -100,7 +100,7 @@ class ProjectionSettings(BaseSettings):
 
 
 class CheckpointSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NOETL_CHECKPOINT_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NOETL_CHECKPOINT_", extra="ignore", allow_inf_nan=False)
 
     interval_ms: int = Field(default=1000, ge=10)
 
@@ -108,7 +108,7 @@ class CheckpointSettings(BaseSettings):
 class CompactorSettings(BaseSettings):
     """Retention (``NOETL_RETENTION_DAYS``, ``NOETL_COMPACTOR_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NOETL_", extra="ignore", allow_inf_nan=False)
 
     retention_days: float = Field(default=30.0, ge=0)
     compactor_enabled: bool = False
@@ -132,7 +132,7 @@ class ResultStoreSettings(BaseSettings):
     cached. Every store call is bounded by ``timeout_sec``.
     """
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_RESULT_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NOETL_RESULT_", extra="ignore", allow_inf_nan=False)
 
     tier: Literal["db", "s3"] = "db"
     cache: Literal["none", "kv"] = "none"
@@ -176,13 +176,14 @@ class ResultStoreSettings(BaseSettings):
 class WorkerSettings(BaseSettings):
     """Worker pool (``NOETL_WORKER_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_WORKER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NOETL_WORKER_", extra="ignore", allow_inf_nan=False)
 
     concurrency: int = Field(default=8, ge=1, le=1024)
     # Warm Python interpreters for `kind: python`; 0 = same as concurrency.
     python_pool: int = Field(default=0, ge=0, le=1024)
     default_task_timeout_sec: float = Field(default=0.0, ge=0)
-    fetch_batch: int = Field(default=16, ge=1)
+    # Most claims one ClaimCommands call carries (concurrent claims are group-committed).
+    claim_batch: int = Field(default=64, ge=1, le=1000)
 
 
 class TracingSettings(BaseSettings):
@@ -194,7 +195,7 @@ class TracingSettings(BaseSettings):
     per span on stdout) or ``jsonl`` (one JSON line per span appended to ``file``, whose
     ``{role}``, ``{pid}`` and ``{instance}`` are expanded: a file per process)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_OTEL_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NOETL_OTEL_", extra="ignore", allow_inf_nan=False)
 
     exporter: Literal["none", "otlp", "console", "jsonl"] = "none"
     endpoint: str = Field(default="", description="OTLP/HTTP collector URL (exporter otlp)")

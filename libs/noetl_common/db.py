@@ -96,6 +96,19 @@ async def transaction(pool: Pool) -> AsyncIterator[Conn]:
         raise translate(exc) from exc
 
 
+@contextlib.asynccontextmanager
+async def pipelined_transaction(pool: Pool) -> AsyncIterator[Conn]:
+    """A transaction in libpq pipeline mode: statements are sent without waiting for
+    each other's results; a read (``fetchone``/``fetchall``) waits for everything sent
+    before it, and the COMMIT travels with the last statements. BEGIN goes out with the
+    first statement. COPY is not available here. psycopg errors come out translated."""
+    try:
+        async with pool.connection() as conn, conn.pipeline(), conn.transaction():
+            yield conn
+    except psycopg.Error as exc:  # PoolTimeout included
+        raise translate(exc) from exc
+
+
 # ---------------------------------------------------------------- migrations
 
 

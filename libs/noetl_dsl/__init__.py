@@ -14,7 +14,7 @@ from .templates import (
     render_str,
     render_text,
 )
-from .validate import load_playbook, merged_workload, parse_playbook, static_auth_refs
+from .validate import load_playbook, load_yaml, merged_workload, parse_playbook, static_auth_refs
 
 __all__ = [
     "TOOL_KINDS",
@@ -29,6 +29,7 @@ __all__ = [
     "evaluate_when",
     "is_template",
     "load_playbook",
+    "load_yaml",
     "merged_workload",
     "parse_playbook",
     "predecessors",

@@ -109,9 +109,9 @@ SELECT ref_id, tier, uri FROM chain ORDER BY depth
 # per row in a CTE referenced twice (materialised), so ref and payload rows agree.
 _PUT_MANY = """
 WITH input AS (
-  SELECT * FROM unnest(%(execution_ids)s::bigint[], %(steps)s::text[], %(command_ids)s::text[],
-                       %(tasks)s::text[], %(sizes)s::bigint[], %(shas)s::text[], %(parents)s::bigint[],
-                       %(datas)s::bytea[]) WITH ORDINALITY
+  SELECT * FROM unnest(%(execution_ids)b::bigint[], %(steps)b::text[], %(command_ids)b::text[],
+                       %(tasks)b::text[], %(sizes)b::bigint[], %(shas)b::text[], %(parents)b::bigint[],
+                       %(datas)b::bytea[]) WITH ORDINALITY
        AS i(execution_id, step, command_id, task, size, sha256, parent, data, ord)
 ), ids AS MATERIALIZED (
   SELECT i.*, nextval(pg_get_serial_sequence('noetl.result_ref', 'ref_id')) AS ref_id FROM input i

@@ -8,7 +8,7 @@ import noetl_dsl
 def test_public_surface_is_pinned() -> None:
     assert sorted(noetl_dsl.__all__) == sorted([
         "Arc", "Loop", "Next", "Playbook", "Step", "Task",
-        "parse_playbook", "load_playbook", "static_auth_refs", "merged_workload", "TOOL_KINDS",
+        "parse_playbook", "load_playbook", "load_yaml", "static_auth_refs", "merged_workload", "TOOL_KINDS",
         "successors", "predecessors", "reachable_from",
         "render", "render_str", "render_text", "evaluate_when", "referenced_names",
         "RenderContext", "TemplateError", "is_template",

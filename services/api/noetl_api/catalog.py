@@ -10,11 +10,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import yaml
-
-from noetl_common.db import Pool, transaction
+from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import NotFound
-from noetl_dsl import Playbook, load_playbook, parse_playbook
+from noetl_dsl import Playbook, load_playbook, load_yaml, parse_playbook
 from noetl_flow import Flow
 
 logger = logging.getLogger(__name__)
@@ -58,7 +56,13 @@ class Catalog:
         playbook = playbook or parse(content)
         sha = hashlib.sha256(content.encode()).hexdigest()
         path = playbook.path
-        doc = yaml.safe_load(content)
+        # The usual case, the same text as the latest version, in one read (no lock).
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute(
+                "SELECT * FROM noetl.catalog WHERE path = %s ORDER BY version DESC LIMIT 1", (path,))
+            latest = await cur.fetchone()
+        if latest is not None and latest["content_sha256"] == sha:
+            return _entry(latest), False
         async with transaction(self._pool) as conn:
             await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"catalog:{path}",))
             cur = await conn.execute(
@@ -67,6 +71,7 @@ class Catalog:
             if latest is not None and latest["content_sha256"] == sha:
                 return _entry(latest), False
             version = (latest["version"] if latest else 0) + 1
+            doc = load_yaml(content)
             cur = await conn.execute(
                 "INSERT INTO noetl.catalog (path, version, kind, name, content, content_sha256, doc)"
                 " VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING *",

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 _CLAIM = """
 WITH wanted AS (
-  SELECT * FROM unnest(%(ids)s::text[], %(attempts)s::int[]) AS w(command_id, attempt)
+  SELECT * FROM unnest(%(ids)b::text[], %(attempts)b::int[]) AS w(command_id, attempt)
 ), claimed AS (
   UPDATE noetl.command c SET status = 'claimed', worker_id = %(worker)s, claimed_at = now(),
          lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
@@ -34,7 +34,7 @@ WITH wanted AS (
   RETURNING c.*
 )
 SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item,
-       CASE WHEN c.execution_id = ANY(%(need_payload)s::bigint[]) THEN
+       CASE WHEN c.execution_id = ANY(%(need_payload)b::bigint[]) THEN
          (SELECT r.payload FROM noetl.execution_request r WHERE r.execution_id = c.execution_id) END AS payload
 FROM claimed c
 LEFT JOIN noetl.loop_item li
@@ -123,8 +123,11 @@ class Claims:
         if loop:
             index = int(loop["index"])
             if loop.get("mode") == "cursor":
-                # A slot re-issued after its worker died resumes with the row it had claimed.
-                context["resume"] = (row.get("progress") or {}).get("row")
+                # A slot re-issued after its worker died resumes with the row it had claimed,
+                # and with its counts before that row (they cover every attempt).
+                progress = row.get("progress") or {}
+                context["resume"] = progress.get("row")
+                context["resume_counts"] = progress.get("counts")
                 context["iter"] = {"_index": index}
             else:
                 context["iter"] = {str(loop["iterator"]): row["loop_item"], "_index": index}

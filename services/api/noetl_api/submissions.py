@@ -14,7 +14,7 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from noetl_common import natsio, tracing
-from noetl_common.db import Pool, transaction
+from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NoetlError, NotFound, PlaybookInvalid
 from noetl_common.ids import SnowflakeGenerator, shard_for
 from noetl_dsl import merged_workload
@@ -87,7 +87,7 @@ class Submitter:
         execution_id = self._ids.next_id()
         shard = shard_for(execution_id, self._shards)
         timeout = timeout_sec or self._default_timeout
-        async with transaction(self._pool) as conn:
+        async with autocommit(self._pool) as conn:  # one statement: its own transaction
             cur = await conn.execute(
                 "INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
                 " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent)"

@@ -1,4 +1,6 @@
-"""Read-model statements. Everything runs inside the shard's fenced transaction."""
+"""Read-model statements. Everything runs inside the shard's fenced transaction, in
+pipeline mode (``pipelined_transaction``): statements are sent without waiting, a read
+waits for what was sent before it."""
 
 from __future__ import annotations
 
@@ -13,31 +15,27 @@ from noetl_flow.projection import ExecutionView, StepView
 ROLE = "projector"
 
 
-async def fence(conn: psycopg.AsyncConnection[Any], shard: int, owner: int, epoch: int) -> None:
-    cur = await conn.execute(
+async def fence_and_read(conn: psycopg.AsyncConnection[Any], shard: int, owner: int, epoch: int,
+                         limit: int) -> list[dict[str, Any]]:
+    """Fence on our lease row and read up to ``limit`` events past the watermark, sent
+    together (pipeline mode: one round trip). LeaseLost when the lease is not ours."""
+    fenced = await conn.execute(
         "UPDATE noetl.shard_lease SET updated_at = now() WHERE role = %s AND shard_id = %s"
         " AND owner_runtime_id = %s AND epoch = %s RETURNING shard_id", (ROLE, shard, owner, epoch))
-    if await cur.fetchone() is None:
-        raise LeaseLost(f"projector lease for shard {shard} epoch {epoch} is no longer held")
-
-
-async def watermark(conn: psycopg.AsyncConnection[Any], shard: int) -> int:
     await conn.execute("INSERT INTO noetl.projection_checkpoint (shard_id) VALUES (%s) ON CONFLICT DO NOTHING",
                        (shard,))
-    cur = await conn.execute("SELECT last_shard_seq FROM noetl.projection_checkpoint WHERE shard_id = %s", (shard,))
-    row = await cur.fetchone()
-    return int(row["last_shard_seq"]) if row else 0
-
-
-async def events_after(conn: psycopg.AsyncConnection[Any], shard: int, after: int, limit: int) -> list[dict[str, Any]]:
-    cur = await conn.execute(
+    events = await conn.execute(
         "SELECT execution_id, shard_seq, event_type, step, command_id, result, meta, created_at FROM noetl.event"
-        " WHERE shard_id = %s AND shard_seq > %s ORDER BY shard_seq LIMIT %s", (shard, after, limit))
-    return list(await cur.fetchall())
+        " WHERE shard_id = %s AND shard_seq > (SELECT last_shard_seq FROM noetl.projection_checkpoint"
+        " WHERE shard_id = %s) ORDER BY shard_seq LIMIT %s", (shard, shard, limit))
+    if await fenced.fetchone() is None:
+        raise LeaseLost(f"projector lease for shard {shard} epoch {epoch} is no longer held")
+    return list(await events.fetchall())
 
 
 async def load_views(conn: psycopg.AsyncConnection[Any], shard: int, ids: Sequence[int]) -> dict[int, ExecutionView]:
     cur = await conn.execute("SELECT * FROM noetl.execution WHERE execution_id = ANY(%s)", (list(ids),))
+    step_cur = await conn.execute("SELECT * FROM noetl.execution_step WHERE execution_id = ANY(%s)", (list(ids),))
     views: dict[int, ExecutionView] = {}
     for r in await cur.fetchall():
         views[r["execution_id"]] = ExecutionView(
@@ -45,42 +43,52 @@ async def load_views(conn: psycopg.AsyncConnection[Any], shard: int, ids: Sequen
             playbook_path=r["playbook_path"], playbook_version=r["playbook_version"],
             parent_execution_id=r["parent_execution_id"], error=r["error"], created_at=r["created_at"],
             started_at=r["started_at"], ended_at=r["ended_at"], last_shard_seq=r["last_shard_seq"])
-    cur = await conn.execute("SELECT * FROM noetl.execution_step WHERE execution_id = ANY(%s)", (list(views),))
-    for r in await cur.fetchall():
+    for eid in ids:
+        views.setdefault(eid, ExecutionView(execution_id=eid, shard_id=shard))
+    for r in await step_cur.fetchall():
         views[r["execution_id"]].steps[r["step"]] = StepView(
             step=r["step"], status=r["status"], visits=r["visits"], attempts=r["attempts"],
             result_ref_id=r["result_ref_id"], error=r["error"], started_at=r["started_at"], ended_at=r["ended_at"])
-    for eid in ids:
-        views.setdefault(eid, ExecutionView(execution_id=eid, shard_id=shard))
     return views
 
 
 async def save_views(conn: psycopg.AsyncConnection[Any], views: Iterable[ExecutionView]) -> None:
+    """Upsert the touched executions and their changed steps (one statement each, arrays
+    in binary)."""
     views = list(views)
-    async with conn.cursor() as cur:
-        await cur.executemany(
-            "INSERT INTO noetl.execution (execution_id, shard_id, catalog_id, playbook_path, playbook_version,"
-            " parent_execution_id, status, error, created_at, started_at, ended_at, last_shard_seq, updated_at)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, now())"
-            " ON CONFLICT (execution_id) DO UPDATE SET catalog_id = EXCLUDED.catalog_id,"
-            " playbook_path = EXCLUDED.playbook_path, playbook_version = EXCLUDED.playbook_version,"
-            " parent_execution_id = EXCLUDED.parent_execution_id, status = EXCLUDED.status, error = EXCLUDED.error,"
-            " created_at = EXCLUDED.created_at, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at,"
-            " last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
-            [(v.execution_id, v.shard_id, v.catalog_id, v.playbook_path, v.playbook_version, v.parent_execution_id,
-              v.status, v.error, v.created_at, v.started_at, v.ended_at, v.last_shard_seq) for v in views],
+    if not views:
+        return
+    await conn.execute(
+        "INSERT INTO noetl.execution (execution_id, shard_id, catalog_id, playbook_path, playbook_version,"
+        " parent_execution_id, status, error, created_at, started_at, ended_at, last_shard_seq, updated_at)"
+        " SELECT *, now() FROM unnest(%b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::int[], %b::bigint[],"
+        " %b::text[], %b::text[], %b::timestamptz[], %b::timestamptz[], %b::timestamptz[], %b::bigint[])"
+        " ON CONFLICT (execution_id) DO UPDATE SET catalog_id = EXCLUDED.catalog_id,"
+        " playbook_path = EXCLUDED.playbook_path, playbook_version = EXCLUDED.playbook_version,"
+        " parent_execution_id = EXCLUDED.parent_execution_id, status = EXCLUDED.status, error = EXCLUDED.error,"
+        " created_at = EXCLUDED.created_at, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at,"
+        " last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
+        _columns([(v.execution_id, v.shard_id, v.catalog_id, v.playbook_path, v.playbook_version,
+                   v.parent_execution_id, v.status, v.error, v.created_at, v.started_at, v.ended_at,
+                   v.last_shard_seq) for v in views], 12),
+    )
+    steps = [(v.execution_id, s.step, s.status, s.visits, s.attempts, s.result_ref_id, s.error, s.started_at,
+              s.ended_at) for v in views for s in v.steps.values() if s.dirty]
+    if steps:
+        await conn.execute(
+            "INSERT INTO noetl.execution_step (execution_id, step, status, visits, attempts, result_ref_id,"
+            " error, started_at, ended_at)"
+            " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::int[], %b::int[], %b::bigint[],"
+            " %b::text[], %b::timestamptz[], %b::timestamptz[])"
+            " ON CONFLICT (execution_id, step) DO UPDATE SET status = EXCLUDED.status, visits = EXCLUDED.visits,"
+            " attempts = EXCLUDED.attempts, result_ref_id = EXCLUDED.result_ref_id, error = EXCLUDED.error,"
+            " started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at",
+            _columns(steps, 9),
         )
-        steps = [(v.execution_id, s) for v in views for s in v.steps.values() if s.dirty]
-        if steps:
-            await cur.executemany(
-                "INSERT INTO noetl.execution_step (execution_id, step, status, visits, attempts, result_ref_id,"
-                " error, started_at, ended_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
-                " ON CONFLICT (execution_id, step) DO UPDATE SET status = EXCLUDED.status, visits = EXCLUDED.visits,"
-                " attempts = EXCLUDED.attempts, result_ref_id = EXCLUDED.result_ref_id, error = EXCLUDED.error,"
-                " started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at",
-                [(eid, s.step, s.status, s.visits, s.attempts, s.result_ref_id, s.error, s.started_at, s.ended_at)
-                 for eid, s in steps],
-            )
+
+
+def _columns(rows: list[tuple[Any, ...]], width: int) -> list[list[Any]]:
+    return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
 
 
 async def advance(conn: psycopg.AsyncConnection[Any], shard: int, last_seq: int, lag_ms: int) -> None:

@@ -1,5 +1,7 @@
 """One shard's projection loop: batches past the watermark, one transaction each,
-woken by the engine's hint on ``noetl.projector.{shard}`` (a slow poll is the backstop)."""
+woken by the engine's hint on ``noetl.projector.{shard}`` (a slow poll is the backstop).
+After a batch that held a checkpoint barrier it hints ``noetl.checkpointer.{shard}``: the
+checkpointer seals the barrier at once instead of at its next tick."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Gauge
 
 from noetl_common import natsio
-from noetl_common.db import Pool, transaction
+from noetl_common.db import Pool, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
 from noetl_common.shardtasks import forget_on_loss
@@ -82,16 +84,19 @@ class ShardProjector:
         Raises LeaseLost when the lease is not ours any more, and a NoetlError (psycopg
         errors translated) on failures the loop retries."""
         touched: list[int] = []
-        async with transaction(self.pool) as conn:
-            await store.fence(conn, self.shard, self.ownership.runtime_id, self.epoch)
-            after = await store.watermark(conn, self.shard)
-            events = await store.events_after(conn, self.shard, after, self.batch_size)
+        barrier = False
+        # pipeline mode: fence + read, load, then the writes with the COMMIT (three round trips)
+        async with pipelined_transaction(self.pool) as conn:
+            events = await store.fence_and_read(conn, self.shard, self.ownership.runtime_id, self.epoch,
+                                                self.batch_size)
             if not events:
                 return 0
             by_exec: dict[int, list[dict[str, Any]]] = defaultdict(list)
             for ev in events:
                 if ev["event_type"] not in SYSTEM_EVENTS:  # shard-level barriers have no read model
                     by_exec[ev["execution_id"]].append(ev)
+                else:
+                    barrier = True
             views = await store.load_views(conn, self.shard, list(by_exec))
             for eid, evs in by_exec.items():
                 if fold(views[eid], evs):
@@ -103,6 +108,8 @@ class ShardProjector:
             await store.advance(conn, self.shard, int(last["shard_seq"]), lag)
         LAG.labels(str(self.shard)).set(lag)
         PROJECTED.labels(str(self.shard)).inc(len(events))
+        if barrier:
+            await natsio.hint(self.nc, natsio.checkpointer_subject(self.shard))
         for eid in touched:
             await natsio.hint(self.nc, natsio.progress_subject(eid))
         return len(events)

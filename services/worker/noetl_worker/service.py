@@ -1,7 +1,7 @@
 """The worker role: pull command notices, claim, run, persist, report.
 
-    NOETL_COMMANDS --fetch--> CommandNotice --ClaimCommand(api)--> Command
-        FAILED_PRECONDITION / NOT_FOUND: ack and drop (another worker has it, or it is done)
+    NOETL_COMMANDS --fetch--> CommandNotice --ClaimCommand(s)(api)--> Command
+        not claimable / not found: ack and drop (another worker has it, or it is done)
         UNAVAILABLE (or any other failure): nak with a delay (redelivered)
         claimed: ack, run (renewing the claim lease every lease/3 s), persist results,
                  publish EngineInput{call_result} on noetl.events.{shard}.call
@@ -10,7 +10,10 @@
 Concurrency: ``WorkerSettings.concurrency`` slots, each with its own pull subscription
 on the shared durable consumer, fetching one notice when it is free: a worker never
 holds more notices than it has free slots, and a long-poll returns as soon as one
-notice arrives. If ``RenewLease`` says stop (cancelled, or the lease is no longer ours)
+notice arrives. Claims are group-committed: the claims slots make while a
+``ClaimCommands`` call is in flight go out together as the next call (one round trip
+and one SQL statement for the batch, no waiting window: a lone claim goes at once, as
+a plain ``ClaimCommand``). If ``RenewLease`` says stop (cancelled, or the lease is no longer ours)
 the command's task is cancelled (its python child killed) and nothing is published.
 
 Cancel hints: the engine publishes ``{"command_ids": [...]}`` on core-NATS
@@ -20,7 +23,8 @@ backstop when a hint is lost). A cancelled command also cancels the sub-playbook
 started; a command that merely lost its lease leaves them to its next attempt.
 
 Cursor slots (kind ``cursor``, ``cursor.py``) report each claimed row with a
-``RenewLease`` carrying ``progress_json = {"row": row}`` before the claim commits.
+``RenewLease`` carrying ``progress_json = {"row": row, "counts": {...}}`` (the slot's
+counts before that row) before the claim commits.
 
 Shutdown: stop fetching, let running commands finish within part of the grace period,
 cancel the rest, then close the python pool, http client, tool pools, NATS and gRPC.
@@ -33,7 +37,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import grpc
@@ -44,6 +48,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
 from noetl_common import grpcutil, natsio, tracing
+from noetl_common.coalesce import Coalescer
 from noetl_common.config import (
     CommandSettings,
     CoreSettings,
@@ -75,6 +80,11 @@ WORKER_ERROR = "WORKER_ERROR"
 CANCEL_HINTS_SUBJECT = "noetl.cancel.>"
 CANCELLED = "cancelled"
 _LOST_CLAIM = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+
+class ClaimLost(Exception):
+    """The command cannot be claimed (another worker has it, it finished, was cancelled or
+    re-issued under another attempt, or is unknown): the notice is acked and dropped."""
 _LOST_LEASE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
 
 
@@ -122,6 +132,9 @@ class WorkerService(Service):
         self._idle: set[int] = set()
         self._draining = False
         self._runs: dict[str, _Run] = {}
+        self._claims: Coalescer[worker_pb2.ClaimCommandRequest, messages_pb2.Command] = Coalescer(
+            self._claim_batch, max_batch=worker.claim_batch)
+        self._batch_claims = True  # until the api answers UNIMPLEMENTED (an older api)
 
     @property
     def worker_id(self) -> str:
@@ -215,28 +228,58 @@ class WorkerService(Service):
             logger.error("dropping an undecodable command notice: %s", exc)
             await _settle(msg.term())
             return
-        assert self.api is not None
         try:
-            resp = await self.api.ClaimCommand(worker_pb2.ClaimCommandRequest(
-                command_id=notice.command_id, worker_id=self.worker_id, attempt=notice.attempt),
-                timeout=CLAIM_TIMEOUT_SEC)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            if code in _LOST_CLAIM:
-                CLAIMS.labels("lost").inc()
-                logger.debug("command %s not claimable (%s); dropping", notice.command_id, code)
-                await _settle(msg.ack())
-            else:
-                CLAIMS.labels("unavailable").inc()
-                logger.warning("claiming %s failed (%s); redelivering", notice.command_id, code)
-                await _settle(msg.nak(delay=NAK_DELAY_SEC))
+            command = await self._claims.submit(worker_pb2.ClaimCommandRequest(
+                command_id=notice.command_id, worker_id=self.worker_id, attempt=notice.attempt))
+        except ClaimLost as exc:
+            CLAIMS.labels("lost").inc()
+            logger.debug("command %s not claimable (%s); dropping", notice.command_id, exc)
+            await _settle(msg.ack())
+            return
+        except (grpc.RpcError, NoetlError) as exc:
+            code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else exc
+            CLAIMS.labels("unavailable").inc()
+            logger.warning("claiming %s failed (%s); redelivering", notice.command_id, code)
+            await _settle(msg.nak(delay=NAK_DELAY_SEC))
             return
         CLAIMS.labels("claimed").inc()
         await _settle(msg.ack())
-        if not resp.command.command_id:
-            logger.error("ClaimCommand for %s answered without a command; dropping", notice.command_id)
+        if not command.command_id:
+            logger.error("the api answered the claim of %s without a command; dropping", notice.command_id)
             return
-        await self.run_command(resp.command)
+        await self.run_command(command)
+
+    async def _claim_batch(self, claims: Sequence[worker_pb2.ClaimCommandRequest],
+                           ) -> list[messages_pb2.Command | BaseException]:
+        """Claim a batch (Coalescer flush): one ``ClaimCommands`` call, or ``ClaimCommand``
+        for a lone claim. Per claim: the command, ``ClaimLost``, or the call's RpcError."""
+        assert self.api is not None
+        if len(claims) > 1 and self._batch_claims:
+            try:
+                resp = await self.api.ClaimCommands(worker_pb2.ClaimCommandsRequest(
+                    worker_id=self.worker_id, claims=claims), timeout=CLAIM_TIMEOUT_SEC)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                logger.info("the api does not serve ClaimCommands; claiming one command per call")
+                self._batch_claims = False
+            else:
+                if len(resp.outcomes) != len(claims):
+                    raise Unavailable(f"ClaimCommands answered {len(resp.outcomes)} outcomes"
+                                      f" for {len(claims)} claims")
+                return [o.command if o.HasField("command") else ClaimLost(o.message or "not claimable")
+                        for o in resp.outcomes]
+        return list(await asyncio.gather(*(self._claim_one(c) for c in claims), return_exceptions=True))
+
+    async def _claim_one(self, claim: worker_pb2.ClaimCommandRequest) -> messages_pb2.Command:
+        assert self.api is not None
+        try:
+            resp = await self.api.ClaimCommand(claim, timeout=CLAIM_TIMEOUT_SEC)
+        except grpc.RpcError as exc:
+            if (exc.code() if hasattr(exc, "code") else None) in _LOST_CLAIM:
+                raise ClaimLost(f"{exc.code()}: {exc.details() if hasattr(exc, 'details') else ''}") from exc
+            raise
+        return resp.command
 
     # ------------------------------------------------------------ commands
 
@@ -252,8 +295,8 @@ class WorkerService(Service):
         try:
             work: Awaitable[messages_pb2.CallResult]
             if command.kind == CURSOR_KIND:
-                async def report(row: Row) -> None:
-                    await self._report_row(run, row)
+                async def report(row: Row, counts: dict[str, int]) -> None:
+                    await self._report_row(run, row, counts)
 
                 work = run_cursor_slot(command, self.store, self.tools, report=report, worker_id=self.worker_id,
                                        default_timeout=self.worker_cfg.default_task_timeout_sec,
@@ -310,7 +353,7 @@ class WorkerService(Service):
                 run.stop(resp.stop_reason, cancelled=resp.stop_reason == CANCELLED)
                 return
 
-    async def _report_row(self, run: _Run, row: Row) -> None:
+    async def _report_row(self, run: _Run, row: Row, counts: dict[str, int]) -> None:
         """Record the row a cursor slot is claiming (before its claim commits). Raises
         Unavailable when the api cannot be reached (the claim rolls back and is retried);
         when the api says stop, stops the command and raises CancelledError (the claim
@@ -320,7 +363,7 @@ class WorkerService(Service):
         try:
             resp = await self.api.RenewLease(worker_pb2.RenewLeaseRequest(
                 command_id=command.command_id, worker_id=self.worker_id, attempt=command.attempt,
-                progress_json=encode_json({"row": row}).decode()), timeout=CLAIM_TIMEOUT_SEC)
+                progress_json=encode_json({"row": row, "counts": counts}).decode()), timeout=CLAIM_TIMEOUT_SEC)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             if code in _LOST_LEASE:

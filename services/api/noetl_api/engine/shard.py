@@ -28,7 +28,7 @@ from prometheus_client import Counter, Histogram
 
 from noetl_common import natsio
 from noetl_common.config import CommandSettings, ExecutionSettings
-from noetl_common.db import Pool
+from noetl_common.db import Pool, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import barrier_execution_id, snowflake_at
 from noetl_common.shards import ShardOwnership
@@ -212,7 +212,9 @@ class ShardEngine:
         updates: list[Any] = []
         publish: list[tuple[str, int, int, str]] = []
         loop_results: list[tuple[int, str, int, str, int | None]] = []
-        async with self.d.pool.connection() as conn, conn.transaction():
+        # Pipeline mode for the whole transaction: BEGIN travels with the fence, and the
+        # batch's writes with the COMMIT (two round trips when the states are cached).
+        async with pipelined_transaction(self.d.pool) as conn:
             lease = await sql.fence(conn, self.shard, self.d.ownership.runtime_id, self.epoch, last_stream_seq)
             seq = int(lease["event_seq"])
             sweep_from = int(lease["sweep_from"])
@@ -259,14 +261,13 @@ class ShardEngine:
             started_ids = [e for e in requests if e in touched]
             horizon = snowflake_at(int((time.time() - 60) * 1000))
             new_sweep = min(max(started_ids, default=sweep_from), horizon)
-            async with conn.pipeline():  # every write of the batch in one round trip
-                await sql.append_events(conn, events)
-                await sql.save_states(conn, self.shard,
-                                      [(s, last, _deadline(s)) for s, last in touched.values()])
-                await sql.insert_commands(conn, self.shard, new_commands)
-                await sql.store_loop_results(conn, loop_results)
-                await sql.update_commands(conn, updates)
-                await sql.finish_batch(conn, self.shard, seq, new_sweep, barrier_epoch, barrier_seq)
+            # every write of the batch, then the COMMIT, in one round trip
+            await sql.append_events(conn, events)
+            await sql.save_states(conn, self.shard, [(s, last, _deadline(s)) for s, last in touched.values()])
+            await sql.insert_commands(conn, self.shard, new_commands)
+            await sql.store_loop_results(conn, loop_results)
+            await sql.update_commands(conn, updates)
+            await sql.finish_batch(conn, self.shard, seq, new_sweep, barrier_epoch, barrier_seq)
         # committed: the cache mirrors what is in Postgres now
         for eid, (state, _) in touched.items():
             if state.terminal:

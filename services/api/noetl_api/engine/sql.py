@@ -87,68 +87,86 @@ async def append_events(conn: psycopg.AsyncConnection[Any], rows: Sequence[tuple
     if not rows:
         return
     cols = list(zip(*rows, strict=True))
+    # Arrays travel in binary (%b): no per-element quoting of JSON text on either side.
     await conn.execute(
         "INSERT INTO noetl.event (execution_id, shard_id, shard_seq, event_type, step, command_id, result, meta)"
-        " SELECT * FROM unnest(%s::bigint[], %s::int[], %s::bigint[], %s::text[], %s::text[], %s::text[],"
-        " %s::text[]::jsonb[], %s::text[]::jsonb[])",
+        " SELECT * FROM unnest(%b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::text[],"
+        " %b::text[]::jsonb[], %b::text[]::jsonb[])",
         [list(c) for c in cols],
     )
 
 
 async def save_states(conn: psycopg.AsyncConnection[Any], shard: int,
                       states: Iterable[tuple[ExecState, int, datetime | None]]) -> None:
-    rows = [
-        (s.execution_id, shard, s.status, json.dumps(s.to_json()), deadline, seq)
-        for s, seq, deadline in states
-    ]
-    if not rows:
+    """Upsert the compact engine state of every touched execution (one statement)."""
+    states = list(states)
+    if not states:
         return
-    async with conn.cursor() as cur:
-        await cur.executemany(
-            "INSERT INTO noetl.engine_state (execution_id, shard_id, status, state, deadline, last_shard_seq)"
-            " VALUES (%s, %s, %s, %s, %s, %s)"
-            " ON CONFLICT (execution_id) DO UPDATE SET status = EXCLUDED.status, state = EXCLUDED.state,"
-            " deadline = EXCLUDED.deadline, last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
-            rows,
-        )
+    await conn.execute(
+        "INSERT INTO noetl.engine_state (execution_id, shard_id, status, state, deadline, last_shard_seq)"
+        " SELECT e, %b, st, js::jsonb, d, q FROM unnest(%b::bigint[], %b::text[], %b::text[],"
+        " %b::timestamptz[], %b::bigint[]) AS t(e, st, js, d, q)"
+        " ON CONFLICT (execution_id) DO UPDATE SET status = EXCLUDED.status, state = EXCLUDED.state,"
+        " deadline = EXCLUDED.deadline, last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
+        (shard, [s.execution_id for s, _, _ in states], [s.status for s, _, _ in states],
+         [json.dumps(s.to_json()) for s, _, _ in states], [d for _, _, d in states],
+         [q for _, q, _ in states]),
+    )
 
 
 async def insert_commands(conn: psycopg.AsyncConnection[Any], shard: int,
                           commands: Iterable[tuple[int, int, NewCommand]]) -> None:
-    rows = [
-        (c.command_id, eid, shard, catalog_id, c.step, c.kind, c.attempt, json.dumps(c.context), c.timeout_sec)
-        for eid, catalog_id, c in commands
-    ]
-    if not rows:
+    """Insert the batch's new commands, queued (one statement)."""
+    commands = list(commands)
+    if not commands:
         return
-    async with conn.cursor() as cur:
-        await cur.executemany(
-            "INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
-            " attempt, context, timeout_sec) VALUES (%s, %s, %s, %s, %s, %s, 'queued', %s, %s, %s)"
-            " ON CONFLICT (command_id) DO NOTHING",
-            rows,
-        )
+    await conn.execute(
+        "INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
+        " attempt, context, timeout_sec)"
+        " SELECT c, e, %b, cat, st, k, 'queued', a, ctx::jsonb, t FROM unnest(%b::text[], %b::bigint[],"
+        " %b::bigint[], %b::text[], %b::text[], %b::int[], %b::text[], %b::float8[])"
+        " AS x(c, e, cat, st, k, a, ctx, t)"
+        " ON CONFLICT (command_id) DO NOTHING",
+        (shard, [c.command_id for _, _, c in commands], [e for e, _, _ in commands],
+         [cat for _, cat, _ in commands], [c.step for _, _, c in commands], [c.kind for _, _, c in commands],
+         [c.attempt for _, _, c in commands], [json.dumps(c.context) for _, _, c in commands],
+         [float(c.timeout_sec) for _, _, c in commands]),
+    )
 
 
 async def update_commands(conn: psycopg.AsyncConnection[Any], updates: Iterable[CommandUpdate]) -> None:
-    rows = [(u.status, u.attempt, u.status, u.command_id) for u in updates]
-    if not rows:
+    """Apply the batch's command status changes in one statement. Several updates of one
+    command in a batch fold in order: the last status, the last attempt given, and the
+    worker cleared if it was re-queued on the way."""
+    merged: dict[str, tuple[str, int | None, bool]] = {}
+    for u in updates:
+        _, attempt, requeued = merged.get(u.command_id, ("", None, False))
+        merged[u.command_id] = (u.status, u.attempt if u.attempt is not None else attempt,
+                                requeued or u.status == "queued")
+    if not merged:
         return
-    async with conn.cursor() as cur:
-        await cur.executemany(
-            "UPDATE noetl.command SET status = %s, attempt = COALESCE(%s, attempt),"
-            " worker_id = CASE WHEN %s = 'queued' THEN NULL ELSE worker_id END,"
-            " updated_at = now() WHERE command_id = %s",
-            rows,
-        )
+    await conn.execute(
+        "UPDATE noetl.command c SET status = u.st, attempt = COALESCE(u.a, c.attempt),"
+        " worker_id = CASE WHEN u.rq THEN NULL ELSE c.worker_id END, updated_at = now()"
+        " FROM unnest(%b::text[], %b::text[], %b::int[], %b::bool[]) AS u(cid, st, a, rq) WHERE c.command_id = u.cid",
+        (list(merged), [m[0] for m in merged.values()], [m[1] for m in merged.values()],
+         [m[2] for m in merged.values()]),
+    )
+
+
+LOOP_ITEMS_CHUNK = 10_000
 
 
 async def store_loop_items(conn: psycopg.AsyncConnection[Any], execution_id: int, instance: str,
                            items: list[Any]) -> None:
-    """A loop's collection, rendered once at entry, one row per item (COPY)."""
-    async with conn.cursor().copy("COPY noetl.loop_item (execution_id, loop_instance, idx, item) FROM STDIN") as copy:
-        for idx, item in enumerate(items):
-            await copy.write_row((execution_id, instance, idx, json.dumps(item, default=str)))
+    """A loop's collection, rendered once at entry, one row per item (binary arrays in
+    chunks: the engine's transaction runs in pipeline mode, where COPY is not available)."""
+    for start in range(0, len(items), LOOP_ITEMS_CHUNK):
+        chunk = items[start:start + LOOP_ITEMS_CHUNK]
+        await conn.execute(
+            "INSERT INTO noetl.loop_item (execution_id, loop_instance, idx, item)"
+            " SELECT %b, %b, %b + i.ord - 1, i.item::jsonb FROM unnest(%b::text[]) WITH ORDINALITY AS i(item, ord)",
+            (execution_id, instance, start, [json.dumps(item, default=str) for item in chunk]))
 
 
 async def store_loop_results(conn: psycopg.AsyncConnection[Any],
@@ -156,10 +174,11 @@ async def store_loop_results(conn: psycopg.AsyncConnection[Any],
     rows = list(rows)
     if not rows:
         return
-    async with conn.cursor() as cur:
-        await cur.executemany(
-            "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
-            " VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING", rows)
+    cols = list(zip(*rows, strict=True))
+    await conn.execute(
+        "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
+        " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::int[], %b::text[], %b::bigint[])"
+        " ON CONFLICT DO NOTHING", [list(c) for c in cols])
 
 
 async def loop_reference(conn: psycopg.AsyncConnection[Any], execution_id: int, step: str, uri: str,
