@@ -7,7 +7,7 @@ import builtins
 import json
 from typing import Any
 
-from noetl_common.db import Pool
+from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NotFound
 from noetl_store import ResultStore, entry_from_json, trace
 
@@ -22,10 +22,15 @@ class Queries:
 
     async def execution(self, execution_id: int, include_results: bool = False) -> dict[str, Any]:
         """The read model of one execution; PENDING from the request while not yet projected."""
-        async with self._pool.connection() as conn:
+        async with autocommit(self._pool) as conn, conn.pipeline():
+            # the execution and its steps in one round trip (pipeline mode, no BEGIN/COMMIT)
             cur = await conn.execute("SELECT * FROM noetl.execution WHERE execution_id = %s", (execution_id,))
+            step_cur = await conn.execute(
+                "SELECT s.*, r.tier AS result_tier, r.uri AS result_uri FROM noetl.execution_step s"
+                " LEFT JOIN noetl.result_ref r ON r.ref_id = s.result_ref_id WHERE s.execution_id = %s"
+                " ORDER BY s.started_at NULLS LAST, s.step", (execution_id,))
             row = await cur.fetchone()
-            steps: list[dict[str, Any]] = []
+            steps: list[dict[str, Any]] = list(await step_cur.fetchall())
             if row is None:
                 cur = await conn.execute(
                     "SELECT r.execution_id, r.shard_id, r.catalog_id, c.path AS playbook_path,"
@@ -37,12 +42,6 @@ class Queries:
                     raise NotFound(f"execution {execution_id} not found")
                 row = {**req, "status": "PENDING", "error": None, "started_at": None, "ended_at": None,
                        "last_shard_seq": 0}
-            else:
-                cur = await conn.execute(
-                    "SELECT s.*, r.tier AS result_tier, r.uri AS result_uri FROM noetl.execution_step s"
-                    " LEFT JOIN noetl.result_ref r ON r.ref_id = s.result_ref_id WHERE s.execution_id = %s"
-                    " ORDER BY s.started_at NULLS LAST, s.step", (execution_id,))
-                steps = list(await cur.fetchall())
         if include_results:
             refs = [s["result_ref_id"] for s in steps if s.get("result_ref_id")]
             values = await self._results.get_many(refs) if refs else {}
