@@ -1,14 +1,15 @@
 """Sub-playbooks (`kind: playbook`): upstream's playbook_composition runs its child
 user_profile_scorer once per user inside a sequential loop (both read in place from
 ../shared; the child is registered in the catalog first, as upstream deploys it).
-Expected scores are computed here from the child's own formulas."""
+Expected scores are computed here from the child's own formulas. Cancelling a parent
+whose step waits on a running child cancels the child too."""
 
 from __future__ import annotations
 
 import pytest
-from harness import Runner, conformance, register_playbook
+from harness import Runner, cancel, conformance, register_playbook, wait_until
 
-from noetl_proto.v1 import execution_pb2
+from noetl_proto.v1 import catalog_pb2, execution_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -126,3 +127,46 @@ def test_playbook_composition_runs_the_child_per_user(runner: Runner) -> None:
         assert final["profile_score"] == pytest.approx(want["profile_score"], abs=1e-9)
         assert final["score_breakdown"] == pytest.approx(want["score_breakdown"])
         assert final["processing_status"] == "completed"
+
+
+SLOW_CHILD = """apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: slow_child, path: tests/composition/slow_child}
+workflow:
+  - step: start
+    tool: {kind: python, code: "import time\\ntime.sleep(60)\\nresult = 'late'"}
+"""
+WAITING_PARENT = """apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: waiting_parent, path: tests/composition/waiting_parent}
+workflow:
+  - step: start
+    tool: {kind: playbook, path: tests/composition/slow_child}
+    next: {arcs: [{step: after}]}
+  - step: after
+    tool: {kind: python, code: "result = 'never'"}
+"""
+
+
+def test_cancelling_the_parent_cancels_the_running_child(runner: Runner) -> None:
+    runner.api.catalog.RegisterPlaybook(catalog_pb2.RegisterPlaybookRequest(content=SLOW_CHILD), timeout=30)
+    parent = int(runner.submit(WAITING_PARENT).execution_id)
+
+    def child_running() -> int | None:
+        rows = runner.sql("SELECT c.execution_id FROM noetl.execution_request c JOIN noetl.command k"
+                          " ON k.execution_id = c.execution_id AND k.status = 'claimed'"
+                          " WHERE c.parent_execution_id = %s", (parent,))
+        return int(rows[0][0]) if rows else None
+
+    child = wait_until(child_running, 60, "the child's step to be running")
+    assert cancel(runner, parent)
+    out = runner.wait(parent, timeout=60)
+    assert out.status == "CANCELLED", out
+    assert "after" not in out.steps
+    # the cascade reaches the child, whose running python task is stopped (not left to sleep 60 s)
+    got = runner.wait(child, timeout=30)
+    assert got.status == "CANCELLED", got
+    statuses = runner.sql("SELECT status FROM noetl.command WHERE execution_id = %s", (child,))
+    assert [r[0] for r in statuses] == ["cancelled"], statuses
+    assert not runner.sql("SELECT 1 FROM noetl.event WHERE execution_id = %s AND event_type = 'call.done'",
+                          (child,))
