@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from chaos import Db
 from harness import CREDENTIALS, Runner, start_stack
 
 from noetl_cli import devstack
@@ -43,3 +44,12 @@ def runner(stack: devstack.StackState) -> Iterator[Runner]:
     r.api.close()
 
 
+
+
+@pytest.fixture(scope="module")
+def db(runner: Runner) -> Iterator[Db]:
+    """One autocommit connection to the Postgres of the module's ``runner`` (a module's own
+    stack when it defines one, else the session's)."""
+    d = Db(runner.state.postgres_dsn)
+    yield d
+    d.close()

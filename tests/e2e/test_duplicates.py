@@ -29,13 +29,6 @@ def runner() -> Iterator[Runner]:
         yield r
 
 
-@pytest.fixture(scope="module")
-def db(runner: Runner) -> Iterator[Db]:
-    d = Db(runner.state.postgres_dsn)
-    yield d
-    d.close()
-
-
 def playbook(gate: Path) -> str:
     """start -> slow (runs until the test opens ``gate``) -> last."""
     return HEADER.format(name="duplicates") + (

@@ -51,13 +51,6 @@ def runner() -> Iterator[Runner]:
         yield r
 
 
-@pytest.fixture(scope="module")
-def db(runner: Runner) -> Iterator[Db]:
-    d = Db(runner.state.postgres_dsn)
-    yield d
-    d.close()
-
-
 def wait_balanced(db: Db, state: devstack.StackState, role: str) -> None:
     """Every shard of ``role`` owned by a live replica of the stack, within one of the fair share."""
     live = {p.instance for p in state.processes(role) if p.alive()}

@@ -24,13 +24,6 @@ def runner() -> Iterator[Runner]:
         yield r
 
 
-@pytest.fixture(scope="module")
-def db(runner: Runner) -> Iterator[Db]:
-    d = Db(runner.state.postgres_dsn)
-    yield d
-    d.close()
-
-
 def test_standby_shard_manager_takes_over_and_keeps_assigning(runner: Runner, db: Db) -> None:
     state = runner.state
     leader = wait_for(lambda: leader_other_than(db, ""), 20, "a leader")

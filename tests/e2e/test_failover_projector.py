@@ -24,13 +24,6 @@ def runner() -> Iterator[Runner]:
         yield r
 
 
-@pytest.fixture(scope="module")
-def db(runner: Runner) -> Iterator[Db]:
-    d = Db(runner.state.postgres_dsn)
-    yield d
-    d.close()
-
-
 class Load:
     """Submits executions back to back (a few in flight) until stopped."""
 

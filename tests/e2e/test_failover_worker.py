@@ -34,13 +34,6 @@ def runner() -> Iterator[Runner]:
         yield r
 
 
-@pytest.fixture(scope="module")
-def db(runner: Runner) -> Iterator[Db]:
-    d = Db(runner.state.postgres_dsn)
-    yield d
-    d.close()
-
-
 class Resurrector:
     """Restarts every worker replica that died, recording how it died."""
 

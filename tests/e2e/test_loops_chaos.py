@@ -40,13 +40,6 @@ def runner() -> Iterator[Runner]:
         yield r
 
 
-@pytest.fixture(scope="module")
-def db(runner: Runner) -> Iterator[Db]:
-    d = Db(runner.state.postgres_dsn)
-    yield d
-    d.close()
-
-
 def wait_api_balanced(db: Db, state: devstack.StackState) -> None:
     """Every api shard owned by a live replica, within one of the fair share."""
     live = {p.instance for p in state.processes("api") if p.alive()}

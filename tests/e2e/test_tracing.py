@@ -47,13 +47,6 @@ def runner(spans_dir: Path) -> Iterator[Runner]:
         yield r
 
 
-@pytest.fixture(scope="module")
-def db(runner: Runner) -> Iterator[Db]:
-    d = Db(runner.state.postgres_dsn)
-    yield d
-    d.close()
-
-
 class Trace:
     """The spans of one trace, gathered from every process's file."""
 

@@ -33,7 +33,7 @@ from noetl_api.engine.shard import EngineDeps, ShardEngine
 from noetl_checkpointer.worker import ShardCheckpointer
 from noetl_common import natsio
 from noetl_common.config import CommandSettings, ExecutionSettings
-from noetl_common.db import Pool, make_pool
+from noetl_common.db import Pool
 from noetl_common.errors import LeaseLost
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
@@ -53,22 +53,6 @@ CHECKPOINTER_OWNER = ENGINE_OWNER + 2
 ENGINE_EPOCH = 1
 PROJECTOR_EPOCH = 1
 EPOCH = 5  # the checkpointer's lease epoch
-
-
-@pytest.fixture(scope="module")
-async def pool(pg_dsn: str) -> AsyncIterator[Pool]:
-    p = make_pool(pg_dsn, min_size=1, max_size=8, name="test-checkpointer")
-    await p.open(wait=True, timeout=30)
-    yield p
-    await p.close()
-
-
-@pytest.fixture(scope="module")
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await natsio.connect(nats_url, name="test-checkpointer")
-    await natsio.ensure_streams(conn.jetstream())
-    yield conn
-    await conn.drain()
 
 
 async def eventually(probe: Callable[[], Awaitable[T]], what: str, limit: float = 15.0) -> T:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import AsyncIterator
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from noetl_api.queries import Queries
-from noetl_common.db import Pool, make_pool, partition_name
+from noetl_common.db import Pool, partition_name
 from noetl_common.errors import LeaseLost, NotFound
 from noetl_compactor.bench import measure
 from noetl_compactor.compaction import Compaction
@@ -28,14 +27,6 @@ SHARDS = 1024
 SHARD = 900  # no other test uses it
 OWNER, EPOCH = 4242, 3
 RETENTION_SEC = 5 * 86_400.0
-
-
-@pytest.fixture(scope="module")
-async def pool(pg_dsn: str) -> AsyncIterator[Pool]:
-    p = make_pool(pg_dsn, min_size=1, max_size=4, name="test-compactor")
-    await p.open(wait=True, timeout=30)
-    yield p
-    await p.close()
 
 
 async def sql(pool: Pool, statement: str, params: Any = ()) -> list[dict[str, Any]]:

@@ -6,27 +6,18 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import AsyncIterator
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
 
-from noetl_common.db import Pool, ensure_event_partitions, make_pool, migrate, migrations, partition_name
+from noetl_common.db import Pool, ensure_event_partitions, migrate, migrations, partition_name
 from noetl_common.ids import SnowflakeGenerator, mix64, shard_for, snowflake_at
 
 pytestmark = pytest.mark.integration
 
 SNOWFLAKES = SnowflakeGenerator(node_id=1021)
-
-
-@pytest.fixture(scope="module")
-async def pool(pg_dsn: str) -> AsyncIterator[Pool]:
-    p = make_pool(pg_dsn, min_size=1, max_size=2, name="test-ids-sql")
-    await p.open(wait=True, timeout=30)
-    yield p
-    await p.close()
 
 
 async def fetch(pool: Pool, sql: str, params: Any = ()) -> list[dict[str, Any]]:

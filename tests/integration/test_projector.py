@@ -32,21 +32,6 @@ RUNTIME_ID = 9_000_000_000 + random.randrange(1_000_000)  # a fake projector mem
 EPOCH = 3
 
 
-@pytest.fixture(scope="module")
-async def pool(pg_dsn: str) -> AsyncIterator[Pool]:
-    p = make_pool(pg_dsn, min_size=1, max_size=4, name="test-projector")
-    await p.open(wait=True, timeout=30)
-    yield p
-    await p.close()
-
-
-@pytest.fixture(scope="module")
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await natsio.connect(nats_url, name="test-projector")
-    yield conn
-    await conn.drain()
-
-
 def ok(ref_id: int, **context: Any) -> dict[str, Any]:
     return {"status": "ok", "reference": {"ref_id": ref_id, "type": "db", "uri": f"pg://result_payload/{ref_id}"},
             "parent_ref": None, "context": context}

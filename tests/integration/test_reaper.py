@@ -29,22 +29,6 @@ pytestmark = pytest.mark.integration
 SNOWFLAKES = SnowflakeGenerator(node_id=1023)
 
 
-@pytest.fixture(scope="module")
-async def pool(pg_dsn: str) -> AsyncIterator[Pool]:
-    p = make_pool(pg_dsn, min_size=1, max_size=4, name="test-reaper")
-    await p.open(wait=True, timeout=30)
-    yield p
-    await p.close()
-
-
-@pytest.fixture(scope="module")
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await natsio.connect(nats_url, name="test-reaper")
-    await natsio.ensure_streams(conn.jetstream())
-    yield conn
-    await conn.drain()
-
-
 @dataclass
 class Shard:
     pool: Pool

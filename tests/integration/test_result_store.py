@@ -29,7 +29,6 @@ import pytest
 from nats.aio.client import Client as NATS
 from psycopg.rows import dict_row
 
-from noetl_common import natsio
 from noetl_common.config import ResultStoreSettings
 from noetl_common.db import Pool, make_pool
 from noetl_common.errors import NoetlError, NotFound, Unavailable
@@ -53,21 +52,6 @@ pytestmark = pytest.mark.integration
 EXECUTION_ID = 7_000_000_001
 S3_BUCKET = "noetl-test"  # created by the s3_server fixture (tests/conftest.py)
 DEAD_ENDPOINT = "http://127.0.0.1:9"  # discard port: nothing listens
-
-
-@pytest.fixture(scope="module")
-async def pool(pg_dsn: str) -> AsyncIterator[Pool]:
-    p = make_pool(pg_dsn, min_size=1, max_size=8, name="test-store")
-    await p.open(wait=True, timeout=30)
-    yield p
-    await p.close()
-
-
-@pytest.fixture(scope="module")
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await natsio.connect(nats_url, name="test-result-store")
-    yield conn
-    await conn.drain()
 
 
 def s3_config(server: Any, *, endpoint: str = "", timeout: float = 10.0) -> S3Config:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from noetl_common.config import ShardSettings
-from noetl_common.db import Pool, make_pool
+from noetl_common.db import Pool
 from noetl_common.grpcutil import ErrorInterceptor
 from noetl_common.shards import ShardOwnership, fence_sql
 from noetl_proto.v1 import shard_manager_pb2 as pb
@@ -26,14 +26,6 @@ from noetl_shard_manager.membership import Membership
 from noetl_shard_manager.servicer import ShardManagerServicer
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-async def pool(pg_dsn: str) -> AsyncIterator[Pool]:
-    p = make_pool(pg_dsn, min_size=2, max_size=6, name="test-shard-manager")
-    await p.open(wait=True, timeout=30)
-    yield p
-    await p.close()
 
 
 def new_role(tag: str) -> str:

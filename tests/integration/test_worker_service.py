@@ -20,7 +20,6 @@ from psycopg_pool import AsyncConnectionPool
 
 from noetl_common import natsio
 from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, WorkerSettings
-from noetl_common.db import make_pool
 from noetl_proto.v1 import messages_pb2, worker_pb2, worker_pb2_grpc
 from noetl_store import PostgresResultStore, envelope_from_proto
 from noetl_worker.runner import execute_command
@@ -42,14 +41,6 @@ def make_command(code: str, *, shard: int = 5, input: dict[str, Any] | None = No
     return messages_pb2.Command(command_id=f"{execution_id}:step{n}:1", execution_id=execution_id, shard_id=shard,
                                 step=f"step{n}", attempt=1, kind="python", spec_json=json.dumps(spec),
                                 context_json=json.dumps(ctx))
-
-
-@pytest.fixture(scope="module")
-async def pool(pg_dsn: str) -> AsyncIterator[AsyncConnectionPool]:
-    p = make_pool(pg_dsn, min_size=1, max_size=4, name="test-worker")
-    await p.open(wait=True, timeout=30)
-    yield p
-    await p.close()
 
 
 # ---------------------------------------------------------------- execute_command + Postgres store
