@@ -13,7 +13,7 @@ import hashlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from noetl_common.errors import NotFound
@@ -28,9 +28,6 @@ class Reference:
     ref_id: int
     type: str
     uri: str
-    # Encoded size of the payload when this process just stored it (0 = unknown); not
-    # part of the reference's identity or of its JSON form.
-    size_bytes: int = field(default=0, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"ref_id": self.ref_id, "type": self.type, "uri": self.uri}
@@ -103,7 +100,7 @@ class MemoryResultStore(ResultStore):
             raise NotFound(f"parent result reference {parent_ref_id} not found")
         ref_id = next(self._ids)
         self._rows[ref_id] = _MemoryRow(data, parent_ref_id, execution_id, step, command_id, task)
-        return Reference(ref_id, self.TIER, f"memory://{ref_id}", len(data))
+        return Reference(ref_id, self.TIER, f"memory://{ref_id}")
 
     async def get(self, ref_id: int) -> Any:
         row = self._rows.get(ref_id)
@@ -120,12 +117,9 @@ class MemoryResultStore(ResultStore):
 
 class CachedResultStore(ResultStore):
     """Read-through LRU cache over another store, keyed by ``ref_id`` (results are
-    immutable, and the values handed out are shared: nobody mutates them). ``put`` writes
-    through and also remembers values up to ``put_max_bytes`` encoded: the next step of
-    an execution often runs on the worker that produced its input, and then reads it
-    without a round trip."""
-
-    put_max_bytes = 64 * 1024
+    immutable). ``put`` writes through without caching: a result is usually read by
+    another command, often on another worker, so caching it here would cost an extra
+    encode for little gain."""
 
     def __init__(self, inner: ResultStore, max_items: int = 1024) -> None:
         if max_items < 1:
@@ -144,11 +138,8 @@ class CachedResultStore(ResultStore):
 
     async def put(self, value: Any, *, execution_id: int, step: str, command_id: str, task: str,
                   parent_ref_id: int | None) -> Reference:
-        ref = await self.inner.put(value, execution_id=execution_id, step=step, command_id=command_id,
-                                   task=task, parent_ref_id=parent_ref_id)
-        if 0 < ref.size_bytes <= self.put_max_bytes:
-            self._remember(ref.ref_id, value)
-        return ref
+        return await self.inner.put(value, execution_id=execution_id, step=step, command_id=command_id,
+                                    task=task, parent_ref_id=parent_ref_id)
 
     async def get(self, ref_id: int) -> Any:
         if ref_id in self._cache:

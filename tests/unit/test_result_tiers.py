@@ -258,31 +258,3 @@ async def test_a_cursor_slot_persists_through_the_same_function(monkeypatch: pyt
     result = await asyncio.wait_for(run_cursor_slot(command(spec, "cursor", ctx), HangingStore(), tools), timeout=5)
     env = envelope_from_proto(result.envelope)
     assert env["error"]["code"] == "REFERENCE_NOT_AVAILABLE" and "did not answer" in env["error"]["message"]
-
-
-class _CountingStore(MemoryResultStore):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    async def get_many(self, ref_ids: Any) -> dict[int, Any]:
-        self.reads += 1
-        return await super().get_many(ref_ids)
-
-
-async def test_the_lru_remembers_small_results_it_stores_and_not_large_ones() -> None:
-    from noetl_store import CachedResultStore
-
-    inner = _CountingStore()
-    store = CachedResultStore(inner, max_items=8)
-    keys = {"execution_id": 1, "step": "a", "command_id": "1:a:1", "task": "a", "parent_ref_id": None}
-    small = await store.put({"v": 1}, **keys)
-    assert 0 < small.size_bytes <= CachedResultStore.put_max_bytes
-    big_value = "x" * (CachedResultStore.put_max_bytes + 1)
-    big = await store.put(big_value, **keys)
-    assert big.size_bytes > CachedResultStore.put_max_bytes
-    # the small one is served from memory (the next step on this worker: no round trip) ...
-    assert await store.get_many([small.ref_id]) == {small.ref_id: {"v": 1}} and inner.reads == 0
-    # ... the large one is read from the store (and then cached like any read)
-    assert await store.get_many([big.ref_id]) == {big.ref_id: big_value} and inner.reads == 1
-    assert small.to_json() == {"ref_id": small.ref_id, "type": small.type, "uri": small.uri}  # size stays out
