@@ -4,6 +4,10 @@ ports, started by the tests (never assumed to be running), migrated once."""
 from __future__ import annotations
 
 import os
+
+# Before anything imports grpc: the tests spawn servers while gRPC channels are open
+# (see libs/noetl_common/__init__.py: grpc/grpc#43055).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import shutil
 import tempfile
 from collections.abc import Iterator

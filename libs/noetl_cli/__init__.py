@@ -4,6 +4,8 @@ The local stack launcher is a Python API too (``noetl_cli.devstack``); its publi
 names are re-exported here. Everything else is reached through ``noetl_cli.main``.
 """
 
+import noetl_common  # noqa: F401  (first: gRPC fork support off before gRPC loads)
+
 from .devstack import (
     ROLES,
     ServiceProcess,

@@ -14,3 +14,5 @@
 Nothing is re-exported here on purpose: the python sandbox child imports this package
 and must start without loading gRPC, NATS or psycopg.
 """
+
+import noetl_common  # noqa: F401  (first: gRPC fork support off before gRPC loads)
