@@ -200,29 +200,32 @@ class Doc:
             parts.append(f"{what}: {frac:.0%}")
         return bound + "; " + "; ".join(parts) + "; " + self.cpu_note(meter)
 
+    def _hops(self, meter: dict[str, Any], digits: int) -> tuple[float, str]:
+        """The sequential-hop floor of one unit: its Postgres commits and JetStream publishes
+        at the single-connection latencies (ms), and how that sum reads."""
+        w_unit = meter.get("write_txns_per_unit") or 0
+        j_unit = meter.get("js_messages_per_unit") or 0
+        pg, js = self.limits["pg_commit_seq_ms"], self.limits["js_publish_seq_ms"]
+        floor = w_unit * pg + j_unit * js
+        return floor, (f"{w_unit:.{digits}f} Postgres commits x {pg:.2f} ms + "
+                       f"{j_unit:.{digits}f} JetStream publishes x {js:.2f} ms = {floor:.1f} ms")
+
     def latency_bound(self, p50_ms: float, meter: dict[str, Any] | None) -> str:
         if not meter or not self.limits:
             return "-"
-        w_unit = meter.get("write_txns_per_unit") or 0
-        j_unit = meter.get("js_messages_per_unit") or 0
-        floor = w_unit * self.limits["pg_commit_seq_ms"] + j_unit * self.limits["js_publish_seq_ms"]
-        return (f"sequential hops: {w_unit:.0f} Postgres commits x {self.limits['pg_commit_seq_ms']:.2f} ms + "
-                f"{j_unit:.0f} JetStream publishes x {self.limits['js_publish_seq_ms']:.2f} ms = {floor:.1f} ms "
-                f"= **{floor / p50_ms:.0%} of p50**; the rest is the runtime's own processing and waits "
-                "(breakdown below)")
+        floor, hops = self._hops(meter, 0)
+        return (f"sequential hops: {hops} = **{floor / p50_ms:.0%} of p50**; the rest is the runtime's own "
+                "processing and waits (breakdown below)")
 
     def hop_bound(self, ms_per_unit: float, meter: dict[str, Any] | None) -> str:
         """For a sequential loop: the Postgres commits and JetStream publishes one iteration
         costs, at the single-connection latencies, as a share of its time."""
         if not meter or not self.limits or not ms_per_unit:
             return self.cpu_note(meter) or "-"
-        w_unit = meter.get("write_txns_per_unit") or 0
-        j_unit = meter.get("js_messages_per_unit") or 0
-        floor = w_unit * self.limits["pg_commit_seq_ms"] + j_unit * self.limits["js_publish_seq_ms"]
-        return (f"one iteration at a time: {w_unit:.1f} Postgres commits x {self.limits['pg_commit_seq_ms']:.2f} ms + "
-                f"{j_unit:.1f} JetStream publishes x {self.limits['js_publish_seq_ms']:.2f} ms = {floor:.1f} ms "
-                f"= **{floor / ms_per_unit:.0%} of an iteration**; the rest is the hops' processing and waits "
-                f"(engine, worker claim, python task, projection); {self.cpu_note(meter)}")
+        floor, hops = self._hops(meter, 1)
+        return (f"one iteration at a time: {hops} = **{floor / ms_per_unit:.0%} of an iteration**; the rest is "
+                f"the hops' processing and waits (engine, worker claim, python task, projection); "
+                f"{self.cpu_note(meter)}")
 
     # ------------------------------------------------------------ sections
 

@@ -19,10 +19,16 @@ from .errors import ConfigError
 T = TypeVar("T", bound=BaseSettings)
 
 
+def _env(prefix: str) -> SettingsConfigDict:
+    """Settings read from ``{prefix}*`` variables; unknown ones ignored; ``inf``/``nan``
+    rejected for numbers (an infinite lease would never expire)."""
+    return SettingsConfigDict(env_prefix=prefix, extra="ignore", allow_inf_nan=False)
+
+
 class CoreSettings(BaseSettings):
     """Endpoints and identity shared by every role (``NOETL_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_", extra="ignore", allow_inf_nan=False)
+    model_config = _env("NOETL_")
 
     postgres_dsn: str = Field(default="", description="libpq connection string of the runtime database")
     nats_url: str = Field(default="", description="NATS server URL(s), comma separated")
@@ -44,7 +50,7 @@ class CoreSettings(BaseSettings):
 class ShardSettings(BaseSettings):
     """Shard leases (``NOETL_SHARD_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_SHARD_", extra="ignore", allow_inf_nan=False)
+    model_config = _env("NOETL_SHARD_")
 
     count: int = Field(default=16, ge=1, le=4096)
     heartbeat_sec: float = Field(default=10.0, gt=0)
@@ -69,7 +75,7 @@ class ShardSettings(BaseSettings):
 class CommandSettings(BaseSettings):
     """Command claim leases and retry budget (``NOETL_COMMAND_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_COMMAND_", extra="ignore", allow_inf_nan=False)
+    model_config = _env("NOETL_COMMAND_")
 
     lease_sec: float = Field(default=30.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
@@ -80,7 +86,7 @@ class CommandSettings(BaseSettings):
 class ExecutionSettings(BaseSettings):
     """Execution defaults and admission (``NOETL_EXECUTION_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_EXECUTION_", extra="ignore", allow_inf_nan=False)
+    model_config = _env("NOETL_EXECUTION_")
 
     default_timeout_sec: float = Field(default=3600.0, gt=0)
     # Sweep committed submissions whose nudge was lost.
@@ -92,7 +98,7 @@ class ExecutionSettings(BaseSettings):
 
 
 class ProjectionSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NOETL_PROJECTION_", extra="ignore", allow_inf_nan=False)
+    model_config = _env("NOETL_PROJECTION_")
 
     batch_size: int = Field(default=500, ge=1, le=100_000)
     poll_ms: int = Field(default=100, ge=5)
@@ -100,7 +106,7 @@ class ProjectionSettings(BaseSettings):
 
 
 class CheckpointSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NOETL_CHECKPOINT_", extra="ignore", allow_inf_nan=False)
+    model_config = _env("NOETL_CHECKPOINT_")
 
     interval_ms: int = Field(default=1000, ge=10)
 
@@ -108,7 +114,7 @@ class CheckpointSettings(BaseSettings):
 class CompactorSettings(BaseSettings):
     """Retention (``NOETL_RETENTION_DAYS``, ``NOETL_COMPACTOR_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_", extra="ignore", allow_inf_nan=False)
+    model_config = _env("NOETL_")
 
     retention_days: float = Field(default=30.0, ge=0)
     compactor_enabled: bool = False
@@ -132,7 +138,7 @@ class ResultStoreSettings(BaseSettings):
     cached. Every store call is bounded by ``timeout_sec``.
     """
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_RESULT_", extra="ignore", allow_inf_nan=False)
+    model_config = _env("NOETL_RESULT_")
 
     tier: Literal["db", "s3"] = "db"
     cache: Literal["none", "kv"] = "none"
@@ -176,7 +182,7 @@ class ResultStoreSettings(BaseSettings):
 class WorkerSettings(BaseSettings):
     """Worker pool (``NOETL_WORKER_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_WORKER_", extra="ignore", allow_inf_nan=False)
+    model_config = _env("NOETL_WORKER_")
 
     concurrency: int = Field(default=8, ge=1, le=1024)
     # Warm Python interpreters for `kind: python`; 0 = same as concurrency.
@@ -195,7 +201,7 @@ class TracingSettings(BaseSettings):
     per span on stdout) or ``jsonl`` (one JSON line per span appended to ``file``, whose
     ``{role}``, ``{pid}`` and ``{instance}`` are expanded: a file per process)."""
 
-    model_config = SettingsConfigDict(env_prefix="NOETL_OTEL_", extra="ignore", allow_inf_nan=False)
+    model_config = _env("NOETL_OTEL_")
 
     exporter: Literal["none", "otlp", "console", "jsonl"] = "none"
     endpoint: str = Field(default="", description="OTLP/HTTP collector URL (exporter otlp)")

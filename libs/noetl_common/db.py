@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from importlib import resources
@@ -94,6 +94,13 @@ async def transaction(pool: Pool) -> AsyncIterator[Conn]:
             yield conn
     except psycopg.Error as exc:  # PoolTimeout included
         raise translate(exc) from exc
+
+
+def columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
+    """Rows as ``width`` column lists: the parameters of ``INSERT ... SELECT * FROM
+    unnest(%b::t1[], ...)``, one statement for a whole batch (arrays in binary: no
+    per-element quoting of JSON text)."""
+    return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
 
 
 @contextlib.asynccontextmanager

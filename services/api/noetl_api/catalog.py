@@ -58,16 +58,12 @@ class Catalog:
         path = playbook.path
         # The usual case, the same text as the latest version, in one read (no lock).
         async with autocommit(self._pool) as conn:
-            cur = await conn.execute(
-                "SELECT * FROM noetl.catalog WHERE path = %s ORDER BY version DESC LIMIT 1", (path,))
-            latest = await cur.fetchone()
+            latest = await _latest(conn, path)
         if latest is not None and latest["content_sha256"] == sha:
             return _entry(latest), False
         async with transaction(self._pool) as conn:
             await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"catalog:{path}",))
-            cur = await conn.execute(
-                "SELECT * FROM noetl.catalog WHERE path = %s ORDER BY version DESC LIMIT 1", (path,))
-            latest = await cur.fetchone()
+            latest = await _latest(conn, path)
             if latest is not None and latest["content_sha256"] == sha:
                 return _entry(latest), False
             version = (latest["version"] if latest else 0) + 1
@@ -88,10 +84,9 @@ class Catalog:
             if version > 0:
                 cur = await conn.execute("SELECT * FROM noetl.catalog WHERE path = %s AND version = %s",
                                          (path, version))
+                row = await cur.fetchone()
             else:
-                cur = await conn.execute(
-                    "SELECT * FROM noetl.catalog WHERE path = %s ORDER BY version DESC LIMIT 1", (path,))
-            row = await cur.fetchone()
+                row = await _latest(conn, path)
         if row is None:
             raise NotFound(f"playbook {path!r}" + (f" version {version}" if version else "") + " not found")
         return _entry(row)
@@ -121,6 +116,13 @@ class Catalog:
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return compiled
+
+
+async def _latest(conn: Any, path: str) -> dict[str, Any] | None:
+    """The newest catalog row of ``path``, if any."""
+    cur = await conn.execute("SELECT * FROM noetl.catalog WHERE path = %s ORDER BY version DESC LIMIT 1", (path,))
+    row: dict[str, Any] | None = await cur.fetchone()
+    return row
 
 
 def _entry(row: dict[str, Any]) -> CatalogEntry:

@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 
+from noetl_common.db import columns
 from noetl_common.errors import LeaseLost
 from noetl_flow.projection import ExecutionView, StepView
 
@@ -68,7 +69,7 @@ async def save_views(conn: psycopg.AsyncConnection[Any], views: Iterable[Executi
         " parent_execution_id = EXCLUDED.parent_execution_id, status = EXCLUDED.status, error = EXCLUDED.error,"
         " created_at = EXCLUDED.created_at, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at,"
         " last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
-        _columns([(v.execution_id, v.shard_id, v.catalog_id, v.playbook_path, v.playbook_version,
+        columns([(v.execution_id, v.shard_id, v.catalog_id, v.playbook_path, v.playbook_version,
                    v.parent_execution_id, v.status, v.error, v.created_at, v.started_at, v.ended_at,
                    v.last_shard_seq) for v in views], 12),
     )
@@ -83,12 +84,8 @@ async def save_views(conn: psycopg.AsyncConnection[Any], views: Iterable[Executi
             " ON CONFLICT (execution_id, step) DO UPDATE SET status = EXCLUDED.status, visits = EXCLUDED.visits,"
             " attempts = EXCLUDED.attempts, result_ref_id = EXCLUDED.result_ref_id, error = EXCLUDED.error,"
             " started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at",
-            _columns(steps, 9),
+            columns(steps, 9),
         )
-
-
-def _columns(rows: list[tuple[Any, ...]], width: int) -> list[list[Any]]:
-    return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
 
 
 async def advance(conn: psycopg.AsyncConnection[Any], shard: int, last_seq: int, lag_ms: int) -> None:

@@ -80,12 +80,12 @@ WORKER_ERROR = "WORKER_ERROR"
 CANCEL_HINTS_SUBJECT = "noetl.cancel.>"
 CANCELLED = "cancelled"
 _LOST_CLAIM = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+_LOST_LEASE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
 
 
 class ClaimLost(Exception):
     """The command cannot be claimed (another worker has it, it finished, was cancelled or
     re-issued under another attempt, or is unknown): the notice is acked and dropped."""
-_LOST_LEASE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
 
 
 class _Run:
@@ -236,10 +236,9 @@ class WorkerService(Service):
             logger.debug("command %s not claimable (%s); dropping", notice.command_id, exc)
             await _settle(msg.ack())
             return
-        except (grpc.RpcError, NoetlError) as exc:
-            code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else exc
+        except (grpc.RpcError, NoetlError) as exc:  # the api unreachable or confused: try again later
             CLAIMS.labels("unavailable").inc()
-            logger.warning("claiming %s failed (%s); redelivering", notice.command_id, code)
+            logger.warning("claiming %s failed (%s); redelivering", notice.command_id, exc)
             await _settle(msg.nak(delay=NAK_DELAY_SEC))
             return
         CLAIMS.labels("claimed").inc()

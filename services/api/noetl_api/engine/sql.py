@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 
+from noetl_common.db import columns
 from noetl_common.errors import LeaseLost
 from noetl_flow import CommandUpdate, ExecState, NewCommand
 
@@ -86,51 +87,46 @@ async def append_events(conn: psycopg.AsyncConnection[Any], rows: Sequence[tuple
     result, meta) in ONE statement (pipeline-friendly, unlike COPY)."""
     if not rows:
         return
-    cols = list(zip(*rows, strict=True))
-    # Arrays travel in binary (%b): no per-element quoting of JSON text on either side.
     await conn.execute(
         "INSERT INTO noetl.event (execution_id, shard_id, shard_seq, event_type, step, command_id, result, meta)"
         " SELECT * FROM unnest(%b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::text[],"
         " %b::text[]::jsonb[], %b::text[]::jsonb[])",
-        [list(c) for c in cols],
+        columns(rows, 8),
     )
 
 
 async def save_states(conn: psycopg.AsyncConnection[Any], shard: int,
                       states: Iterable[tuple[ExecState, int, datetime | None]]) -> None:
     """Upsert the compact engine state of every touched execution (one statement)."""
-    states = list(states)
-    if not states:
+    rows = [(s.execution_id, shard, s.status, json.dumps(s.to_json()), deadline, seq)
+            for s, seq, deadline in states]
+    if not rows:
         return
     await conn.execute(
         "INSERT INTO noetl.engine_state (execution_id, shard_id, status, state, deadline, last_shard_seq)"
-        " SELECT e, %b, st, js::jsonb, d, q FROM unnest(%b::bigint[], %b::text[], %b::text[],"
-        " %b::timestamptz[], %b::bigint[]) AS t(e, st, js, d, q)"
+        " SELECT e, sh, st, js::jsonb, d, q FROM unnest(%b::bigint[], %b::int[], %b::text[], %b::text[],"
+        " %b::timestamptz[], %b::bigint[]) AS t(e, sh, st, js, d, q)"
         " ON CONFLICT (execution_id) DO UPDATE SET status = EXCLUDED.status, state = EXCLUDED.state,"
         " deadline = EXCLUDED.deadline, last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
-        (shard, [s.execution_id for s, _, _ in states], [s.status for s, _, _ in states],
-         [json.dumps(s.to_json()) for s, _, _ in states], [d for _, _, d in states],
-         [q for _, q, _ in states]),
+        columns(rows, 6),
     )
 
 
 async def insert_commands(conn: psycopg.AsyncConnection[Any], shard: int,
                           commands: Iterable[tuple[int, int, NewCommand]]) -> None:
     """Insert the batch's new commands, queued (one statement)."""
-    commands = list(commands)
-    if not commands:
+    rows = [(c.command_id, eid, shard, catalog_id, c.step, c.kind, c.attempt, json.dumps(c.context),
+             float(c.timeout_sec)) for eid, catalog_id, c in commands]
+    if not rows:
         return
     await conn.execute(
         "INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
         " attempt, context, timeout_sec)"
-        " SELECT c, e, %b, cat, st, k, 'queued', a, ctx::jsonb, t FROM unnest(%b::text[], %b::bigint[],"
-        " %b::bigint[], %b::text[], %b::text[], %b::int[], %b::text[], %b::float8[])"
-        " AS x(c, e, cat, st, k, a, ctx, t)"
+        " SELECT c, e, sh, cat, st, k, 'queued', a, ctx::jsonb, t FROM unnest(%b::text[], %b::bigint[],"
+        " %b::int[], %b::bigint[], %b::text[], %b::text[], %b::int[], %b::text[], %b::float8[])"
+        " AS x(c, e, sh, cat, st, k, a, ctx, t)"
         " ON CONFLICT (command_id) DO NOTHING",
-        (shard, [c.command_id for _, _, c in commands], [e for e, _, _ in commands],
-         [cat for _, cat, _ in commands], [c.step for _, _, c in commands], [c.kind for _, _, c in commands],
-         [c.attempt for _, _, c in commands], [json.dumps(c.context) for _, _, c in commands],
-         [float(c.timeout_sec) for _, _, c in commands]),
+        columns(rows, 9),
     )
 
 
@@ -138,10 +134,10 @@ async def update_commands(conn: psycopg.AsyncConnection[Any], updates: Iterable[
     """Apply the batch's command status changes in one statement. Several updates of one
     command in a batch fold in order: the last status, the last attempt given, and the
     worker cleared if it was re-queued on the way."""
-    merged: dict[str, tuple[str, int | None, bool]] = {}
+    merged: dict[str, tuple[str, str, int | None, bool]] = {}
     for u in updates:
-        _, attempt, requeued = merged.get(u.command_id, ("", None, False))
-        merged[u.command_id] = (u.status, u.attempt if u.attempt is not None else attempt,
+        _, _, attempt, requeued = merged.get(u.command_id, ("", "", None, False))
+        merged[u.command_id] = (u.command_id, u.status, u.attempt if u.attempt is not None else attempt,
                                 requeued or u.status == "queued")
     if not merged:
         return
@@ -149,8 +145,7 @@ async def update_commands(conn: psycopg.AsyncConnection[Any], updates: Iterable[
         "UPDATE noetl.command c SET status = u.st, attempt = COALESCE(u.a, c.attempt),"
         " worker_id = CASE WHEN u.rq THEN NULL ELSE c.worker_id END, updated_at = now()"
         " FROM unnest(%b::text[], %b::text[], %b::int[], %b::bool[]) AS u(cid, st, a, rq) WHERE c.command_id = u.cid",
-        (list(merged), [m[0] for m in merged.values()], [m[1] for m in merged.values()],
-         [m[2] for m in merged.values()]),
+        columns(list(merged.values()), 4),
     )
 
 
@@ -174,11 +169,10 @@ async def store_loop_results(conn: psycopg.AsyncConnection[Any],
     rows = list(rows)
     if not rows:
         return
-    cols = list(zip(*rows, strict=True))
     await conn.execute(
         "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
         " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::int[], %b::text[], %b::bigint[])"
-        " ON CONFLICT DO NOTHING", [list(c) for c in cols])
+        " ON CONFLICT DO NOTHING", columns(rows, 5))
 
 
 async def loop_reference(conn: psycopg.AsyncConnection[Any], execution_id: int, step: str, uri: str,

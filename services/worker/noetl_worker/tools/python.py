@@ -32,12 +32,13 @@ logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct(">I")
 SANDBOX_MODULE = "noetl_worker.sandbox"
-# The runtime's own connection strings and secrets are not the task code's business:
-# these, and any other NOETL_* name that looks secret-bearing (HIDDEN_ENV_MARKERS), are
-# left out of the children's environment, as are the OTLP exporter's standard header
-# variables (they carry collector credentials).
-HIDDEN_ENV = ("NOETL_POSTGRES_DSN", "NOETL_NATS_URL", "NOETL_RESULT_S3_ACCESS_KEY", "NOETL_RESULT_S3_SECRET_KEY",
-              "NOETL_OTEL_ENDPOINT", "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+STDOUT_IN_DETAILS = 4096
+# The runtime's own connection strings and secrets are not the task code's business: any
+# NOETL_* name that looks secret-bearing (HIDDEN_ENV_MARKERS: NOETL_POSTGRES_DSN,
+# NOETL_NATS_URL, NOETL_RESULT_S3_*_KEY, ...) and the names below (the OTLP collector's
+# address and the exporter's standard header variables, which carry its credentials) are
+# left out of the children's environment.
+HIDDEN_ENV = ("NOETL_OTEL_ENDPOINT", "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS")
 HIDDEN_ENV_MARKERS = ("DSN", "URL", "SECRET", "PASSWORD", "TOKEN", "KEY", "CREDENTIAL", "HEADERS")
 
 
@@ -45,7 +46,6 @@ def hidden_env(name: str) -> bool:
     """True for the variables task code must not see (HIDDEN_ENV, secret-looking NOETL_*)."""
     upper = name.upper()
     return upper in HIDDEN_ENV or (upper.startswith("NOETL_") and any(m in upper for m in HIDDEN_ENV_MARKERS))
-STDOUT_IN_DETAILS = 4096
 
 
 class _ChildExited(Exception):
