@@ -1,7 +1,9 @@
 """The worker service with the api's real WorkerService (Claims over Postgres) on an
 in-process gRPC server, and real NATS: a cursor slot whose worker is stopped in the
 middle of a row is re-issued and resumes with that row; the row was recorded with
-RenewLease before its claim committed; a cancel hint stops a running command."""
+RenewLease before its claim committed; a cancel hint stops a running command; a claim
+whose answer was lost (the api replica died after committing it) is claimed again by
+the same worker and runs once, and duplicate notices of an attempt run nothing."""
 
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_api.catalog import Catalog
-from noetl_api.claims import Claims
+from noetl_api.claims import Claimed, Claims
 from noetl_api.servicers import WorkerServicer
 from noetl_common import grpcutil, natsio
 from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, WorkerSettings
 from noetl_common.db import make_pool
+from noetl_common.errors import Conflict, NotFound
 from noetl_proto.v1 import messages_pb2, worker_pb2, worker_pb2_grpc
 from noetl_store import envelope_from_proto
 from noetl_worker.service import WorkerService
@@ -48,6 +51,19 @@ class RecordingServicer(WorkerServicer):
         self.dsn = dsn
         self.table = table
         self.progress: list[tuple[int, str]] = []
+        self.lose_answer_once: set[str] = set()
+        self.claim_calls: list[str] = []
+
+    async def ClaimCommand(self, request: worker_pb2.ClaimCommandRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.ClaimCommandResponse:
+        """The real claim; for a command in ``lose_answer_once`` it commits and then the
+        answer is lost, as when the api replica dies mid-call."""
+        self.claim_calls.append(request.command_id)
+        response = await super().ClaimCommand(request, context)
+        if request.command_id in self.lose_answer_once:
+            self.lose_answer_once.discard(request.command_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica died after committing the claim")
+        return response
 
     async def RenewLease(self, request: worker_pb2.RenewLeaseRequest,
                          context: grpc.aio.ServicerContext) -> worker_pb2.RenewLeaseResponse:
@@ -281,3 +297,84 @@ def drain(queue: asyncio.Queue[Any]) -> list[Any]:
     while not queue.empty():
         out.append(queue.get_nowait())
     return out
+
+
+async def queue_python_command(stack: Stack, name: str, code: str, n: int) -> tuple[str, int]:
+    """Register a one-step python playbook and queue its command (attempt 1) as the engine would."""
+    content = f"""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata:
+  name: {name}
+  path: tests/{name}_{n}
+workflow:
+  - step: run
+    tool:
+      kind: python
+      code: "{code}"
+"""
+    entry, _ = await Catalog(stack.pool).register(content)
+    execution_id = 9_500_000_000 + n
+    command_id = f"{execution_id}:run:1"
+    await stack.sql("INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload, timeout_sec)"
+                    " VALUES (%s, %s, %s, '{}', 60)", (execution_id, SHARD, entry.catalog_id))
+    await stack.sql("INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
+                    " attempt, context) VALUES (%s, %s, %s, %s, 'run', 'python', 'queued', 1, %s)",
+                    (command_id, execution_id, SHARD, entry.catalog_id,
+                     json.dumps({"ctx": {}, "steps": {}, "event": {}, "iter": None})))
+    return command_id, execution_id
+
+
+async def test_a_claim_whose_answer_was_lost_is_claimed_again_and_runs_once(stack: Stack) -> None:
+    n = next(_ids)
+    command_id, execution_id = await queue_python_command(stack, "lost_claim_answer", "result = 42", n)
+    stack.servicer.lose_answer_once.add(command_id)
+    worker, running = await stack.start_worker(f"lost-answer-w-{n}")
+    try:
+        await stack.notify(command_id, execution_id, 1, kind="python")
+        # The first claim committed (the row says so) but its answer never arrived: the
+        # worker naks the notice, and on redelivery claims the same attempt again.
+        result = await stack.result_for(command_id)
+        assert result.attempt == 1 and envelope_from_proto(result.envelope)["context"] == {"value": 42}
+        assert stack.servicer.claim_calls.count(command_id) == 2
+        assert await stack.sql("SELECT status, attempt, worker_id FROM noetl.command WHERE command_id = %s",
+                               (command_id,)) == [("claimed", 1, f"lost-answer-w-{n}")]
+        # A late duplicate notice of the same attempt (a republish under another Msg-Id)
+        # is claimed again by the same worker (the row is still claimed: no engine here)
+        # and dropped by the worker: the command does not run twice.
+        await natsio.publish(stack.nc.jetstream(), natsio.commands_subject(SHARD), messages_pb2.CommandNotice(
+            command_id=command_id, execution_id=execution_id, shard_id=SHARD, attempt=1,
+            kind="python").SerializeToString(), msg_id=f"{command_id}#1#r-test")
+        await wait_for(lambda: stack.servicer.claim_calls.count(command_id) == 3, limit=10)
+        await asyncio.sleep(0.3)
+        await stack.nc.flush()
+        assert all(m.call_result.command_id != command_id for m in drain(stack.results))
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(running, timeout=20)
+
+
+async def test_claims_are_idempotent_only_for_the_same_worker_and_attempt(stack: Stack) -> None:
+    n = next(_ids)
+    command_id, _ = await queue_python_command(stack, "claim_idempotent", "result = 1", n)
+    claims = Claims(stack.pool, Catalog(stack.pool), lease_sec=30)
+    # one call asking twice for the same command gets it once
+    first, twice = await claims.claim_many([(command_id, 1), (command_id, 1)], "w-a")
+    assert isinstance(first, Claimed) and first.row["worker_id"] == "w-a"
+    assert isinstance(twice, Conflict) and "asked for twice" in str(twice)
+    # the same worker and attempt again: given back (its first answer may have been lost)
+    again = await claims.claim(command_id, "w-a", 1)
+    assert again.row["command_id"] == command_id and again.row["attempt"] == 1
+    # another worker, or another attempt: not claimable, and the message says who has it
+    with pytest.raises(Conflict, match=r"claimed .*attempt 1.*worker w-a"):
+        await claims.claim(command_id, "w-b", 1)
+    with pytest.raises(Conflict, match="not claimable as attempt 2"):
+        await claims.claim(command_id, "w-a", 2)
+    # a command that moved on (re-issued as attempt 2) is not given back for attempt 1
+    await stack.sql("UPDATE noetl.command SET status = 'queued', attempt = 2, worker_id = NULL"
+                    " WHERE command_id = %s", (command_id,))
+    with pytest.raises(Conflict):
+        await claims.claim(command_id, "w-a", 1)
+    assert (await claims.claim(command_id, "w-b", 2)).row["worker_id"] == "w-b"
+    with pytest.raises(NotFound):
+        await claims.claim(f"{command_id}-missing", "w-a", 1)

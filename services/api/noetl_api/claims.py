@@ -1,7 +1,11 @@
 """WorkerService logic: claim a queued command, renew its lease.
 
 A claim is ``UPDATE ... WHERE status = 'queued' AND attempt = $a RETURNING``: losing the
-race means someone else has it. The claim response carries the step's raw tool spec
+race means someone else has it. A claim is idempotent for its worker: the same worker
+claiming the same attempt again gets the command back (its first claim committed but the
+answer was lost with a dying api replica), so the command need not wait for its lease to
+expire and be re-issued. The worker never runs a command twice on its own account (it
+drops notices for commands it is running or has finished). The claim response carries the step's raw tool spec
 (from the pinned catalog version) and the render context (the command's snapshot plus
 the execution's workload), so the worker renders where the data is.
 """
@@ -30,7 +34,11 @@ WITH wanted AS (
   UPDATE noetl.command c SET status = 'claimed', worker_id = %(worker)s, claimed_at = now(),
          lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
   FROM wanted w
-  WHERE c.command_id = w.command_id AND c.status = 'queued' AND (c.attempt = w.attempt OR w.attempt = 0)
+  WHERE c.command_id = w.command_id
+    AND (c.status = 'queued' AND (c.attempt = w.attempt OR w.attempt = 0)
+         -- the same worker claiming the same attempt again: its first claim committed but the
+         -- answer was lost (an api replica died mid-call); it gets the command back
+         OR c.status = 'claimed' AND c.worker_id = %(worker)s AND c.attempt = w.attempt)
   RETURNING c.*
 )
 SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item,
@@ -82,7 +90,12 @@ class Claims:
                                          " WHERE command_id = ANY(%s)", (missing,))
                 current = {r["command_id"]: r for r in await cur.fetchall()}
         out: list[Claimed | NoetlError] = []
+        asked: set[str] = set()
         for command_id, attempt in wanted:
+            if command_id in asked:  # given once per call, however often it is asked for
+                out.append(Conflict(f"command {command_id} was asked for twice in one claim"))
+                continue
+            asked.add(command_id)
             row = rows.get(command_id)
             if row is None:
                 now = current.get(command_id)

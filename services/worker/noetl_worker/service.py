@@ -2,7 +2,10 @@
 
     NOETL_COMMANDS --fetch--> CommandNotice --ClaimCommand(s)(api)--> Command
         not claimable / not found: ack and drop (another worker has it, or it is done)
-        UNAVAILABLE (or any other failure): nak with a delay (redelivered)
+        UNAVAILABLE (or any other failure): nak with a delay (redelivered; if the claim
+            committed and only its answer was lost, claiming the same attempt again gives
+            the command back to this worker, so it does not wait for its lease to expire)
+        already claimed here (a duplicate notice of an attempt this worker took): dropped
         claimed: ack, run (renewing the claim lease every lease/3 s), persist results,
                  publish EngineInput{call_result} on noetl.events.{shard}.call
                  (Msg-Id {command_id}#{attempt}#result) until JetStream acks it
@@ -75,6 +78,7 @@ NAK_DELAY_SEC = 1.0
 PUBLISH_BACKOFF_CAP_SEC = 5.0
 # Earlier step results kept in memory (by count: results may be large).
 RESULT_CACHE_ITEMS = 256
+TAKEN_KEEP = 4096  # command attempts this worker remembers having claimed
 WORKER_ERROR = "WORKER_ERROR"
 # Core-NATS hints of cancelled commands, one subject per shard (natsio.cancel_subject).
 CANCEL_HINTS_SUBJECT = "noetl.cancel.>"
@@ -132,6 +136,10 @@ class WorkerService(Service):
         self._idle: set[int] = set()
         self._draining = False
         self._runs: dict[str, _Run] = {}
+        # Attempts claimed here (bounded, oldest forgotten): a claim is idempotent for its
+        # worker, so a duplicate notice (a republish racing our claim, two slots fetching
+        # twin notices) would hand us the same attempt again; it is dropped, not run twice.
+        self._taken: dict[str, None] = {}
         self._claims: Coalescer[worker_pb2.ClaimCommandRequest, messages_pb2.Command] = Coalescer(
             self._claim_batch, max_batch=worker.claim_batch)
         self._batch_claims = True  # until the api answers UNIMPLEMENTED (an older api)
@@ -241,12 +249,28 @@ class WorkerService(Service):
             logger.warning("claiming %s failed (%s); redelivering", notice.command_id, exc)
             await _settle(msg.nak(delay=NAK_DELAY_SEC))
             return
-        CLAIMS.labels("claimed").inc()
         await _settle(msg.ack())
         if not command.command_id:
+            CLAIMS.labels("lost").inc()
             logger.error("the api answered the claim of %s without a command; dropping", notice.command_id)
             return
+        if not self._take(command):
+            CLAIMS.labels("lost").inc()
+            logger.debug("command %s attempt %s already claimed here; dropping the duplicate notice",
+                         command.command_id, command.attempt)
+            return
+        CLAIMS.labels("claimed").inc()
         await self.run_command(command)
+
+    def _take(self, command: messages_pb2.Command) -> bool:
+        """Record that this worker runs the command's attempt; False if it already did."""
+        key = f"{command.command_id}#{command.attempt}"
+        if key in self._taken:
+            return False
+        self._taken[key] = None
+        if len(self._taken) > TAKEN_KEEP:
+            del self._taken[next(iter(self._taken))]
+        return True
 
     async def _claim_batch(self, claims: Sequence[worker_pb2.ClaimCommandRequest],
                            ) -> list[messages_pb2.Command | BaseException]:
