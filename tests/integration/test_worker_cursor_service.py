@@ -332,8 +332,8 @@ async def test_a_claim_whose_answer_was_lost_is_claimed_again_and_runs_once(stac
     worker, running = await stack.start_worker(f"lost-answer-w-{n}")
     try:
         await stack.notify(command_id, execution_id, 1, kind="python")
-        # The first claim committed (the row says so) but its answer never arrived: the
-        # worker naks the notice, and on redelivery claims the same attempt again.
+        # The first claim committed but its answer never arrived: the worker claims the
+        # same attempt again and gets it back (no lease expiry, no re-issue).
         result = await stack.result_for(command_id)
         assert result.attempt == 1 and envelope_from_proto(result.envelope)["context"] == {"value": 42}
         assert stack.servicer.claim_calls.count(command_id) == 2

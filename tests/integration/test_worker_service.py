@@ -23,7 +23,7 @@ from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, Wo
 from noetl_proto.v1 import messages_pb2, worker_pb2, worker_pb2_grpc
 from noetl_store import PostgresResultStore, envelope_from_proto
 from noetl_worker.runner import execute_command
-from noetl_worker.service import WorkerService
+from noetl_worker.service import CLAIM_RETRY_SEC, WorkerService
 from noetl_worker.tools import PythonPool, Tools
 
 pytestmark = pytest.mark.integration
@@ -75,15 +75,15 @@ class FakeApi(worker_pb2_grpc.WorkerServiceServicer):
         self.commands: dict[str, messages_pb2.Command] = {}
         self.claimed: dict[str, str] = {}
         self.claims: list[str] = []
-        self.unavailable_once: set[str] = set()
+        self.unavailable: dict[str, int] = {}  # command_id -> claims to answer UNAVAILABLE
         self.stop: set[str] = set()
         self.renewals: list[str] = []
 
     async def ClaimCommand(self, request: worker_pb2.ClaimCommandRequest,
                            context: grpc.aio.ServicerContext) -> worker_pb2.ClaimCommandResponse:
         self.claims.append(request.command_id)
-        if request.command_id in self.unavailable_once:
-            self.unavailable_once.discard(request.command_id)
+        if self.unavailable.get(request.command_id, 0) > 0:
+            self.unavailable[request.command_id] -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine busy")
         command = self.commands.get(request.command_id)
         if command is None:
@@ -197,13 +197,23 @@ async def test_duplicate_notice_is_dropped_after_failed_claim(harness: Harness) 
     assert harness.api.claims.count(command.command_id) == before + 1  # acked: not redelivered
 
 
-async def test_unavailable_claim_is_redelivered(harness: Harness) -> None:
+async def test_unavailable_claim_is_retried(harness: Harness) -> None:
     command = make_command("result = 'eventually'")
-    harness.api.unavailable_once.add(command.command_id)
+    harness.api.unavailable[command.command_id] = 1
     await harness.submit(command)
     result = await harness.result_for(command.command_id)
     assert envelope_from_proto(result.envelope)["context"] == {"value": "eventually"}
     assert harness.api.claims.count(command.command_id) == 2
+
+
+async def test_a_claim_still_unavailable_after_its_retries_is_redelivered(harness: Harness) -> None:
+    command = make_command("result = 'redelivered'")
+    tries = len(CLAIM_RETRY_SEC) + 1
+    harness.api.unavailable[command.command_id] = tries  # every try of the first delivery fails
+    await harness.submit(command)
+    result = await harness.result_for(command.command_id, limit=20)
+    assert envelope_from_proto(result.envelope)["context"] == {"value": "redelivered"}
+    assert harness.api.claims.count(command.command_id) == tries + 1  # the redelivered notice's claim
 
 
 async def test_stop_from_renew_lease_cancels_and_publishes_nothing(harness: Harness) -> None:

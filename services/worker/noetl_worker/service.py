@@ -2,9 +2,10 @@
 
     NOETL_COMMANDS --fetch--> CommandNotice --ClaimCommand(s)(api)--> Command
         not claimable / not found: ack and drop (another worker has it, or it is done)
-        UNAVAILABLE (or any other failure): nak with a delay (redelivered; if the claim
-            committed and only its answer was lost, claiming the same attempt again gives
-            the command back to this worker, so it does not wait for its lease to expire)
+        UNAVAILABLE (or any other failure): claim again a few times (CLAIM_RETRY_SEC), then
+            nak with a delay (redelivered). If the claim committed and only its answer was
+            lost, claiming the same attempt again gives the command back to this worker,
+            so it does not wait for its lease to expire and a re-issue
         already claimed here (a duplicate notice of an attempt this worker took): dropped
         claimed: ack, run (renewing the claim lease every lease/3 s), persist results,
                  publish EngineInput{call_result} on noetl.events.{shard}.call
@@ -75,6 +76,7 @@ logger = logging.getLogger(__name__)
 FETCH_POLL_SEC = 2.0
 CLAIM_TIMEOUT_SEC = 10.0
 NAK_DELAY_SEC = 1.0
+CLAIM_RETRY_SEC = (0.1, 0.5, 1.5)  # pauses before claiming again when the api did not answer
 PUBLISH_BACKOFF_CAP_SEC = 5.0
 # Earlier step results kept in memory (by count: results may be large).
 RESULT_CACHE_ITEMS = 256
@@ -236,19 +238,28 @@ class WorkerService(Service):
             logger.error("dropping an undecodable command notice: %s", exc)
             await _settle(msg.term())
             return
-        try:
-            command = await self._claims.submit(worker_pb2.ClaimCommandRequest(
-                command_id=notice.command_id, worker_id=self.worker_id, attempt=notice.attempt))
-        except ClaimLost as exc:
-            CLAIMS.labels("lost").inc()
-            logger.debug("command %s not claimable (%s); dropping", notice.command_id, exc)
-            await _settle(msg.ack())
-            return
-        except (grpc.RpcError, NoetlError) as exc:  # the api unreachable or confused: try again later
-            CLAIMS.labels("unavailable").inc()
-            logger.warning("claiming %s failed (%s); redelivering", notice.command_id, exc)
-            await _settle(msg.nak(delay=NAK_DELAY_SEC))
-            return
+        claim = worker_pb2.ClaimCommandRequest(command_id=notice.command_id, worker_id=self.worker_id,
+                                               attempt=notice.attempt)
+        for retry_in in (*CLAIM_RETRY_SEC, None):
+            try:
+                command = await self._claims.submit(claim)
+                break
+            except ClaimLost as exc:
+                CLAIMS.labels("lost").inc()
+                logger.debug("command %s not claimable (%s); dropping", notice.command_id, exc)
+                await _settle(msg.ack())
+                return
+            except (grpc.RpcError, NoetlError) as exc:
+                # The api unreachable or confused. The claim may have committed with only its
+                # answer lost (a replica dying mid-call): claiming again from this worker gets
+                # it back, so retry here (the channel routes to a live replica) before letting
+                # the notice go back to the stream, where another worker might fetch it.
+                if retry_in is None or await self.sleep(retry_in):
+                    CLAIMS.labels("unavailable").inc()
+                    logger.warning("claiming %s failed (%s); redelivering", notice.command_id, exc)
+                    await _settle(msg.nak(delay=NAK_DELAY_SEC))
+                    return
+                logger.info("claiming %s failed (%s); retrying in %.1fs", notice.command_id, exc, retry_in)
         await _settle(msg.ack())
         if not command.command_id:
             CLAIMS.labels("lost").inc()
