@@ -251,54 +251,6 @@ async def test_a_killed_slot_resumes_with_the_row_it_had_claimed(stack: Stack, t
                                        (5, "pending")]
 
 
-async def test_a_cancel_hint_stops_a_running_command(stack: Stack, tmp_path: Path) -> None:
-    n = next(_ids)
-    content = f"""
-apiVersion: noetl.io/v2
-kind: Playbook
-metadata:
-  name: cancel_hint
-  path: tests/cancel_hint_{n}
-workflow:
-  - step: wait
-    tool:
-      kind: python
-      code: |
-        import time
-        time.sleep(60)
-        result = "never"
-"""
-    entry, _ = await Catalog(stack.pool).register(content)
-    execution_id = 9_400_000_000 + n
-    command_id = f"{execution_id}:wait:1"
-    await stack.sql("INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload, timeout_sec)"
-                    " VALUES (%s, %s, %s, '{}', 60)", (execution_id, SHARD, entry.catalog_id))
-    await stack.sql("INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
-                    " attempt, context) VALUES (%s, %s, %s, %s, 'wait', 'python', 'queued', 1, %s)",
-                    (command_id, execution_id, SHARD, entry.catalog_id,
-                     json.dumps({"ctx": {}, "steps": {}, "event": {}, "iter": None})))
-    worker, running = await stack.start_worker(f"cancel-w-{n}")
-    try:
-        await stack.notify(command_id, execution_id, 1, kind="python")
-        await wait_for(lambda: command_id in worker._runs, limit=20)
-        run = worker._runs[command_id]
-        await stack.nc.publish(f"noetl.cancel.{SHARD}", json.dumps({"command_ids": ["other", command_id]}).encode())
-        await wait_for(lambda: command_id not in worker._runs, limit=5)  # well before the 60 s sleep or a renewal stop
-        assert run.stop_reason == "cancelled" and run.cancelled.is_set()
-        await stack.nc.flush()
-        assert all(m.call_result.command_id != command_id for m in drain(stack.results))
-    finally:
-        worker.request_stop()
-        await asyncio.wait_for(running, timeout=20)
-
-
-def drain(queue: asyncio.Queue[Any]) -> list[Any]:
-    out = []
-    while not queue.empty():
-        out.append(queue.get_nowait())
-    return out
-
-
 async def queue_python_command(stack: Stack, name: str, code: str, n: int) -> tuple[str, int]:
     """Register a one-step python playbook and queue its command (attempt 1) as the engine would."""
     content = f"""
@@ -323,6 +275,32 @@ workflow:
                     (command_id, execution_id, SHARD, entry.catalog_id,
                      json.dumps({"ctx": {}, "steps": {}, "event": {}, "iter": None})))
     return command_id, execution_id
+
+
+async def test_a_cancel_hint_stops_a_running_command(stack: Stack) -> None:
+    n = next(_ids)
+    command_id, execution_id = await queue_python_command(
+        stack, "cancel_hint", "import time; time.sleep(60); result = 'never'", n)
+    worker, running = await stack.start_worker(f"cancel-w-{n}")
+    try:
+        await stack.notify(command_id, execution_id, 1, kind="python")
+        await wait_for(lambda: command_id in worker._runs, limit=20)
+        run = worker._runs[command_id]
+        await stack.nc.publish(f"noetl.cancel.{SHARD}", json.dumps({"command_ids": ["other", command_id]}).encode())
+        await wait_for(lambda: command_id not in worker._runs, limit=5)  # well before the 60 s sleep or a renewal stop
+        assert run.stop_reason == "cancelled" and run.cancelled.is_set()
+        await stack.nc.flush()
+        assert all(m.call_result.command_id != command_id for m in drain(stack.results))
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(running, timeout=20)
+
+
+def drain(queue: asyncio.Queue[Any]) -> list[Any]:
+    out = []
+    while not queue.empty():
+        out.append(queue.get_nowait())
+    return out
 
 
 async def test_a_claim_whose_answer_was_lost_is_claimed_again_and_runs_once(stack: Stack) -> None:
