@@ -166,11 +166,17 @@ def finish(t: Transition, step_name: str, run: StepRun) -> bool:
     return ok
 
 
+def command_kind(flow: Flow, step_name: str, run: StepRun) -> str:
+    """The kind of the step's commands: ``cursor`` for a cursor loop's slots, else the tool's."""
+    if run.loop is not None and run.loop.mode == "cursor":
+        return CURSOR_KIND
+    return flow.kind(flow.pb.step(step_name))
+
+
 def _refill(flow: Flow, t: Transition, step_name: str, run: StepRun, event: dict[str, Any]) -> None:
     lr = run.loop
     assert lr is not None
-    step = flow.pb.step(step_name)
-    kind = CURSOR_KIND if lr.mode == "cursor" else flow.kind(step)
+    kind = command_kind(flow, step_name, run)
     while lr.in_flight < lr.max_in_flight and lr.next_index < lr.total:
         index = lr.next_index
         lr.next_index += 1

@@ -202,7 +202,7 @@ class Flow:
             t.emit(EV_REISSUED, step=pending.step, command_id=command_id,
                    meta={"attempt": attempt + 1, "reason": reason})
             t.updates.append(CommandUpdate(command_id, "queued", attempt=attempt + 1))
-            t.republish.append((command_id, attempt + 1, self.kind(self.pb.step(pending.step))))
+            t.republish.append((command_id, attempt + 1, loops.command_kind(self, pending.step, run)))
             return t
         del st.pending[command_id]
         message = f"step '{pending.step}' command {command_id} dead-lettered after {attempt} attempts ({reason})"

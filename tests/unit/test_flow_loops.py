@@ -203,6 +203,11 @@ workflow:
     cmds = r.log[0].commands
     assert [c.kind for c in cmds] == ["cursor"] * 3
     assert cmds[0].context["cursor"]["claim"] == "UPDATE q SET s = 'claimed' WHERE batch = 7 RETURNING id"
+    # a slot whose worker was lost is re-issued as a cursor slot again
+    slot = r.pending("drain")[0]
+    t = flow.on_expired(r.state, slot, 1, 3, "worker lost")
+    assert t.republish == [(slot, 2, "cursor")]
+    r.state = t.state
     for i, cid in enumerate(r.pending("drain")):
         r.finish(cid, ok(50 + i, {"processed": 10 + i, "failed": 0}))
     done = r.events("loop.done")
