@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import grpc
 
 from noetl_common import grpcutil
-from noetl_common.errors import InvalidInput, NoetlError, Unavailable
-from noetl_proto.v1 import catalog_pb2, catalog_pb2_grpc, execution_pb2, execution_pb2_grpc
+from noetl_common.errors import InvalidInput, NoetlError, NotFound, Unavailable
+from noetl_proto.v1 import catalog_pb2, catalog_pb2_grpc, common_pb2, execution_pb2, execution_pb2_grpc
 
 from . import output
 from .output import CliError, eprint
@@ -182,22 +182,66 @@ class Follower:
             time.sleep(POLL_INTERVAL)
 
 
-def run(api: Api, playbook_yaml: str, *, payload_json: str = "", as_json: bool = False,
-        timeout: float | None = None, idempotency_key: str = "") -> int:
-    """``noetl-rt run``: submit, follow with live progress on stderr, print the outcome.
-    Inputs are validated by the caller (``parse_payload``, ``read_file``) before any RPC."""
+def parse_playbook_ref(text: str) -> execution_pb2.PlaybookRef:
+    """``--path PATH[@VERSION]`` -> PlaybookRef (version 0 = the latest registered)."""
+    path, at, version_text = text.partition("@")
+    if not path.strip():
+        raise CliError(f"--path needs a catalog path, got {text!r}", code=2)
+    version = 0
+    if at:
+        try:
+            version = int(version_text)
+        except ValueError:
+            raise CliError(f"--path {text}: the version after @ must be a number, got {version_text!r}",
+                           code=2) from None
+        if version <= 0:
+            raise CliError(f"--path {text}: the version must be positive, got {version}", code=2)
+    return execution_pb2.PlaybookRef(path=path.strip(), version=version)
+
+
+def run(api: Api, playbook_yaml: str = "", *, ref: execution_pb2.PlaybookRef | None = None,
+        payload_json: str = "", as_json: bool = False, timeout: float | None = None,
+        idempotency_key: str = "", detach: bool = False) -> int:
+    """``noetl-rt run``: submit (a playbook's text, or a registered one by ``ref``), then
+    follow with live progress on stderr and print the outcome, or with ``detach`` print
+    the execution id and return. Inputs are validated by the caller (``parse_payload``,
+    ``read_file``, ``parse_playbook_ref``) before any RPC."""
     request = execution_pb2.SubmitExecutionRequest(
-        playbook_yaml=playbook_yaml, payload_json=payload_json, timeout_seconds=timeout or 0.0,
-        idempotency_key=idempotency_key)
+        payload_json=payload_json, timeout_seconds=timeout or 0.0, idempotency_key=idempotency_key)
+    if ref is not None:
+        request.ref.CopyFrom(ref)
+    else:
+        request.playbook_yaml = playbook_yaml
     try:
         submitted = api.call(api.executions.SubmitExecution, request)
     except InvalidInput as exc:
+        raise CliError(str(exc), code=2) from None
+    except NotFound as exc:  # an unknown catalog path or version
         raise CliError(str(exc), code=2) from None
     execution_id = submitted.execution_id
     dedup = " (deduplicated: an earlier submission with this idempotency key)" if submitted.deduplicated else ""
     eprint(f"execution {execution_id} submitted: {submitted.playbook_path} v{submitted.playbook_version}, "
            f"shard {submitted.shard_id}{dedup}")
+    if detach:
+        if as_json:
+            output.print_json({"execution_id": str(execution_id), "playbook_path": submitted.playbook_path,
+                               "playbook_version": submitted.playbook_version, "shard_id": submitted.shard_id,
+                               "deduplicated": submitted.deduplicated})
+        else:
+            print(execution_id)
+        return 0
+    return follow_to_end(api, execution_id, as_json=as_json, timeout=timeout, grace=5.0)
 
+
+def watch(api: Api, execution_id: int, *, as_json: bool = False, timeout: float | None = None) -> int:
+    """``noetl-rt watch``: follow an execution already submitted to its end, as ``run`` does."""
+    api.call(api.executions.GetExecution, execution_pb2.GetExecutionRequest(execution_id=execution_id))
+    return follow_to_end(api, execution_id, as_json=as_json, timeout=timeout)
+
+
+def follow_to_end(api: Api, execution_id: int, *, as_json: bool, timeout: float | None, grace: float = 0.0) -> int:
+    """Follow with progress on stderr; print the outcome; 0 when COMPLETED, else 1 (or
+    CliError when the client gave up after ``timeout`` + ``grace`` seconds)."""
     seen: dict[str, str] = {}
     last_status = [""]
 
@@ -211,7 +255,7 @@ def run(api: Api, playbook_yaml: str, *, payload_json: str = "", as_json: bool =
             eprint(f"execution {status}")
         last_status[0] = status
 
-    deadline = None if timeout is None else time.monotonic() + timeout + 5.0
+    deadline = None if timeout is None else time.monotonic() + timeout + grace
     try:
         final = Follower(api, execution_id, deadline, on_change).follow()
     except KeyboardInterrupt:
@@ -220,7 +264,8 @@ def run(api: Api, playbook_yaml: str, *, payload_json: str = "", as_json: bool =
 
     if final is None:
         snapshot = _latest(api, execution_id, include_results=True)
-        message = f"timed out: execution {execution_id} did not finish within --timeout {timeout:g}s (+5s)"
+        within = f"--timeout {timeout:g}s" + (f" (+{grace:g}s)" if grace else "")
+        message = f"timed out: execution {execution_id} did not finish within {within}"
         if as_json:
             doc = output.execution_json(snapshot, error=message) if snapshot is not None else {
                 "execution_id": str(execution_id), "status": "UNKNOWN", "steps": {}, "error": message}
@@ -249,6 +294,40 @@ def _latest(api: Api, execution_id: int, *, include_results: bool) -> execution_
 
 
 # ---------------------------------------------------------------- executions
+
+
+def parse_status(text: str | None) -> int:
+    """``--status running`` -> ExecutionStatus number (0 = any)."""
+    if not text:
+        return 0
+    names = [n.removeprefix("EXECUTION_STATUS_") for n in common_pb2.ExecutionStatus.keys()
+             if n != "EXECUTION_STATUS_UNSPECIFIED"]
+    wanted = text.strip().upper()
+    if wanted not in names:
+        raise CliError(f"--status must be one of {', '.join(n.lower() for n in names)}; got {text!r}", code=2)
+    return common_pb2.ExecutionStatus.Value(f"EXECUTION_STATUS_{wanted}")
+
+
+def list_executions(api: Api, *, status: int = 0, path: str = "", limit: int = 20, as_json: bool = False) -> int:
+    """``noetl-rt list``: the newest executions first (the read model), ``limit`` at most."""
+    found: list[execution_pb2.Execution] = []
+    token = ""
+    while len(found) < limit:
+        resp = api.call(api.executions.ListExecutions, execution_pb2.ListExecutionsRequest(
+            page_size=min(limit - len(found), 500), page_token=token, status=status,  # type: ignore[arg-type]
+            playbook_path=path))
+        found.extend(resp.executions)
+        token = resp.next_page_token
+        if not token or not resp.executions:
+            break
+    found = found[:limit]
+    if as_json:
+        output.print_json([output.execution_list_json(e) for e in found])
+    elif not found:
+        print("no executions")
+    else:
+        print(output.table([output.execution_row(e) for e in found], header=output.EXECUTION_HEADER))
+    return 0
 
 
 def status(api: Api, execution_id: int, *, as_json: bool = False) -> int:

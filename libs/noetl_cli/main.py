@@ -52,6 +52,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="noetl-rt", description="NoETL runtime: client, migrations, local stack.")
     parser.add_argument("--home", default=None, metavar="DIR",
@@ -62,14 +72,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     with_api, home_only = _common(api=True), _common(api=False)
 
-    p = sub.add_parser("run", parents=[with_api], help="submit a playbook and follow it to the end")
-    p.add_argument("file", help="playbook YAML file")
+    p = sub.add_parser("run", parents=[with_api], help="submit a playbook and follow it to the end",
+                       description="Submit a playbook file, or a registered one with --path, and follow it to "
+                                   "the end (or return its id at once with --detach).")
+    p.add_argument("file", nargs="?", help="playbook YAML file (or give --path)")
+    p.add_argument("--path", metavar="PATH[@N]", help="a registered playbook by catalog path (latest version, "
+                                                      "or version N)")
     p.add_argument("--payload", metavar="JSON", help="JSON object merged over the playbook's workload")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.add_argument("--timeout", type=_positive, metavar="S",
                    help="execution timeout in seconds (the client waits at most S+5 s)")
     p.add_argument("--idempotency-key", default="", metavar="K", help="resubmitting with K returns the same id")
+    p.add_argument("--detach", action="store_true",
+                   help="print the execution id and return once submitted (follow later with `watch ID`)")
     p.set_defaults(handler=_run)
+
+    p = sub.add_parser("watch", parents=[with_api], help="follow a submitted execution to the end")
+    p.add_argument("execution_id", metavar="ID")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    p.add_argument("--timeout", type=_positive, metavar="S", help="stop waiting after S seconds (exit 1)")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.watch(
+        api, client.parse_execution_id(a.execution_id), as_json=a.json, timeout=a.timeout)))
+
+    p = sub.add_parser("list", parents=[with_api], help="list executions, newest first")
+    p.add_argument("--status", help="only executions in this state (pending, running, completed, failed, "
+                                    "cancelled)")
+    p.add_argument("--path", default="", help="only executions of this catalog path")
+    p.add_argument("--limit", type=_count, default=20, metavar="N", help="at most N executions (default 20)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.list_executions(
+        api, status=client.parse_status(a.status), path=a.path, limit=a.limit, as_json=a.json)))
 
     p = sub.add_parser("status", parents=[with_api], help="show an execution")
     p.add_argument("execution_id", metavar="ID")
@@ -162,10 +194,13 @@ def _with_api(args: argparse.Namespace, fn: Callable[[client.Api], int]) -> int:
 def _run(args: argparse.Namespace) -> int:
     # Validate everything local before resolving or contacting the api.
     payload_json = client.parse_payload(args.payload)
-    content = client.read_file(args.file)
+    if (args.file is None) == (args.path is None):
+        raise CliError("give a playbook file or --path PATH[@VERSION] (one of them)", code=2)
+    ref = client.parse_playbook_ref(args.path) if args.path is not None else None
+    content = client.read_file(args.file) if args.file is not None else ""
     return _with_api(args, lambda api: client.run(
-        api, content, payload_json=payload_json, as_json=args.json, timeout=args.timeout,
-        idempotency_key=args.idempotency_key))
+        api, content, ref=ref, payload_json=payload_json, as_json=args.json, timeout=args.timeout,
+        idempotency_key=args.idempotency_key, detach=args.detach))
 
 
 def _report(exc: BaseException) -> int:

@@ -191,6 +191,43 @@ def event_short_result(event: common_pb2.EventRecord) -> str:
     return " ".join(parts)
 
 
+EXECUTION_HEADER = ("ID", "STATUS", "PLAYBOOK", "CREATED", "DURATION", "ERROR")
+ERROR_PREVIEW_CHARS = 60
+
+
+def execution_list_json(execution: execution_pb2.Execution) -> dict[str, Any]:
+    """One execution of ``list --json`` (no steps: the list reads only the execution rows)."""
+    return {
+        "execution_id": str(execution.execution_id),
+        "status": execution_status(execution.status),
+        "playbook_path": execution.playbook_path,
+        "playbook_version": execution.playbook_version,
+        "parent_execution_id": str(execution.parent_execution_id) if execution.parent_execution_id else None,
+        "created_at": timestamp(execution.created_at),
+        "ended_at": timestamp(execution.ended_at),
+        "error": execution.error or None,
+    }
+
+
+def duration(execution: execution_pb2.Execution) -> str:
+    """Started (or created) to ended, e.g. ``1.23s``; ``-`` while running."""
+    start = execution.started_at if timestamp(execution.started_at) else execution.created_at
+    if not timestamp(execution.ended_at) or not timestamp(start):
+        return "-"
+    seconds = (execution.ended_at.ToNanoseconds() - start.ToNanoseconds()) / 1e9
+    return f"{seconds:.2f}s" if seconds < 120 else f"{seconds / 60:.1f}m"
+
+
+def execution_row(execution: execution_pb2.Execution) -> tuple[str, ...]:
+    """id, status, path vN, created, duration, short error (for ``table``)."""
+    error = " ".join((execution.error or "").split())
+    if len(error) > ERROR_PREVIEW_CHARS:
+        error = error[:ERROR_PREVIEW_CHARS - 3] + "..."
+    return (str(execution.execution_id), execution_status(execution.status),
+            f"{execution.playbook_path} v{execution.playbook_version}", timestamp(execution.created_at) or "-",
+            duration(execution), error or "-")
+
+
 EVENT_HEADER = ("SEQ", "TYPE", "STEP", "COMMAND", "RESULT")
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 from harness import Runner
@@ -92,3 +94,66 @@ def test_events_are_append_only_with_gap_free_shard_sequence(runner: Runner) -> 
     assert runner.sql("SELECT count(*) FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid"
                       " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'noetl'"
                       " AND NOT t.tgisinternal")[0][0] == 0
+
+
+def test_cli_runs_a_registered_playbook_detached_then_watches_and_lists_it(runner: Runner, tmp_path: Path) -> None:
+    """`noetl-rt playbook register`, `run --path P@N --detach`, `watch ID`, `list`: the
+    catalog-driven flow a user takes from the command line, through the real stack."""
+    path = f"tests/lifecycle/cli_{time.time_ns()}"
+    body = ("workflow:\n  - step: start\n    tool: {kind: python, input: {n: '{{ n }}'}, code: 'result = n + VERSION'}\n")
+    for version in (1, 2):
+        file = tmp_path / f"v{version}.yaml"
+        file.write_text(f"apiVersion: noetl.io/v2\nkind: Playbook\nmetadata:\n  name: cli\n  path: {path}\n"
+                        f"workload: {{n: 1}}\n" + body.replace("VERSION", str(version)))
+        proc = runner.cli("playbook", "register", str(file))
+        assert proc.returncode == 0 and f"{path} version {version} registered" in proc.stdout, proc.stderr
+
+    # detached: the id on stdout at once; the pinned version 1 runs
+    proc = runner.cli("run", "--path", f"{path}@1", "--payload", '{"n": 20}', "--detach")
+    assert proc.returncode == 0, proc.stderr
+    first = int(proc.stdout.strip())
+    assert f"execution {first} submitted: {path} v1" in proc.stderr
+    proc = runner.cli("watch", str(first), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["execution_id"] == str(first) and doc["status"] == "COMPLETED"
+    assert doc["steps"]["start"]["result"] == 21
+
+    # the latest version, followed to the end by `run` itself
+    proc = runner.cli("run", "--path", path, "--payload", '{"n": 20}', "--json")
+    assert proc.returncode == 0, proc.stderr
+    second = json.loads(proc.stdout)
+    assert second["status"] == "COMPLETED" and second["steps"]["start"]["result"] == 22
+
+    # a failing run, detached then watched: watch exits 1 and shows the error
+    proc = runner.cli("run", "--path", path, "--payload", '{"n": "x"}', "--detach", "--json")
+    assert proc.returncode == 0, proc.stderr
+    third = json.loads(proc.stdout)
+    assert third["playbook_version"] == 2 and not third["deduplicated"]
+    proc = runner.cli("watch", third["execution_id"])
+    assert proc.returncode == 1 and "FAILED" in proc.stdout, (proc.stdout, proc.stderr)
+
+    # list: newest first, filtered by path and status, limited
+    proc = runner.cli("list", "--path", path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    listed = json.loads(proc.stdout)
+    assert [e["execution_id"] for e in listed] == [third["execution_id"], second["execution_id"], str(first)]
+    assert [(e["status"], e["playbook_version"]) for e in listed] == [("FAILED", 2), ("COMPLETED", 2),
+                                                                      ("COMPLETED", 1)]
+    assert listed[0]["error"] and listed[1]["error"] is None and listed[1]["ended_at"]
+    proc = runner.cli("list", "--path", path, "--status", "completed", "--limit", "1", "--json")
+    assert [e["execution_id"] for e in json.loads(proc.stdout)] == [second["execution_id"]]
+    proc = runner.cli("list", "--path", path)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and lines[0].split() == ["ID", "STATUS", "PLAYBOOK", "CREATED", "DURATION", "ERROR"]
+    assert len(lines) == 4 and lines[1].startswith(third["execution_id"]) and "FAILED" in lines[1]
+    proc = runner.cli("list", "--path", f"{path}-none")
+    assert proc.returncode == 0 and proc.stdout.strip() == "no executions"
+
+    # unknown things: a clear message, no execution created
+    proc = runner.cli("run", "--path", f"{path}@9", "--detach")
+    assert proc.returncode == 2 and "not found" in proc.stderr and "version 9" in proc.stderr, proc.stderr
+    proc = runner.cli("watch", "12345")
+    assert proc.returncode == 1 and "12345" in proc.stderr and "not found" in proc.stderr, proc.stderr
+    assert runner.sql("SELECT count(*) FROM noetl.execution_request r JOIN noetl.catalog c"
+                      " ON c.catalog_id = r.catalog_id WHERE c.path = %s", (path,))[0][0] == 3

@@ -9,12 +9,13 @@ import pytest
 
 import noetl_cli
 from noetl_cli import devstack
-from noetl_cli.client import parse_execution_id, parse_payload
+from noetl_cli.client import parse_execution_id, parse_payload, parse_playbook_ref, parse_status
 from noetl_cli.devcmd import role_command_from
 from noetl_cli.home import resolve_api, resolve_dsn, resolve_home, write_state
 from noetl_cli.main import build_parser, main
 from noetl_cli.output import CliError
 from noetl_common.errors import InvalidInput
+from noetl_proto.v1 import common_pb2
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +67,7 @@ def test_credential_and_playbook_arguments() -> None:
 
 
 @pytest.mark.parametrize("argv", [
-    ["run"], ["run", "f.yaml", "--timeout", "-1"], ["run", "f.yaml", "--timeout", "x"], ["dev"], ["playbook"],
+    ["run", "f.yaml", "--timeout", "-1"], ["list", "--limit", "0"], ["list", "--limit", "x"], ["watch"], ["run", "f.yaml", "--timeout", "x"], ["dev"], ["playbook"],
     ["credential", "add", "n"], ["dev", "up", "--timeout", "0"], ["nonsense"],
 ])
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -74,6 +75,31 @@ def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
         main(argv)
     assert exc.value.code == 2
     assert "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["run"], "give a playbook file or --path"),
+    (["run", "f.yaml", "--path", "tests/x"], "give a playbook file or --path"),
+    (["run", "--path", "@3"], "--path needs a catalog path"),
+    (["run", "--path", "tests/x@v2"], "the version after @ must be a number"),
+    (["run", "--path", "tests/x@0"], "the version must be positive"),
+    (["list", "--status", "done"], "--status must be one of pending, running, completed, failed, cancelled"),
+    (["watch", "x1"], "execution id must be a number"),
+])
+def test_bad_local_input_exits_2_before_contacting_the_api(
+        argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # An address nothing listens on: exit 2 proves the input was checked first.
+    assert main(["--api", "127.0.0.1:1", *argv]) == 2
+    captured = capsys.readouterr()
+    assert fragment in captured.err and captured.out == "" and "Traceback" not in captured.err
+
+
+def test_playbook_ref_and_status_parsing() -> None:
+    assert (parse_playbook_ref("tests/x").path, parse_playbook_ref("tests/x").version) == ("tests/x", 0)
+    assert (parse_playbook_ref("tests/x@12").path, parse_playbook_ref("tests/x@12").version) == ("tests/x", 12)
+    assert parse_status(None) == 0
+    assert parse_status("Running") == common_pb2.EXECUTION_STATUS_RUNNING
+    assert parse_status("FAILED") == common_pb2.EXECUTION_STATUS_FAILED
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
