@@ -102,7 +102,6 @@ class ProjectionSettings(BaseSettings):
 
     batch_size: int = Field(default=500, ge=1, le=100_000)
     poll_ms: int = Field(default=100, ge=5)
-    batch_window_ms: int = Field(default=0, ge=0)
 
 
 class CheckpointSettings(BaseSettings):
