@@ -16,7 +16,15 @@ import grpc
 
 from noetl_common import grpcutil
 from noetl_common.errors import InvalidInput, NoetlError, NotFound, Unavailable
-from noetl_proto.v1 import catalog_pb2, catalog_pb2_grpc, common_pb2, execution_pb2, execution_pb2_grpc
+from noetl_proto.v1 import (
+    catalog_pb2,
+    catalog_pb2_grpc,
+    common_pb2,
+    execution_pb2,
+    execution_pb2_grpc,
+    shard_manager_pb2,
+    shard_manager_pb2_grpc,
+)
 
 from . import output
 from .output import CliError, eprint
@@ -76,11 +84,13 @@ def read_file(path: str) -> str:
 
 
 class Api:
-    """Stubs of the api's services over one channel to ``target``."""
+    """Stubs of the services over one channel to ``target`` (the api's, or with
+    ``what="shard-manager"`` the shard-manager's)."""
 
-    def __init__(self, target: str, source: str = "") -> None:
+    def __init__(self, target: str, source: str = "", what: str = "api") -> None:
         self.target = target
         self.source = source
+        self.what = what
         self.channel = grpc.insecure_channel(target, options=[
             ("grpc.service_config", _SERVICE_CONFIG),
             ("grpc.enable_retries", 1),
@@ -90,6 +100,7 @@ class Api:
         self.executions = execution_pb2_grpc.ExecutionServiceStub(self.channel)
         self.catalog = catalog_pb2_grpc.CatalogServiceStub(self.channel)
         self.credentials = catalog_pb2_grpc.CredentialServiceStub(self.channel)
+        self.shard_manager = shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
 
     def close(self) -> None:
         self.channel.close()
@@ -105,7 +116,8 @@ class Api:
         err = grpcutil.translate(exc)
         if exc.code() == grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
             where = f" (from {self.source})" if self.source else ""
-            return Unavailable(f"cannot reach the api at {self.target}{where}: {exc.details()}")  # type: ignore[attr-defined]
+            return Unavailable(f"cannot reach the {self.what} at {self.target}{where}: "
+                               f"{exc.details()}")  # type: ignore[attr-defined]
         return err
 
     def call(self, fn: Callable[..., T], request: Any, timeout: float = RPC_TIMEOUT) -> T:
@@ -384,6 +396,22 @@ def cancel(api: Api, execution_id: int, *, reason: str = "") -> int:
         return 0
     eprint(f"execution {execution_id} was not cancelled (it already finished)")
     return 1
+
+
+# ---------------------------------------------------------------- cluster
+
+
+def cluster(api: Api, *, role: str = "", as_json: bool = False) -> int:
+    """``noetl-rt cluster``: the shard-manager's view (Describe): the leader, each member
+    with the shards it holds, and shards no live member holds. Exit 1 when a shard has
+    no live owner or its lease ran out (the map is not settled)."""
+    resp = api.call(api.shard_manager.Describe, shard_manager_pb2.DescribeRequest(role=role))
+    view = output.cluster_view(resp)
+    if as_json:
+        output.print_json(view)
+    else:
+        print(output.cluster_text(view))
+    return 1 if view["unsettled"] else 0
 
 
 # ---------------------------------------------------------------- catalog and credentials

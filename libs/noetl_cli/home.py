@@ -4,6 +4,7 @@ state file, the api address and the database DSN.
 Resolution orders (first hit wins):
   home:         ``--home``, ``$NOETL_HOME``, ``./.noetl``
   api address:  ``--api``, ``$NOETL_API``, ``"api"`` in ``<home>/dev/state.json``
+  shard-manager: ``--shard-manager``, ``$NOETL_SHARD_MANAGER_TARGET``, ``"shard_manager"`` in the state file
   database DSN: ``--dsn``, ``$NOETL_POSTGRES_DSN``, ``"postgres_dsn"`` in the state file
 """
 
@@ -96,3 +97,18 @@ def resolve_dsn(flag: str | None, home: str | os.PathLike[str],
     raise CliError(
         "no database: pass --dsn DSN, set NOETL_POSTGRES_DSN, or start a local stack with "
         f"`noetl-rt dev up` (looked for {state_path(home)})", code=2)
+
+
+def resolve_shard_manager(flag: str | None, home: str | os.PathLike[str],
+                          environ: Mapping[str, str] | None = None) -> Resolved:
+    env = os.environ if environ is None else environ
+    if flag:
+        return Resolved(flag, "--shard-manager")
+    if env.get("NOETL_SHARD_MANAGER_TARGET"):
+        return Resolved(env["NOETL_SHARD_MANAGER_TARGET"], "NOETL_SHARD_MANAGER_TARGET")
+    state = read_state(home)
+    if state and state.get("shard_manager"):
+        return Resolved(str(state["shard_manager"]), f"the local stack ({state_path(home)})")
+    raise CliError(
+        "no shard-manager address: pass --shard-manager HOST:PORT, set NOETL_SHARD_MANAGER_TARGET, or start a "
+        f"local stack with `noetl-rt dev up` (looked for {state_path(home)})", code=2)

@@ -16,7 +16,7 @@ from pathlib import Path
 from noetl_common.errors import InvalidInput, NoetlError
 
 from . import client, devcmd
-from .home import resolve_api, resolve_home
+from .home import resolve_api, resolve_home, resolve_shard_manager
 from .output import CliError, eprint
 
 Handler = Callable[[argparse.Namespace], int]
@@ -128,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.cancel(
         api, client.parse_execution_id(a.execution_id), reason=a.reason)))
 
+    p = sub.add_parser("cluster", parents=[home_only],
+                       help="the shard map: leader, members and the shards each holds")
+    p.add_argument("--shard-manager", metavar="TARGET",
+                   help="shard-manager gRPC target (default $NOETL_SHARD_MANAGER_TARGET, else the local stack's)")
+    p.add_argument("--role", default="", help="only this role (api, projector, checkpointer, compactor, reaper, "
+                                              "worker)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=_cluster)
+
     pb = sub.add_parser("playbook", help="the playbook catalog").add_subparsers(dest="action", metavar="ACTION")
     pb.required = True
     p = pb.add_parser("register", parents=[with_api], help="register a playbook file (a new version)")
@@ -201,6 +210,12 @@ def _run(args: argparse.Namespace) -> int:
     return _with_api(args, lambda api: client.run(
         api, content, ref=ref, payload_json=payload_json, as_json=args.json, timeout=args.timeout,
         idempotency_key=args.idempotency_key, detach=args.detach))
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    resolved = resolve_shard_manager(args.shard_manager, _home(args))
+    with client.Api(resolved.value, resolved.source, what="shard-manager") as api:
+        return client.cluster(api, role=args.role, as_json=args.json)
 
 
 def _report(exc: BaseException) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from noetl_proto.v1 import common_pb2, execution_pb2
+from noetl_proto.v1 import common_pb2, execution_pb2, shard_manager_pb2
 
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 RESULT_PREVIEW_CHARS = 4000
@@ -280,3 +280,70 @@ def table(rows: Iterable[Sequence[object]], header: Sequence[str] | None = None)
         return ""
     widths = [max(len(r[i]) for r in all_rows if i < len(r)) for i in range(max(len(r) for r in all_rows))]
     return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in all_rows)
+
+
+# ---------------------------------------------------------------- cluster
+
+
+def shard_ranges(shards: Iterable[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> ``0-2,5,7-8``; nothing -> ``-``."""
+    ordered = sorted(set(shards))
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts) or "-"
+
+
+def cluster_view(resp: shard_manager_pb2.DescribeResponse, now_ns: int | None = None) -> dict[str, Any]:
+    """The Describe answer as a document: members with the shards each holds, and the
+    shards that are unowned, owned by a member not alive, or whose lease ran out."""
+    import time
+
+    now = time.time_ns() if now_ns is None else now_ns
+    alive = {m.runtime_id for m in resp.members if m.alive}
+    held: dict[int, list[int]] = {}
+    unsettled = []
+    for s in resp.shards:
+        expired = bool(timestamp(s.leased_until)) and s.leased_until.ToNanoseconds() < now
+        if s.owner_runtime_id in alive and not expired:
+            held.setdefault(s.owner_runtime_id, []).append(s.shard_id)
+        else:
+            why = ("no owner" if not s.owner_runtime_id else "lease expired" if expired
+                   else f"owner {s.owner_instance or s.owner_runtime_id} not alive")
+            unsettled.append({"role": s.role, "shard_id": s.shard_id, "epoch": s.epoch, "why": why})
+    members = [{
+        "role": m.role, "instance": m.instance, "runtime_id": str(m.runtime_id), "alive": m.alive,
+        "address": m.address or None, "metrics": m.metrics_address or None, "pid": m.pid or None,
+        "heartbeat_at": timestamp(m.heartbeat_at), "shards": sorted(held.get(m.runtime_id, [])),
+    } for m in resp.members]
+    return {
+        "leader": {"instance": resp.leader_instance or None, "epoch": resp.leader_epoch},
+        "members": members,
+        "shards": [{"role": s.role, "shard_id": s.shard_id, "owner": s.owner_instance or None, "epoch": s.epoch,
+                    "leased_until": timestamp(s.leased_until)} for s in resp.shards],
+        "unsettled": unsettled,
+    }
+
+
+CLUSTER_HEADER = ("ROLE", "INSTANCE", "ALIVE", "SHARDS", "ADDRESS", "METRICS", "PID")
+
+
+def cluster_text(view: Mapping[str, Any]) -> str:
+    leader = view["leader"]
+    lines = [f"leader: {leader['instance']} (epoch {leader['epoch']})" if leader["instance"]
+             else "leader: none (no shard-manager holds the leader lease)"]
+    rows = [(m["role"], m["instance"], "yes" if m["alive"] else "no",
+             shard_ranges(m["shards"]) if m["shards"] else "-", m["address"] or "-", m["metrics"] or "-",
+             m["pid"] or "-") for m in view["members"]]
+    lines.append(table(rows, header=CLUSTER_HEADER) if rows else "no members")
+    by_role: dict[str, list[int]] = {}
+    for u in view["unsettled"]:
+        by_role.setdefault(u["role"], []).append(u["shard_id"])
+    for role, shards in sorted(by_role.items()):
+        lines.append(f"not held by a live member: {role} shards {shard_ranges(shards)}")
+    return "\n".join(lines)

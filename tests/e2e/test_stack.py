@@ -91,6 +91,20 @@ def test_cli_dev_up_scale_status_kill_an_api_down_leaves_nothing() -> None:
         state = json.loads((home / "dev" / "state.json").read_text())
         infra = [state["postgres"]["pid"], state["nats"]["pid"]]
 
+        # `cluster`: the shard-manager's map; every sharded role's 16 shards held by live members
+        cluster = subprocess.run([*cli, "cluster", "--json"], env=env, capture_output=True, text=True, timeout=60,
+                                 cwd=str(REPO))
+        assert cluster.returncode == 0, (cluster.stdout, cluster.stderr)
+        view = json.loads(cluster.stdout)
+        assert view["leader"]["instance"] == doc["services"]["shard-manager"][0]["instance"]
+        assert view["unsettled"] == []
+        for role in ("api", "projector", "checkpointer", "compactor", "reaper"):
+            held = sorted(s for m in view["members"] if m["role"] == role for s in m["shards"])
+            assert held == list(range(16)), (role, view["members"])
+        projectors = [m for m in view["members"] if m["role"] == "projector"]
+        assert sorted(len(m["shards"]) for m in projectors) == [8, 8], projectors  # balanced
+        assert {m["pid"] for m in view["members"]} == set(pids)
+
         first = _hello_world_via_cli(cli, env)
 
         victim = apis[1]
@@ -119,6 +133,12 @@ def test_cli_dev_up_scale_status_kill_an_api_down_leaves_nothing() -> None:
                     break
                 assert time.monotonic() < deadline, f"api shards not moved to {sorted(live)}: {owners}"
                 time.sleep(0.1)
+        cluster = subprocess.run([*cli, "cluster", "--role", "api"], env=env, capture_output=True, text=True,
+                                 timeout=60, cwd=str(REPO))
+        assert cluster.returncode == 0, (cluster.stdout, cluster.stderr)
+        rows = {line.split()[1]: line.split() for line in cluster.stdout.splitlines()[2:]}
+        assert rows[victim["instance"]][2:4] == ["no", "-"], cluster.stdout  # dead, holds nothing
+        assert all(rows[i][2] == "yes" and rows[i][3] != "-" for i in live), cluster.stdout
 
         down = subprocess.run([*cli, "dev", "down"], env=env, capture_output=True, text=True, timeout=120,
                               cwd=str(REPO))

@@ -253,3 +253,14 @@ def test_public_exports() -> None:
         "parse_scale", "status", "up"])
     assert noetl_cli.ROLES == ("shard-manager", "api", "projector", "checkpointer", "compactor", "reaper",
                                "worker")
+
+
+def test_cluster_without_any_shard_manager_address(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cluster", "--home", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "no shard-manager address" in err and "NOETL_SHARD_MANAGER_TARGET" in err
+
+
+def test_cluster_with_an_unreachable_shard_manager(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cluster", "--shard-manager", "127.0.0.1:1"]) == 1
+    assert "cannot reach the shard-manager at 127.0.0.1:1 (from --shard-manager)" in capsys.readouterr().err

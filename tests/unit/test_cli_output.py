@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from noetl_cli import output
-from noetl_proto.v1 import common_pb2, execution_pb2
+from noetl_proto.v1 import common_pb2, execution_pb2, shard_manager_pb2
 
 
 def make_execution(status: int = common_pb2.EXECUTION_STATUS_COMPLETED, error: str = "") -> execution_pb2.Execution:
@@ -108,3 +108,29 @@ def test_event_line_and_json() -> None:
 def test_table() -> None:
     assert output.table([("a", 1), ("bbb", 22)], header=("K", "V")) == "K    V\na    1\nbbb  22"
     assert output.table([]) == ""
+
+
+def test_shard_ranges() -> None:
+    assert output.shard_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert output.shard_ranges([3]) == "3" and output.shard_ranges([]) == "-"
+
+
+def test_cluster_view_flags_shards_without_a_live_owner() -> None:
+    now = 1_800_000_000 * 10**9
+    resp = shard_manager_pb2.DescribeResponse(leader_instance="sm-0", leader_epoch=4)
+    resp.members.add(runtime_id=1, role="api", instance="api-0", alive=True, pid=10)
+    resp.members.add(runtime_id=2, role="api", instance="api-1", alive=False, pid=11)
+    for shard, owner, lease_s in ((0, 1, 30), (1, 1, 30), (2, 2, 30), (3, 0, 0), (4, 1, -5)):
+        s = resp.shards.add(role="api", shard_id=shard, owner_runtime_id=owner, epoch=shard + 1,
+                            owner_instance={1: "api-0", 2: "api-1"}.get(owner, ""))
+        if lease_s:
+            s.leased_until.FromNanoseconds(now + lease_s * 10**9)
+    view = output.cluster_view(resp, now_ns=now)
+    assert view["leader"] == {"instance": "sm-0", "epoch": 4}
+    assert [(m["instance"], m["alive"], m["shards"]) for m in view["members"]] == [
+        ("api-0", True, [0, 1]), ("api-1", False, [])]
+    assert [(u["shard_id"], u["why"]) for u in view["unsettled"]] == [
+        (2, "owner api-1 not alive"), (3, "no owner"), (4, "lease expired")]
+    text = output.cluster_text(view)
+    assert text.splitlines()[0] == "leader: sm-0 (epoch 4)"
+    assert "not held by a live member: api shards 2-4" in text
