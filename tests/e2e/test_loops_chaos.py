@@ -77,13 +77,15 @@ def claimed_by(db: Db, execution_id: int) -> dict[str, list[dict[str, Any]]]:
 
 def kill_busiest_worker(db: Db, state: devstack.StackState, execution_id: int) -> tuple[Any, list[dict[str, Any]]]:
     """SIGKILL the worker holding the most claimed commands of the execution; returns it
-    and the commands it held when it died (read after its death: it changes none of them)."""
+    and the commands it held when it died (read a moment after its death: a claim it had
+    in flight may still commit in the api; after that nothing changes them)."""
     held = wait_for(lambda: claimed_by(db, execution_id), 30, "a claimed command of the execution")
     instance = max(held, key=lambda w: len(held[w]))
     victim = process_of(state, instance)
     assert victim.role == "worker" and victim.alive()
     state.kill("worker", victim.index)
     wait_for(lambda: not victim.alive(), 10, f"{victim.instance} to die")
+    time.sleep(1.0)  # well under the command lease (5 s): nothing has expired yet
     return victim, claimed_by(db, execution_id).get(instance, [])
 
 
