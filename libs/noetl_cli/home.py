@@ -69,46 +69,34 @@ class Resolved:
     source: str
 
 
-def resolve_api(flag: str | None, home: str | os.PathLike[str],
-                environ: Mapping[str, str] | None = None) -> Resolved:
+def _resolve(flag: str | None, home: str | os.PathLike[str], environ: Mapping[str, str] | None, *,
+             option: str, env_name: str, state_key: str, missing: str) -> Resolved:
+    """``option``'s value, else ``$env_name``, else ``state_key`` of the local stack's state file."""
     env = os.environ if environ is None else environ
     if flag:
-        return Resolved(flag, "--api")
-    if env.get("NOETL_API"):
-        return Resolved(env["NOETL_API"], "NOETL_API")
+        return Resolved(flag, option)
+    if env.get(env_name):
+        return Resolved(env[env_name], env_name)
     state = read_state(home)
-    if state and state.get("api"):
-        return Resolved(str(state["api"]), f"the local stack ({state_path(home)})")
-    raise CliError(
-        "no api address: pass --api HOST:PORT, set NOETL_API, or start a local stack with "
-        f"`noetl-rt dev up` (looked for {state_path(home)})", code=2)
+    if state and state.get(state_key):
+        return Resolved(str(state[state_key]), f"the local stack ({state_path(home)})")
+    raise CliError(f"{missing}: pass {option} {'DSN' if option == '--dsn' else 'HOST:PORT'}, set {env_name}, or start "
+                   f"a local stack with `noetl-rt dev up` (looked for {state_path(home)})", code=2)
+
+
+def resolve_api(flag: str | None, home: str | os.PathLike[str],
+                environ: Mapping[str, str] | None = None) -> Resolved:
+    return _resolve(flag, home, environ, option="--api", env_name="NOETL_API", state_key="api",
+                    missing="no api address")
 
 
 def resolve_dsn(flag: str | None, home: str | os.PathLike[str],
                 environ: Mapping[str, str] | None = None) -> Resolved:
-    env = os.environ if environ is None else environ
-    if flag:
-        return Resolved(flag, "--dsn")
-    if env.get("NOETL_POSTGRES_DSN"):
-        return Resolved(env["NOETL_POSTGRES_DSN"], "NOETL_POSTGRES_DSN")
-    state = read_state(home)
-    if state and state.get("postgres_dsn"):
-        return Resolved(str(state["postgres_dsn"]), f"the local stack ({state_path(home)})")
-    raise CliError(
-        "no database: pass --dsn DSN, set NOETL_POSTGRES_DSN, or start a local stack with "
-        f"`noetl-rt dev up` (looked for {state_path(home)})", code=2)
+    return _resolve(flag, home, environ, option="--dsn", env_name="NOETL_POSTGRES_DSN", state_key="postgres_dsn",
+                    missing="no database")
 
 
 def resolve_shard_manager(flag: str | None, home: str | os.PathLike[str],
                           environ: Mapping[str, str] | None = None) -> Resolved:
-    env = os.environ if environ is None else environ
-    if flag:
-        return Resolved(flag, "--shard-manager")
-    if env.get("NOETL_SHARD_MANAGER_TARGET"):
-        return Resolved(env["NOETL_SHARD_MANAGER_TARGET"], "NOETL_SHARD_MANAGER_TARGET")
-    state = read_state(home)
-    if state and state.get("shard_manager"):
-        return Resolved(str(state["shard_manager"]), f"the local stack ({state_path(home)})")
-    raise CliError(
-        "no shard-manager address: pass --shard-manager HOST:PORT, set NOETL_SHARD_MANAGER_TARGET, or start a "
-        f"local stack with `noetl-rt dev up` (looked for {state_path(home)})", code=2)
+    return _resolve(flag, home, environ, option="--shard-manager", env_name="NOETL_SHARD_MANAGER_TARGET",
+                    state_key="shard_manager", missing="no shard-manager address")

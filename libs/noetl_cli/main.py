@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from noetl_common.errors import InvalidInput, NoetlError
 
@@ -42,24 +43,21 @@ def _common(*, api: bool) -> argparse.ArgumentParser:
     return parent
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+def _positive_of(kind: Callable[[str], float], what: str) -> Callable[[str], Any]:
+    """An argparse type: a positive ``kind`` (int or float), else an error naming ``what``."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+_positive = _positive_of(float, "a number")
+_count = _positive_of(int, "a whole number")
 
 
 def build_parser() -> argparse.ArgumentParser:
