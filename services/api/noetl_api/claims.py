@@ -5,9 +5,9 @@ race means someone else has it. A claim is idempotent for its worker: the same w
 claiming the same attempt again gets the command back (its first claim committed but the
 answer was lost with a dying api replica), so the command need not wait for its lease to
 expire and be re-issued. The worker never runs a command twice on its own account (it
-drops notices for commands it is running or has finished). The claim response carries the step's raw tool spec
-(from the pinned catalog version) and the render context (the command's snapshot plus
-the execution's workload), so the worker renders where the data is.
+drops attempts it has already taken). The claim response carries the step's raw tool
+spec (from the pinned catalog version) and the render context (the command's snapshot
+plus the execution's workload), so the worker renders where the data is.
 """
 
 from __future__ import annotations
