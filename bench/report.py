@@ -140,6 +140,11 @@ class Doc:
         self.w(f"| {scenario} | {figure} | {ours} | {t or '-'} | {tr or '-'} | {p or '-'} | {pr or '-'} | "
                f"{bound or '-'} | {self.machine} | {self.date} | `{self.command}` |")
 
+    def meter_note(self, meter: dict[str, Any], unit: str) -> str:
+        """Write transactions and JetStream messages per ``unit``, then the CPU notes."""
+        return (f"{meter['write_txns_per_unit']} write transactions and {meter['js_messages_per_unit']} JetStream "
+                f"messages per {unit}; {self.cpu_note(meter)}; {self.cpu_per_unit(meter)}")
+
     def cpu_note(self, meter: dict[str, Any] | None) -> str:
         if not meter:
             return ""
@@ -560,16 +565,12 @@ class Doc:
                 if "meter" in r:
                     self.w(f"**Fan-out, max_in_flight {r['max_in_flight']}**: engine span (step.enter → loop.done) "
                            f"{r['engine_span_s']:.2f} s of {r['wall_s']:.2f} s wall; "
-                           f"{r['meter']['write_txns_per_unit']} write transactions and "
-                           f"{r['meter']['js_messages_per_unit']} JetStream messages per iteration; "
-                           f"{self.cpu_note(r['meter'])}; {self.cpu_per_unit(r['meter'])}.", "")
+                           f"{self.meter_note(r['meter'], 'iteration')}.", "")
         q = sc.get("sequential")
         if _ok(q):
             self.w(f"**Sequential loop** ({q['items']:,} items, `mode: sequential`): engine span (step.enter → "
                    f"loop.done) {q['engine_span_s']:.2f} s of {q['wall_s']:.2f} s wall, "
-                   f"{q['ms_per_iteration']:.1f} ms per iteration; {q['meter']['write_txns_per_unit']} write "
-                   f"transactions and {q['meter']['js_messages_per_unit']} JetStream messages per iteration; "
-                   f"{self.cpu_note(q['meter'])}; {self.cpu_per_unit(q['meter'])}.", "")
+                   f"{q['ms_per_iteration']:.1f} ms per iteration; {self.meter_note(q['meter'], 'iteration')}.", "")
         rb = result_bytes(sc)
         if rb:
             dist = ", ".join(f"≤ {float(le):,.0f}: {int(n):,}" for le, n in sorted(

@@ -25,6 +25,7 @@ from .errors import (
     Overloaded,
     Unavailable,
 )
+from .rpchandlers import rewrapped
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +94,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     GRPC_REQUESTS.labels(name, code.name).inc()
                     GRPC_SECONDS.labels(name).observe(time.perf_counter() - start)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            return rewrapped(handler, unary_unary=unary_unary)
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
@@ -118,11 +115,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     GRPC_REQUESTS.labels(name, code.name).inc()
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            return rewrapped(handler, unary_stream=unary_stream)
         return handler
 
 

@@ -46,6 +46,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from .config import TracingSettings
 from .errors import ConfigError
+from .rpchandlers import rewrapped
 
 logger = logging.getLogger(__name__)
 
@@ -300,9 +301,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                     _set_grpc_status(s, context.code() or grpc.StatusCode.OK)  # type: ignore[arg-type]
                     return response
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+            return rewrapped(handler, unary_unary=unary_unary)
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
@@ -320,9 +319,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                     _set_grpc_status(s, code)
                     s.end()
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+            return rewrapped(handler, unary_stream=unary_stream)
         return handler
 
 

@@ -33,7 +33,7 @@ from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import barrier_execution_id, snowflake_at
 from noetl_common.shards import ShardOwnership
 from noetl_dsl import merged_workload
-from noetl_flow import CallResultInput, ExecState, StartInput, Transition
+from noetl_flow import EV_DEAD, CallResultInput, ExecState, StartInput, Transition
 from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, envelope_from_proto
 
@@ -56,7 +56,6 @@ DEAD_LETTERS = Counter("noetl_engine_dead_letters_total", "command.dead_lettered
 
 MAX_BATCH = 500
 EV_CHECKPOINT = "checkpoint.committed"
-EV_DEAD_LETTERED = "command.dead_lettered"
 
 
 @dataclass
@@ -289,7 +288,7 @@ class ShardEngine:
             await self._cancel_children(ended)
         if events:
             self.d.traces.committed(events)
-            if dead := sum(1 for e in events if e[3] == EV_DEAD_LETTERED):
+            if dead := sum(1 for e in events if e[3] == EV_DEAD):
                 DEAD_LETTERS.labels(str(self.shard)).inc(dead)
             BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
             await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))

@@ -20,9 +20,10 @@ from typing import Any, TypeVar
 from opentelemetry.context import Context
 
 from noetl_common import tracing
+from noetl_flow import EV_CANCELLED, EV_COMPLETED, EV_DEAD, EV_FAILED
 
-TRACED_EVENTS = ("playbook.completed", "playbook.failed", "playbook.cancelled", "command.dead_lettered")
-_ERROR_EVENTS = ("playbook.failed", "command.dead_lettered")
+TRACED_EVENTS = (EV_COMPLETED, EV_FAILED, EV_CANCELLED, EV_DEAD)
+_ERROR_EVENTS = (EV_FAILED, EV_DEAD)
 T = TypeVar("T")
 
 
