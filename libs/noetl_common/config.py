@@ -97,6 +97,41 @@ class ExecutionSettings(BaseSettings):
     max_queued_commands: int = Field(default=100_000, ge=1)
 
 
+class LimitSettings(BaseSettings):
+    """What one request may cost (``NOETL_LIMIT_*``; docs/ARCHITECTURE.md "Limits").
+
+    Every limit is enforced before any work is done for the request it bounds, and a
+    request beyond one is refused with ``INVALID_ARGUMENT`` (or ``RESOURCE_EXHAUSTED``)
+    naming the setting, its value and what was asked for. The defaults are generous for
+    real playbooks (upstream's largest fixture is 11 KB, 25 steps) and keep every role
+    within its documented memory bound under hostile input."""
+
+    model_config = _env("NOETL_LIMIT_")
+
+    # A playbook's YAML text, in bytes.
+    playbook_bytes: int = Field(default=1024 * 1024, ge=1024)
+    # Steps in one playbook (routing and validation are linear in it).
+    playbook_steps: int = Field(default=10_000, ge=1)
+    # YAML nodes after alias expansion (a billion-laughs document is refused, not expanded).
+    yaml_nodes: int = Field(default=200_000, ge=100)
+    # Nesting depth of a playbook, a payload or a result (mappings and sequences).
+    nesting_depth: int = Field(default=100, ge=8, le=10_000)
+    # A submission's payload (JSON text), in bytes.
+    payload_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # A workload larger than this travels to workers by reference, not inside each claim.
+    inline_workload_bytes: int = Field(default=64 * 1024, ge=0)
+    # Items of one loop's collection.
+    loop_items: int = Field(default=500_000, ge=1)
+    # One task result (encoded JSON), in bytes.
+    result_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    # How deep sub-playbooks may nest (a playbook calling itself stops here).
+    subplaybook_depth: int = Field(default=16, ge=1, le=1000)
+    # A string or sequence a template operator (`*`, `%`, `~`, `+`, filters) may build, in items/characters.
+    template_value_size: int = Field(default=10 * 1024 * 1024, ge=1024)
+    # Bits of an integer a template may compute (`**`, `*`, `<<`).
+    template_int_bits: int = Field(default=65_536, ge=64)
+
+
 class ProjectionSettings(BaseSettings):
     model_config = _env("NOETL_PROJECTION_")
 
@@ -187,6 +222,9 @@ class WorkerSettings(BaseSettings):
     # Warm Python interpreters for `kind: python`; 0 = same as concurrency.
     python_pool: int = Field(default=0, ge=0, le=1024)
     default_task_timeout_sec: float = Field(default=0.0, ge=0)
+    # Address space of each python task interpreter, in MiB (0 = unlimited): a task that
+    # allocates beyond it fails with MemoryError instead of taking the worker's memory.
+    python_memory_mb: int = Field(default=1024, ge=0)
     # Most claims one ClaimCommands call carries (concurrent claims are group-committed).
     claim_batch: int = Field(default=64, ge=1, le=1000)
 
