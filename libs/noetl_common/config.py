@@ -132,6 +132,15 @@ class LimitSettings(BaseSettings):
     template_int_bits: int = Field(default=65_536, ge=64)
 
 
+class NatsSettings(BaseSettings):
+    """JetStream streams (``NOETL_NATS_*``; docs/DEPLOY.md "NATS durability")."""
+
+    model_config = _env("NOETL_NATS_")
+
+    # Replicas of the two streams (R3 on a 3-node JetStream cluster in production).
+    stream_replicas: int = Field(default=1, ge=1, le=5)
+
+
 class ProjectionSettings(BaseSettings):
     model_config = _env("NOETL_PROJECTION_")
 

@@ -19,12 +19,14 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from .errors import Conflict, NoetlError, NotFound, Unavailable
+from .errors import Conflict, LeaseLost, NoetlError, NotFound, Unavailable
 from .ids import snowflake_at
 
 logger = logging.getLogger(__name__)
 
 MIGRATION_LOCK_KEY = 0x6E6F65746C  # "noetl"
+# SQLSTATE raised by noetl.assert_lease (migration 0006): the writer's lease is gone.
+LEASE_NOT_HELD = "NL001"
 PARTITION_LOCK_KEY = 0x6E6F65746C + 1
 
 #: A connection of the runtime's pools: rows come back as dicts.
@@ -37,6 +39,8 @@ def translate(exc: BaseException) -> NoetlError:
     """Map a psycopg error to the project's error tree (callers ``raise ... from exc``)."""
     if isinstance(exc, NoetlError):
         return exc
+    if isinstance(exc, psycopg.Error) and exc.sqlstate == LEASE_NOT_HELD:
+        return LeaseLost(exc.diag.message_primary or str(exc).strip())
     if isinstance(exc, psycopg.errors.UniqueViolation):
         return Conflict(str(exc).strip())
     if isinstance(exc, psycopg.errors.ForeignKeyViolation):
@@ -46,6 +50,13 @@ def translate(exc: BaseException) -> NoetlError:
     return NoetlError(f"postgres error: {str(exc).strip()}")
 
 
+# libpq TCP settings of the runtime's own connections: a peer that vanished without a
+# FIN (a partition, a host gone) is detected by TCP within ~15 s instead of hanging a
+# statement for the kernel's default of minutes.
+TCP_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3,
+                 "tcp_user_timeout": 15_000, "connect_timeout": 5}
+
+
 def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "noetl",
               idle_tx_timeout_sec: float | None = None) -> Pool:
     """A closed async pool with dict rows; open it with ``await pool.open(wait=True)``.
@@ -53,8 +64,11 @@ def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "n
     ``idle_tx_timeout_sec``: Postgres ends a session of this pool that sits idle inside a
     transaction longer than that (``idle_in_transaction_session_timeout``). Services pass
     their shard lease: a process frozen mid-transaction (SIGSTOP, VM pause) must not hold
-    a lease row lock, and with it the shard-manager's rebalancing, longer than a lease."""
-    kwargs: dict[str, Any] = {"autocommit": False, "row_factory": dict_row}
+    a lease row lock, and with it the shard-manager's rebalancing, longer than a lease.
+    Sessions are named ``noetl-{name}`` (``application_name``, seen in pg_stat_activity)
+    and use ``TCP_KEEPALIVE``."""
+    kwargs: dict[str, Any] = {"autocommit": False, "row_factory": dict_row, "application_name": f"noetl-{name}",
+                              **TCP_KEEPALIVE}
     if idle_tx_timeout_sec:
         kwargs["options"] = f"-c idle_in_transaction_session_timeout={max(1, int(idle_tx_timeout_sec * 1000))}"
     return AsyncConnectionPool(

@@ -18,6 +18,7 @@ Core (non-JetStream) subjects carry hints only, never facts:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -86,8 +87,35 @@ def translate(exc: BaseException) -> NoetlError:
     return Unavailable(f"nats error: {type(exc).__name__}: {exc}")
 
 
-async def connect(url: str, *, name: str) -> NATS:
-    """Connect with unbounded reconnects; the caller closes with ``await nc.drain()``."""
+class Reconnects:
+    """Counts a client's reconnections and calls its listeners on each one: JetStream
+    consumers are not carried across a server restart reliably (an ordered consumer
+    notices only after two missed heartbeats, ~10 s, and resumes at a sequence the
+    restarted server may no longer have), so their owners re-create them at once."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._listeners: list[Callable[[], None]] = []
+
+    def listen(self, fn: Callable[[], None]) -> None:
+        self._listeners.append(fn)
+
+    def unlisten(self, fn: Callable[[], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    def reconnected(self) -> None:
+        self.generation += 1
+        for fn in list(self._listeners):
+            try:
+                fn()
+            except Exception:  # a listener's bug must not break the client's reconnect
+                logger.exception("nats reconnect listener failed")
+
+
+async def connect(url: str, *, name: str, reconnects: Reconnects | None = None) -> NATS:
+    """Connect with unbounded reconnects (every 0.5 s); the caller closes with ``await
+    nc.drain()``. ``reconnects`` is told about every reconnection."""
 
     async def on_error(exc: Exception) -> None:
         logger.warning("nats error: %s", exc)
@@ -97,6 +125,8 @@ async def connect(url: str, *, name: str) -> NATS:
 
     async def on_reconnect() -> None:
         logger.info("nats reconnected")
+        if reconnects is not None:
+            reconnects.reconnected()
 
     try:
         return await nats.connect(
@@ -114,10 +144,9 @@ async def connect(url: str, *, name: str) -> NATS:
         raise translate(exc) from exc
 
 
-async def ensure_streams(js: JetStreamContext, *, events_max_age_sec: float = 7 * 86400,
-                         command_ack_wait_sec: float = 30.0) -> None:
-    """Create or update the streams and the shared worker consumer (idempotent)."""
-    wanted: list[StreamConfig] = [
+def stream_configs(*, events_max_age_sec: float = 7 * 86400, replicas: int = 1) -> list[StreamConfig]:
+    """The two streams as the runtime wants them (``ensure_streams`` converges to these)."""
+    return [
         StreamConfig(
             name=EVENTS_STREAM,
             subjects=["noetl.events.>"],
@@ -125,6 +154,7 @@ async def ensure_streams(js: JetStreamContext, *, events_max_age_sec: float = 7 
             storage=StorageType.FILE,
             max_age=events_max_age_sec,
             duplicate_window=120.0,
+            num_replicas=replicas,
         ),
         StreamConfig(
             name=COMMANDS_STREAM,
@@ -132,28 +162,70 @@ async def ensure_streams(js: JetStreamContext, *, events_max_age_sec: float = 7 
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=120.0,
+            num_replicas=replicas,
         ),
     ]
+
+
+# The stream settings the runtime manages; anything else an operator set is left alone.
+_MANAGED = ("subjects", "retention", "storage", "max_age", "duplicate_window", "num_replicas")
+
+
+async def ensure_streams(js: JetStreamContext, *, events_max_age_sec: float = 7 * 86400,
+                         command_ack_wait_sec: float = 30.0, replicas: int = 1) -> None:
+    """Create the streams and the shared worker consumer when missing (idempotent). An
+    existing stream is updated only where a managed setting differs from the wanted one
+    (logged), so every role's start does not re-apply, and undo, an operator's changes
+    to the rest of its configuration."""
     try:
-        for cfg in wanted:
+        for cfg in stream_configs(events_max_age_sec=events_max_age_sec, replicas=replicas):
             try:
-                await js.stream_info(cfg.name)  # type: ignore[arg-type]
-                await js.update_stream(cfg)
+                info = await js.stream_info(cfg.name)  # type: ignore[arg-type]
             except NotFoundError:
                 await js.add_stream(cfg)
-        await js.add_consumer(
-            COMMANDS_STREAM,
-            ConsumerConfig(
-                durable_name=WORKER_CONSUMER,
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=command_ack_wait_sec,
-                max_ack_pending=-1,
-                filter_subject="noetl.commands.>",
-            ),
-        )
+                logger.info("created stream %s (replicas %s)", cfg.name, cfg.num_replicas)
+                continue
+            have = info.config
+            changed = {f: (getattr(have, f), getattr(cfg, f)) for f in _MANAGED
+                       if _differs(getattr(have, f), getattr(cfg, f))}
+            if changed:
+                merged = have
+                for f, (_old, new) in changed.items():
+                    setattr(merged, f, new)
+                await js.update_stream(merged)
+                logger.warning("stream %s updated: %s", cfg.name,
+                               ", ".join(f"{f} {old!r} -> {new!r}" for f, (old, new) in changed.items()))
+        await ensure_worker_consumer(js, command_ack_wait_sec=command_ack_wait_sec)
     except NatsError as exc:
         raise translate(exc) from exc
+
+
+def _differs(have: Any, want: Any) -> bool:
+    if isinstance(have, float | int) and isinstance(want, float | int):
+        return abs(float(have) - float(want)) > 1e-6
+    if isinstance(have, list) and isinstance(want, list):
+        return sorted(have) != sorted(want)
+    return bool(have != want)
+
+
+async def ensure_worker_consumer(js: JetStreamContext, *, command_ack_wait_sec: float = 30.0) -> None:
+    """Create the durable pull consumer every worker shares, if it is missing."""
+    try:
+        await js.consumer_info(COMMANDS_STREAM, WORKER_CONSUMER)
+        return
+    except NotFoundError:
+        pass
+    await js.add_consumer(
+        COMMANDS_STREAM,
+        ConsumerConfig(
+            durable_name=WORKER_CONSUMER,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=command_ack_wait_sec,
+            max_ack_pending=-1,
+            filter_subject="noetl.commands.>",
+        ),
+    )
 
 
 async def publish(js: JetStreamContext, subject: str, payload: bytes, *, msg_id: str | None = None,

@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 # 1 per shard held; the series is removed when the shard is lost (not set to 0).
 SHARD_OWNER = Gauge("noetl_shard_owner", "1 for each shard this instance holds", ["role", "shard", "instance"])
+DEPENDENCY_UP = Gauge("noetl_dependency_up", "1 while this process reaches the dependency (health check)",
+                      ["dependency"])
+SERVING = Gauge("noetl_serving", "1 while this process reports SERVING (its loops alive, its dependencies reachable)")
+HEALTH_INTERVAL_SEC = 1.0
+HEALTH_TIMEOUT_SEC = 2.0
 LEASE_RENEWALS = Counter("noetl_lease_renewals_total", "Shard lease renewal rounds", ["role"])
 LEASE_LOSSES = Counter("noetl_lease_losses_total", "Shard leases lost (reassigned or expired)", ["role"])
 
@@ -70,6 +75,10 @@ class Service:
         self.ownership: ShardOwnership | None = None
         self._metrics_server: Any = None
         self._shut = False
+        self._problems: list[str] = []
+        self._postgres_down: str | None = None
+        self._postgres_back_at: float | None = None  # monotonic: when Postgres last answered again
+        self._health_conn: Any = None
 
     # ------------------------------------------------------------ hooks
 
@@ -91,6 +100,14 @@ class Service:
 
     async def on_stop(self) -> None:
         """Stop loops and close connections (after gRPC stopped accepting calls)."""
+
+    def on_reconciled(self) -> None:
+        """Called after every lease renewal round (start shard loops that are due)."""
+
+    async def check_health(self) -> list[str]:
+        """What is wrong with this process now, beyond Postgres (checked by the base): an
+        unreachable NATS, shard loops that keep crashing. Empty when healthy."""
+        return []
 
     # ------------------------------------------------------------ helpers
 
@@ -142,10 +159,12 @@ class Service:
             await self.pool.open(wait=True, timeout=30)
         await self.on_start()
 
-        self.server = grpc.aio.server(interceptors=[*tracing.server_interceptors(), grpcutil.ErrorInterceptor()],
+        self.server = grpc.aio.server(interceptors=[*tracing.server_interceptors(), grpcutil.ErrorInterceptor(),
+                                                    grpcutil.GateInterceptor(self.gate)],
                                       options=[("grpc.so_reuseport", 0),
-                                               ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                                               ("grpc.max_send_message_length", 64 * 1024 * 1024)])
+                                               ("grpc.max_receive_message_length", self.max_receive_bytes()),
+                                               ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                                               *grpcutil.SERVER_KEEPALIVE_OPTIONS])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.add_servicers(self.server)
         names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
@@ -167,13 +186,99 @@ class Service:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         for name in self.service_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        SERVING.set(1)
         await self.on_serving()
+        self.spawn(self._health_loop(), "health")
         self._write_ready_file()
         logger.info("%s serving grpc=%s metrics=%s runtime_id=%s", self.role, self.grpc_address,
                     self.metrics_address, self.runtime_id)
 
     def pool_size(self) -> int:
         return 10
+
+    def max_receive_bytes(self) -> int:
+        """The largest request message this role's gRPC server accepts."""
+        return 16 * 1024 * 1024
+
+    # ------------------------------------------------------------ health
+
+    def gate(self) -> str | None:
+        """Why RPCs (other than health) are refused right now, or None: while Postgres is
+        unreachable every call would fail after a pool timeout anyway."""
+        return self._postgres_down
+
+    @property
+    def problems(self) -> list[str]:
+        return list(self._problems)
+
+    def postgres_recently_down(self, within_sec: float) -> bool:
+        """True while Postgres is unreachable from here, and for ``within_sec`` after it
+        answers again (what others could not write meanwhile, e.g. heartbeats and claim
+        renewals, must not be judged yet)."""
+        if self._postgres_down is not None:
+            return True
+        return self._postgres_back_at is not None and time.monotonic() - self._postgres_back_at < within_sec
+
+    async def _ping_postgres(self) -> str | None:
+        """None when a dedicated connection (not the pool's: a busy pool is not an outage)
+        answers ``SELECT 1`` within HEALTH_TIMEOUT_SEC, else what failed."""
+        import psycopg
+
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_SEC):
+                if self._health_conn is None or self._health_conn.closed:
+                    self._health_conn = await psycopg.AsyncConnection.connect(
+                        self.core.postgres_dsn, autocommit=True, application_name=f"noetl-{self.role}-health",
+                        connect_timeout=max(1, int(HEALTH_TIMEOUT_SEC)))
+                await self._health_conn.execute("SELECT 1")
+            return None
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            await self._close_health_conn()
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return text or "no answer"
+
+    async def _close_health_conn(self) -> None:
+        conn, self._health_conn = self._health_conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+    async def _health_loop(self) -> None:
+        """Every HEALTH_INTERVAL_SEC: reach Postgres, ask the role (NATS, shard loops), and
+        report SERVING / NOT_SERVING accordingly (readiness), logging every change."""
+        serving = True
+        while not self._stop.is_set():
+            problems: list[str] = []
+            if self.core.postgres_dsn:
+                failure = await self._ping_postgres()
+                DEPENDENCY_UP.labels("postgres").set(0 if failure else 1)
+                if failure:
+                    since = self._postgres_down or f"postgres unavailable: {failure}"
+                    self._postgres_down = since
+                    problems.append(since)
+                else:
+                    if self._postgres_down is not None:
+                        self._postgres_back_at = time.monotonic()
+                    self._postgres_down = None
+            try:
+                problems += await self.check_health()
+            except Exception as exc:  # a health probe must never stop the role
+                problems.append(f"health check failed: {type(exc).__name__}: {exc}")
+            self._problems = problems
+            ok = not problems
+            if ok != serving:
+                serving = ok
+                status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+                for name in ("", *self.service_names):
+                    await self.health.set(name, status)
+                SERVING.set(1 if ok else 0)
+                if ok:
+                    logger.warning("%s SERVING again", self.role)
+                else:
+                    logger.warning("%s NOT_SERVING: %s", self.role, "; ".join(problems))
+            if await self.sleep(HEALTH_INTERVAL_SEC):
+                break
+        await self._close_health_conn()
 
     def _write_ready_file(self) -> None:
         if not self.core.ready_file:
@@ -277,6 +382,7 @@ class Service:
         if gained or lost:
             logger.info("%s shards gained=%s lost=%s", self.role, sorted(gained), sorted(lost))
             await self.on_shards(gained, lost)
+        self.on_reconciled()
 
     def _owner_lost(self, shards: set[int]) -> None:
         """A lost shard's ``noetl_shard_owner`` series goes away (not 0: another member

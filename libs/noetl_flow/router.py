@@ -178,6 +178,13 @@ class Flow:
         self._finish(t, CANCELLED, EV_CANCELLED, reason or "cancelled by request")
         return t
 
+    def on_abort(self, state: ExecState, message: str) -> Transition:
+        """Fail the execution with ``message`` (the engine could not process one of its
+        inputs and quarantined it): running commands are cancelled, nothing is routed."""
+        t = Transition(self._own(state))
+        self._fail(t, message)
+        return t
+
     def on_timeout(self, state: ExecState, now_ms: int) -> Transition:
         t = Transition(self._own(state))
         st = t.state

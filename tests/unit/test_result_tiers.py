@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import re
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -212,18 +213,52 @@ def command(spec: dict[str, Any], kind: str = "python", context: dict[str, Any] 
 
 
 async def test_persist_result_is_bounded_in_time() -> None:
+    """Each attempt is bounded, and so are the retries of a store that does not answer."""
+    started = time.monotonic()
     with pytest.raises(StoreFailure, match=r"did not answer within 0\.05s"):
         await persist_result(HangingStore(), {"x": 1}, command=command({}), task="t", parent_ref_id=None,
-                             limit_sec=0.05)
+                             limit_sec=0.05, retry_sec=0.3)
+    assert time.monotonic() - started < 5
+    # a value the store refuses is not an outage: no retry
+    started = time.monotonic()
     with pytest.raises(StoreFailure, match="not JSON serialisable"):
         await persist_result(MemoryResultStore(), {"x": object()}, command=command({}), task="t",
                              parent_ref_id=None)
+    assert time.monotonic() - started < 1
+
+
+class FlakyStore(MemoryResultStore):
+    """Unreachable for its first ``failures`` puts (an outage), then a normal store."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.attempts = 0
+
+    async def put(self, *args: Any, **kwargs: Any) -> Any:
+        self.attempts += 1
+        if self.attempts <= self.failures:
+            raise Unavailable("postgres unavailable: connection refused")
+        return await super().put(*args, **kwargs)
+
+
+async def test_an_outage_of_the_store_is_waited_out_not_reported() -> None:
+    """A store that is down for a while (a Postgres restart) costs time, not a task error:
+    the result is stored once it answers again, and the task is not run again."""
+    store = FlakyStore(failures=3)
+    ref = await persist_result(store, {"x": 1}, command=command({}), task="t", parent_ref_id=None)
+    assert store.attempts == 4 and await store.get(ref.ref_id) == {"x": 1}
+    spec = {"step": "s", "tool": {"kind": "noop"}}
+    result = await execute_command(command(spec, "noop"), FlakyStore(failures=2), Tools())
+    assert envelope_from_proto(result.envelope)["status"] == "ok"
 
 
 async def test_a_hanging_store_is_reference_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    """... once the outage outlasts the retries (INFRA_RETRY_SEC)."""
     import noetl_worker.runner as runner
 
     monkeypatch.setattr(runner, "PERSIST_TIMEOUT_SEC", 0.05)
+    monkeypatch.setattr(runner, "INFRA_RETRY_SEC", 0.3)
     spec = {"step": "s", "tool": {"kind": "noop"}}
     result = await asyncio.wait_for(execute_command(command(spec, "noop"), HangingStore(), Tools()), timeout=5)
     env = envelope_from_proto(result.envelope)
@@ -235,6 +270,7 @@ async def test_a_cursor_slot_persists_through_the_same_function(monkeypatch: pyt
     import noetl_worker.runner as runner
 
     monkeypatch.setattr(runner, "PERSIST_TIMEOUT_SEC", 0.05)
+    monkeypatch.setattr(runner, "INFRA_RETRY_SEC", 0.3)
     from noetl_worker.cursor_drivers import CursorDrivers
 
     class NoRows:

@@ -120,7 +120,11 @@ async def test_missing_reference_is_reference_not_available(tools: Tools) -> Non
     assert "999" in env["error"]["message"]
 
 
-async def test_store_failure_is_never_silent(tools: Tools) -> None:
+async def test_store_failure_is_never_silent(tools: Tools, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that stays down past the retries (INFRA_RETRY_SEC) is REFERENCE_NOT_AVAILABLE."""
+    import noetl_worker.runner as runner
+
+    monkeypatch.setattr(runner, "INFRA_RETRY_SEC", 0.3)
     spec = {"step": "s", "tool": {"kind": "python", "code": "result = 1"}}
     env = env_of(await execute_command(command(spec), BrokenStore(), tools))
     assert env["status"] == "error" and env["reference"] is None

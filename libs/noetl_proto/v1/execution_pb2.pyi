@@ -550,3 +550,92 @@ class GetTraceResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetTraceResponse: _TypeAlias = GetTraceResponse  # noqa: Y015
+
+@_typing.final
+class ListQuarantinedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.int
+    """0 = every execution."""
+    page_size: _builtins.int
+    def __init__(
+        self,
+        *,
+        execution_id: _builtins.int = ...,
+        page_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id", "page_size", b"page_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListQuarantinedRequest: _TypeAlias = ListQuarantinedRequest  # noqa: Y015
+
+@_typing.final
+class QuarantinedInput(_message.Message):
+    """One quarantined engine input (a noetl.quarantine row)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUARANTINE_ID_FIELD_NUMBER: _builtins.int
+    SHARD_ID_FIELD_NUMBER: _builtins.int
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    INPUT_KIND_FIELD_NUMBER: _builtins.int
+    STREAM_SEQ_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    quarantine_id: _builtins.int
+    shard_id: _builtins.int
+    execution_id: _builtins.int
+    """0 when the input could not be decoded at all."""
+    input_kind: _builtins.str
+    """submitted, call_result, cancel, expired, timeout, undecodable, ..."""
+    stream_seq: _builtins.int
+    """The input's position in the NOETL_EVENTS stream (0 for a sweep input)."""
+    attempts: _builtins.int
+    error: _builtins.str
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        quarantine_id: _builtins.int = ...,
+        shard_id: _builtins.int = ...,
+        execution_id: _builtins.int = ...,
+        input_kind: _builtins.str = ...,
+        stream_seq: _builtins.int = ...,
+        attempts: _builtins.int = ...,
+        error: _builtins.str = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "error", b"error", "execution_id", b"execution_id", "input_kind", b"input_kind", "quarantine_id", b"quarantine_id", "shard_id", b"shard_id", "stream_seq", b"stream_seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QuarantinedInput: _TypeAlias = QuarantinedInput  # noqa: Y015
+
+@_typing.final
+class ListQuarantinedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INPUTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuarantinedInput]: ...
+    def __init__(
+        self,
+        *,
+        inputs: _abc.Iterable[Global___QuarantinedInput] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListQuarantinedResponse: _TypeAlias = ListQuarantinedResponse  # noqa: Y015

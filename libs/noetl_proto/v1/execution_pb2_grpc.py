@@ -70,6 +70,11 @@ class ExecutionServiceStub:
                 request_serializer=noetl_dot_v1_dot_execution__pb2.GetTraceRequest.SerializeToString,
                 response_deserializer=noetl_dot_v1_dot_execution__pb2.GetTraceResponse.FromString,
                 _registered_method=True)
+        self.ListQuarantined = channel.unary_unary(
+                '/noetl.v1.ExecutionService/ListQuarantined',
+                request_serializer=noetl_dot_v1_dot_execution__pb2.ListQuarantinedRequest.SerializeToString,
+                response_deserializer=noetl_dot_v1_dot_execution__pb2.ListQuarantinedResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutionServiceServicer:
@@ -127,6 +132,15 @@ class ExecutionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListQuarantined(self, request, context):
+        """Engine inputs the engine could not process (they failed their batch again and again
+        for a reason that is not an outage) and set aside so the rest of their shard goes
+        on; the execution each belonged to was failed. Newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +178,11 @@ def add_ExecutionServiceServicer_to_server(servicer, server):
                     servicer.GetTrace,
                     request_deserializer=noetl_dot_v1_dot_execution__pb2.GetTraceRequest.FromString,
                     response_serializer=noetl_dot_v1_dot_execution__pb2.GetTraceResponse.SerializeToString,
+            ),
+            'ListQuarantined': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQuarantined,
+                    request_deserializer=noetl_dot_v1_dot_execution__pb2.ListQuarantinedRequest.FromString,
+                    response_serializer=noetl_dot_v1_dot_execution__pb2.ListQuarantinedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +375,33 @@ class ExecutionService:
             '/noetl.v1.ExecutionService/GetTrace',
             noetl_dot_v1_dot_execution__pb2.GetTraceRequest.SerializeToString,
             noetl_dot_v1_dot_execution__pb2.GetTraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQuarantined(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/noetl.v1.ExecutionService/ListQuarantined',
+            noetl_dot_v1_dot_execution__pb2.ListQuarantinedRequest.SerializeToString,
+            noetl_dot_v1_dot_execution__pb2.ListQuarantinedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,11 @@ class ExecutionServiceStub:
     execution's manifest once it was compacted. NOT_FOUND for an unknown execution or
     step.
     """
+    ListQuarantined: _grpc.UnaryUnaryMultiCallable[_execution_pb2.ListQuarantinedRequest, _execution_pb2.ListQuarantinedResponse]
+    """Engine inputs the engine could not process (they failed their batch again and again
+    for a reason that is not an outage) and set aside so the rest of their shard goes
+    on; the execution each belonged to was failed. Newest first.
+    """
 
 @_typing.type_check_only
 class ExecutionServiceAsyncStub(ExecutionServiceStub):
@@ -74,6 +79,11 @@ class ExecutionServiceAsyncStub(ExecutionServiceStub):
     result) and every parent reference before it, newest first. Answers from the
     execution's manifest once it was compacted. NOT_FOUND for an unknown execution or
     step.
+    """
+    ListQuarantined: _aio.UnaryUnaryMultiCallable[_execution_pb2.ListQuarantinedRequest, _execution_pb2.ListQuarantinedResponse]  # type: ignore[assignment]
+    """Engine inputs the engine could not process (they failed their batch again and again
+    for a reason that is not an outage) and set aside so the rest of their shard goes
+    on; the execution each belonged to was failed. Newest first.
     """
 
 class ExecutionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -137,6 +147,17 @@ class ExecutionServiceServicer(metaclass=_abc_1.ABCMeta):
         result) and every parent reference before it, newest first. Answers from the
         execution's manifest once it was compacted. NOT_FOUND for an unknown execution or
         step.
+        """
+
+    @_abc_1.abstractmethod
+    def ListQuarantined(
+        self,
+        request: _execution_pb2.ListQuarantinedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_execution_pb2.ListQuarantinedResponse, _abc.Awaitable[_execution_pb2.ListQuarantinedResponse]]:
+        """Engine inputs the engine could not process (they failed their batch again and again
+        for a reason that is not an outage) and set aside so the rest of their shard goes
+        on; the execution each belonged to was failed. Newest first.
         """
 
 def add_ExecutionServiceServicer_to_server(servicer: ExecutionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -31,6 +31,11 @@ class _ClaimFailureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ClaimFai
     CLAIM_FAILURE_NOT_CLAIMABLE: _ClaimFailure.ValueType  # 1
     """Claimed by another worker, finished, cancelled, or re-issued under another attempt."""
     CLAIM_FAILURE_NOT_FOUND: _ClaimFailure.ValueType  # 2
+    CLAIM_FAILURE_DEFERRED: _ClaimFailure.ValueType  # 3
+    """Claimed for this worker, but the answer would have outgrown the response's size
+    budget: claim it again (a claim is idempotent for its worker and attempt) in a
+    later call, where it comes back.
+    """
 
 class ClaimFailure(_ClaimFailure, metaclass=_ClaimFailureEnumTypeWrapper):
     """Why a claim of a batch did not succeed."""
@@ -39,6 +44,11 @@ CLAIM_FAILURE_UNSPECIFIED: ClaimFailure.ValueType  # 0
 CLAIM_FAILURE_NOT_CLAIMABLE: ClaimFailure.ValueType  # 1
 """Claimed by another worker, finished, cancelled, or re-issued under another attempt."""
 CLAIM_FAILURE_NOT_FOUND: ClaimFailure.ValueType  # 2
+CLAIM_FAILURE_DEFERRED: ClaimFailure.ValueType  # 3
+"""Claimed for this worker, but the answer would have outgrown the response's size
+budget: claim it again (a claim is idempotent for its worker and attempt) in a
+later call, where it comes back.
+"""
 Global___ClaimFailure: _TypeAlias = ClaimFailure  # noqa: Y015
 
 @_typing.final

@@ -41,10 +41,11 @@ WITH wanted AS (
          OR c.status = 'claimed' AND c.worker_id = %(worker)s AND c.attempt = w.attempt)
   RETURNING c.*
 )
-SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item,
-       CASE WHEN c.execution_id = ANY(%(need_payload)b::bigint[]) THEN
-         (SELECT r.payload FROM noetl.execution_request r WHERE r.execution_id = c.execution_id) END AS payload
+SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item, r.workload_ref_id,
+       CASE WHEN c.execution_id = ANY(%(need_payload)b::bigint[]) AND r.workload_ref_id IS NULL
+            THEN r.payload END AS payload
 FROM claimed c
+LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id
 LEFT JOIN noetl.loop_item li
   ON li.execution_id = c.execution_id AND li.loop_instance = c.context->'loop'->>'instance'
  AND li.idx = (c.context->'loop'->>'index')::int
@@ -117,12 +118,14 @@ class Claims:
             raise NotFound(f"loop item {loop['instance']}[{loop['index']}] of command {row['command_id']} not found")
         compiled = await self._catalog.compiled(row["catalog_id"])
         playbook = compiled.playbook
-        workload = self._workloads.get(row["execution_id"])
-        if workload is None:
-            workload = merged_workload(playbook, row.get("payload") or {})
-            self._workloads[row["execution_id"]] = workload
-            if len(self._workloads) > 5000:
-                self._workloads.pop(next(iter(self._workloads)))
+        workload: dict[str, Any] | None = None
+        if not row.get("workload_ref_id"):  # a large workload travels by reference
+            workload = self._workloads.get(row["execution_id"])
+            if workload is None:
+                workload = merged_workload(playbook, row.get("payload") or {})
+                self._workloads[row["execution_id"]] = workload
+                if len(self._workloads) > 5000:
+                    self._workloads.pop(next(iter(self._workloads)))
         step = playbook.step(row["step"])
         spec = {
             "step": step.step,
@@ -132,7 +135,11 @@ class Claims:
             "loop": None,
         }
         context = dict(row["context"])
-        context.update(execution_id=row["execution_id"], workload=workload, known_steps=playbook.step_names)
+        context.update(execution_id=row["execution_id"], known_steps=playbook.step_names)
+        if workload is None:
+            context["workload_ref"] = {"ref_id": int(row["workload_ref_id"])}
+        else:
+            context["workload"] = workload
         if loop:
             index = int(loop["index"])
             if loop.get("mode") == "cursor":

@@ -10,6 +10,8 @@ from noetl_common.config import (
     CommandSettings,
     CoreSettings,
     ExecutionSettings,
+    LimitSettings,
+    NatsSettings,
     ResultStoreSettings,
     ShardSettings,
     load,
@@ -21,4 +23,5 @@ from .service import ApiService
 
 def main() -> int:
     return run_service(lambda: ApiService(load(CoreSettings), load(ShardSettings), load(CommandSettings),
-                                          load(ExecutionSettings), load(ResultStoreSettings)))
+                                          load(ExecutionSettings), load(ResultStoreSettings),
+                                          load(LimitSettings), load(NatsSettings)))

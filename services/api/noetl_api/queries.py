@@ -42,6 +42,13 @@ class Queries:
                     raise NotFound(f"execution {execution_id} not found")
                 row = {**req, "status": "PENDING", "error": None, "started_at": None, "ended_at": None,
                        "last_shard_seq": 0}
+                # never started because its first input was quarantined: it will not start
+                cur = await conn.execute("SELECT error, created_at FROM noetl.quarantine WHERE execution_id = %s"
+                                         " ORDER BY quarantine_id LIMIT 1", (execution_id,))
+                bad = await cur.fetchone()
+                if bad is not None:
+                    row.update(status="FAILED", ended_at=bad["created_at"],
+                               error=f"ENGINE_INPUT_QUARANTINED: {bad['error']}")
         if include_results:
             refs = [s["result_ref_id"] for s in steps if s.get("result_ref_id")]
             values = await self._results.get_many(refs) if refs else {}
@@ -49,6 +56,21 @@ class Queries:
                 ref = s.get("result_ref_id")
                 s["result_json"] = json.dumps(values.get(ref), default=str) if ref in values else ""
         return {**row, "steps": steps}
+
+    async def request_cancel(self, execution_id: int, shard_id: int, reason: str) -> None:
+        """Commit a cancellation (the shard's engine applies and deletes it)."""
+        async with autocommit(self._pool) as conn:
+            await conn.execute("INSERT INTO noetl.cancel_request (execution_id, shard_id, reason) VALUES (%s, %s, %s)"
+                               " ON CONFLICT (execution_id) DO NOTHING", (execution_id, shard_id, reason))
+
+    async def quarantined(self, execution_id: int, page_size: int) -> builtins.list[dict[str, Any]]:
+        size = min(max(page_size or 100, 1), 1000)
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute(
+                "SELECT quarantine_id, shard_id, execution_id, input_kind, stream_seq, attempts, error, created_at"
+                " FROM noetl.quarantine WHERE (%s = 0 OR execution_id = %s) ORDER BY quarantine_id DESC LIMIT %s",
+                (execution_id, execution_id, size))
+            return list(await cur.fetchall())
 
     async def list(self, *, page_size: int, page_token: str, status: str, path: str) -> tuple[list[dict[str, Any]], str]:
         size = min(max(page_size or 50, 1), 500)

@@ -12,12 +12,14 @@ from noetl_common.config import (
     CommandSettings,
     CoreSettings,
     ExecutionSettings,
+    LimitSettings,
+    NatsSettings,
     ResultStoreSettings,
     ShardSettings,
 )
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.service import Service
-from noetl_common.shardtasks import ShardTasks
+from noetl_common.shardtasks import ShardTasks, shard_health
 from noetl_proto.v1 import (
     catalog_pb2,
     catalog_pb2_grpc,
@@ -53,23 +55,32 @@ class ApiService(Service):
     )
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, commands: CommandSettings,
-                 executions: ExecutionSettings, results: ResultStoreSettings | None = None) -> None:
+                 executions: ExecutionSettings, results: ResultStoreSettings | None = None,
+                 limits: LimitSettings | None = None, nats: NatsSettings | None = None) -> None:
         self.results_cfg = results or ResultStoreSettings()
         core.require("postgres_dsn", "nats_url", "shard_manager_target")
         super().__init__(core, shard)
         self.commands = commands
         self.executions = executions
+        self.limits = limits or LimitSettings.model_construct()
+        self.nats_cfg = nats or NatsSettings.model_construct()
         self.nc: NATS | None = None
+        self.reconnects = natsio.Reconnects()
         self.engines: ShardTasks | None = None
+
+    def max_receive_bytes(self) -> int:
+        # a playbook and a payload at their limits, with room for the rest of the message
+        return self.limits.playbook_bytes + self.limits.payload_bytes + 1024 * 1024
 
     def pool_size(self) -> int:
         return 24
 
     async def on_start(self) -> None:
         assert self.pool is not None
-        self.nc = await natsio.connect(self.core.nats_url, name=self.core.instance)
+        self.nc = await natsio.connect(self.core.nats_url, name=self.core.instance, reconnects=self.reconnects)
         self.js = self.nc.jetstream()
-        await natsio.ensure_streams(self.js, command_ack_wait_sec=max(5.0, self.commands.lease_sec))
+        await natsio.ensure_streams(self.js, command_ack_wait_sec=max(5.0, self.commands.lease_sec),
+                                    replicas=self.nats_cfg.stream_replicas)
         self.catalog = Catalog(self.pool)
         # The api reads every tier (engine templates, GetExecution with results).
         self.results = CachedResultStore(await make_result_store(self.results_cfg, self.pool, self.js),
@@ -95,10 +106,13 @@ class ApiService(Service):
                                                    max_queued=self.executions.max_queued_commands)
             self.execution_servicer.bind(Submitter(
                 self.pool, self.catalog, self.ids, self.js, shard_count=self.shard_cfg.count,
-                default_timeout_sec=self.executions.default_timeout_sec, admission=admission))
+                default_timeout_sec=self.executions.default_timeout_sec, admission=admission, limits=self.limits,
+                results=self.results))
             deps = EngineDeps(self.pool, self.nc, self.js, self.catalog, self.results, self.ownership,
-                              self.commands, self.executions)
-            self.engines = ShardTasks("engine", lambda shard, epoch: ShardEngine(deps, shard, epoch))
+                              self.commands, self.executions, limits=self.limits, reconnects=self.reconnects)
+            ownership = self.ownership
+            self.engines = ShardTasks("engine", lambda shard, epoch: ShardEngine(deps, shard, epoch),
+                                      still_held=lambda shard, epoch: ownership.epoch(shard) == epoch)
         return self.engines
 
     async def on_joined(self) -> None:
@@ -109,6 +123,15 @@ class ApiService(Service):
 
     async def on_shards(self, gained: dict[int, int], lost: set[int]) -> None:
         await self._ready().apply(gained, lost)
+
+    def on_reconciled(self) -> None:
+        if self.engines is not None:
+            self.engines.ensure()
+
+    async def check_health(self) -> list[str]:
+        if self.engines is None:
+            return []
+        return shard_health(self.engines, self.nc)
 
     async def on_serving(self) -> None:
         self._ready()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +14,7 @@ from nats.aio.client import Client as NATS
 
 from noetl_common import natsio
 from noetl_common.db import transaction
-from noetl_common.errors import InvalidInput, NotFound, Unavailable
+from noetl_common.errors import InvalidInput, NoetlError, NotFound, Unavailable
 from noetl_common.grpcutil import set_timestamp
 from noetl_proto.v1 import (
     catalog_pb2,
@@ -30,6 +31,8 @@ from .catalog import Catalog, CatalogEntry
 from .claims import Claimed, Claims
 from .queries import TERMINAL, Queries
 from .submissions import Submitter
+
+logger = logging.getLogger(__name__)
 
 
 def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
@@ -142,14 +145,33 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
 
     async def CancelExecution(self, request: execution_pb2.CancelExecutionRequest,
                               context: grpc.aio.ServicerContext) -> execution_pb2.CancelExecutionResponse:
+        """Committed to Postgres (``noetl.cancel_request``) before it is acknowledged; the
+        NATS message is a nudge (the shard's engine sweeps committed cancellations)."""
         row = await self._queries.execution(request.execution_id)
         if row["status"] in TERMINAL:
             return execution_pb2.CancelExecutionResponse(accepted=False)
+        reason = request.reason or "cancelled by request"
+        await self._queries.request_cancel(request.execution_id, row["shard_id"], reason)
         msg = messages_pb2.EngineInput(cancel=messages_pb2.CancelRequested(
-            execution_id=request.execution_id, reason=request.reason or "cancelled by request"))
-        await natsio.publish(self._js, natsio.events_subject(row["shard_id"], natsio.KIND_CANCEL),
-                             msg.SerializeToString(), msg_id=f"cancel#{request.execution_id}")
+            execution_id=request.execution_id, reason=reason))
+        try:
+            await natsio.publish(self._js, natsio.events_subject(row["shard_id"], natsio.KIND_CANCEL),
+                                 msg.SerializeToString(), msg_id=f"cancel#{request.execution_id}")
+        except NoetlError as exc:  # committed: the engine's sweep applies it
+            logger.warning("cancel nudge for execution %s not published (%s); the shard sweep applies it",
+                           request.execution_id, exc)
         return execution_pb2.CancelExecutionResponse(accepted=True)
+
+    async def ListQuarantined(self, request: execution_pb2.ListQuarantinedRequest,
+                              context: grpc.aio.ServicerContext) -> execution_pb2.ListQuarantinedResponse:
+        rows = await self._queries.quarantined(request.execution_id, request.page_size)
+        out = execution_pb2.ListQuarantinedResponse()
+        for r in rows:
+            item = out.inputs.add(quarantine_id=r["quarantine_id"], shard_id=r["shard_id"],
+                                  execution_id=r["execution_id"], input_kind=r["input_kind"],
+                                  stream_seq=r["stream_seq"] or 0, attempts=r["attempts"], error=r["error"])
+            set_timestamp(item.created_at, r["created_at"])
+        return out
 
     async def GetEvents(self, request: execution_pb2.GetEventsRequest,
                         context: grpc.aio.ServicerContext) -> execution_pb2.GetEventsResponse:
@@ -247,6 +269,11 @@ def _command_pb(got: Claimed) -> messages_pb2.Command:
     return cmd
 
 
+# A ClaimCommands answer stops carrying commands past this many bytes (the rest come back
+# deferred): a batch of commands with large loop items never outgrows a gRPC message.
+CLAIMS_ANSWER_BUDGET = 4 * 1024 * 1024
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, claims: Claims) -> None:
         self._claims = claims
@@ -267,9 +294,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         outcomes = await self._claims.claim_many([(c.command_id, c.attempt) for c in request.claims],
                                                  request.worker_id)
         out = worker_pb2.ClaimCommandsResponse()
+        size = 0
         for c, got in zip(request.claims, outcomes, strict=True):
             if isinstance(got, Claimed):
-                out.outcomes.add(command_id=c.command_id, command=_command_pb(got))
+                command = _command_pb(got)
+                size += command.ByteSize()
+                if size > CLAIMS_ANSWER_BUDGET and len(out.outcomes) > 0:
+                    # claimed for this worker all the same: it claims again and gets it back
+                    out.outcomes.add(command_id=c.command_id, failure=worker_pb2.CLAIM_FAILURE_DEFERRED,
+                                     message="claimed; the answer is deferred to keep this response small:"
+                                             " claim it again")
+                    continue
+                out.outcomes.add(command_id=c.command_id, command=command)
             else:
                 failure = (worker_pb2.CLAIM_FAILURE_NOT_FOUND if isinstance(got, NotFound)
                            else worker_pb2.CLAIM_FAILURE_NOT_CLAIMABLE)

@@ -6,6 +6,7 @@ also sweeps committed requests it has not started, so a lost nudge costs latency
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -14,11 +15,13 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from noetl_common import natsio, tracing
+from noetl_common.config import LimitSettings
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NoetlError, NotFound, PlaybookInvalid
 from noetl_common.ids import SnowflakeGenerator, shard_for
-from noetl_dsl import merged_workload
+from noetl_dsl import Playbook, merged_workload
 from noetl_proto.v1 import messages_pb2
+from noetl_store import ResultStore, encode_json
 
 from .admission import Admission
 from .catalog import Catalog, CatalogEntry, parse
@@ -47,10 +50,28 @@ def parse_payload(text: str) -> dict[str, Any]:
     return value
 
 
+# The result-store "task" of a workload stored by reference (NOETL_LIMIT_INLINE_WORKLOAD_BYTES).
+WORKLOAD_TASK = "workload"
+
+
+def _prepare(playbook_yaml: str, playbook: Playbook | None, payload: dict[str, Any],
+             limits: LimitSettings) -> tuple[Playbook, dict[str, Any], bytes]:
+    """The CPU part of a submission (parse, merge, compile every template), run off the
+    event loop: (playbook, workload, the workload encoded)."""
+    if playbook is None:
+        playbook = parse(playbook_yaml)
+    workload = merged_workload(playbook, payload)
+    check_templates(playbook, workload)
+    return playbook, workload, encode_json(workload)
+
+
 class Submitter:
     def __init__(self, pool: Pool, catalog: Catalog, ids: SnowflakeGenerator,
                  js: JetStreamContext, *, shard_count: int, default_timeout_sec: float,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, limits: LimitSettings | None = None,
+                 results: ResultStore | None = None) -> None:
+        self._limits = limits or LimitSettings.model_construct()
+        self._results = results
         self._admission = admission
         self._pool = pool
         self._catalog = catalog
@@ -62,41 +83,49 @@ class Submitter:
     async def submit(self, *, playbook_yaml: str = "", path: str = "", version: int = 0, payload_json: str = "",
                      idempotency_key: str = "", timeout_sec: float = 0.0, parent_execution_id: int = 0,
                      parent_step: str = "") -> Submission:
-        payload = parse_payload(payload_json)
+        size = len(payload_json.encode())
+        if size > self._limits.payload_bytes:
+            raise InvalidInput(f"payload is {size} bytes; limit NOETL_LIMIT_PAYLOAD_BYTES={self._limits.payload_bytes}")
+        payload = await asyncio.to_thread(parse_payload, payload_json) if size > 64 * 1024 else parse_payload(
+            payload_json)
         if timeout_sec < 0:
             raise InvalidInput("timeout_seconds must not be negative")
         if idempotency_key:
             existing = await self._existing(idempotency_key)
             if existing is not None:
                 return existing
-        if playbook_yaml:
-            playbook = parse(playbook_yaml)
-            entry, _ = await self._catalog.register(playbook_yaml, playbook)
-        elif path:
+        depth = await self._depth(parent_execution_id)
+        playbook: Playbook | None = None
+        if not playbook_yaml:
+            if not path:
+                raise InvalidInput("either playbook_yaml or a playbook reference (path) is required")
             entry = await self._catalog.get(path, version)
             playbook = (await self._catalog.compiled(entry.catalog_id)).playbook
-        else:
-            raise InvalidInput("either playbook_yaml or a playbook reference (path) is required")
-        workload = merged_workload(playbook, payload)
-        check_templates(playbook, workload)
+        # parsing and compiling templates never run on the loop that drives engines and leases
+        playbook, workload, encoded = await asyncio.to_thread(_prepare, playbook_yaml, playbook, payload,
+                                                              self._limits)
         await self._check_credentials(playbook, workload)
         await self._check_playbook_refs(playbook)
         if self._admission is not None:
             await self._admission.check()
+        if playbook_yaml:  # registered only once everything above accepted it
+            entry, _ = await self._catalog.register(playbook_yaml, playbook)
 
         execution_id = self._ids.next_id()
         shard = shard_for(execution_id, self._shards)
         timeout = timeout_sec or self._default_timeout
+        workload_ref = await self._workload_reference(execution_id, workload, encoded)
         async with autocommit(self._pool) as conn:  # one statement: its own transaction
             cur = await conn.execute(
                 "INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
-                " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent, depth,"
+                " workload_ref_id, payload_bytes)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id",
                 (execution_id, shard, entry.catalog_id, json.dumps(payload), idempotency_key or None,
                  parent_execution_id or None, parent_step or None, timeout,
                  # the engine continues this trace for every command (engine/traces.py)
-                 tracing.current_traceparent()),
+                 tracing.current_traceparent(), depth, workload_ref, size),
             )
             inserted = await cur.fetchone()
         if inserted is None:  # lost an idempotency race to a concurrent retry
@@ -108,6 +137,33 @@ class Submitter:
         await self.nudge(shard, execution_id)
         logger.info("submitted execution %s (%s v%s) shard %s", execution_id, entry.path, entry.version, shard)
         return Submission(execution_id, shard, entry, False)
+
+    async def _depth(self, parent_execution_id: int) -> int:
+        """How deep a sub-playbook nests (0 for a top-level execution); refused beyond
+        NOETL_LIMIT_SUBPLAYBOOK_DEPTH (a playbook that calls itself stops there)."""
+        if not parent_execution_id:
+            return 0
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute("SELECT depth FROM noetl.execution_request WHERE execution_id = %s",
+                                     (parent_execution_id,))
+            row = await cur.fetchone()
+        if row is None:
+            raise NotFound(f"parent execution {parent_execution_id} not found")
+        depth = int(row["depth"]) + 1
+        limit = self._limits.subplaybook_depth
+        if depth > limit:
+            raise InvalidInput(f"sub-playbook nesting depth would be {depth}; limit "
+                               f"NOETL_LIMIT_SUBPLAYBOOK_DEPTH={limit}")
+        return depth
+
+    async def _workload_reference(self, execution_id: int, workload: dict[str, Any], encoded: bytes) -> int | None:
+        """A workload too large to ride inside every claim is stored once in the result
+        store; claims carry its reference and workers read it (and cache it) from there."""
+        if self._results is None or len(encoded) <= self._limits.inline_workload_bytes:
+            return None
+        ref = await self._results.put(workload, execution_id=execution_id, step="", command_id="",
+                                      task=WORKLOAD_TASK, parent_ref_id=None)
+        return ref.ref_id
 
     async def nudge(self, shard: int, execution_id: int) -> None:
         msg = messages_pb2.EngineInput(submitted=messages_pb2.ExecutionSubmitted(execution_id=execution_id))

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from nats.js import JetStreamContext
 from prometheus_client import Counter
@@ -24,15 +26,28 @@ for _reason in ("lease_expired", "republished"):  # exported as 0 before the fir
     REAPED.labels(_reason)
 
 
+def renewal_grace(lease_sec: float) -> float:
+    """How long after an outage claims are not judged: one renewal interval and a margin."""
+    return lease_sec / 3 + 2.0
+
+
 class ShardReaper:
+    """``hold_expiries()`` true: expired claims are not reported (Postgres was just
+    unreachable from here: the workers could not renew either, and get a command lease to
+    do so before their claims are judged). Claims are never judged within a command lease
+    of the database's own start either (a restart loses everyone's renewals)."""
+
     def __init__(self, pool: Pool, js: JetStreamContext, shard: int, epoch: int,
-                 cfg: CommandSettings, interval: float) -> None:
+                 cfg: CommandSettings, interval: float, hold_expiries: Callable[[], bool] | None = None) -> None:
         self.pool = pool
         self.js = js
         self.shard = shard
         self.epoch = epoch
         self.cfg = cfg
         self.interval = interval
+        self._hold = hold_expiries or (lambda: False)
+        self._failing_since: float | None = None  # monotonic: the first failed round of a run of them
+        self._outage_ended: float | None = None  # monotonic: when rounds succeeded again after an outage
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -42,19 +57,35 @@ class ShardReaper:
         while not self._stop.is_set():
             try:
                 await self.reap_once()
+                if self._failing_since is not None:
+                    if time.monotonic() - self._failing_since >= self.interval:  # more than one round
+                        self._outage_ended = time.monotonic()
+                    self._failing_since = None
             except NoetlError as exc:
+                self._failing_since = self._failing_since or time.monotonic()
                 logger.warning("reaper shard %s: %s", self.shard, exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=self.interval)
+
+    def _holding(self) -> bool:
+        """Workers renew every third of a lease: after an outage that kept them from it,
+        they get that long (and a little) before their claims are judged."""
+        recent = (self._outage_ended is not None
+                  and time.monotonic() - self._outage_ended < renewal_grace(self.cfg.lease_sec))
+        return recent or self._hold()
 
     async def reap_once(self) -> tuple[int, int]:
         """Report expired claims and republish stale queued commands; returns their counts.
         Failures come out as NoetlError (psycopg and nats errors translated)."""
         async with transaction(self.pool) as conn:
-            cur = await conn.execute(
-                "SELECT command_id, execution_id, attempt, worker_id FROM noetl.command WHERE shard_id = %s"
-                " AND status = 'claimed' AND lease_until < now() ORDER BY lease_until LIMIT 500", (self.shard,))
-            expired = list(await cur.fetchall())
+            expired: list[Any] = []
+            if not self._holding():
+                cur = await conn.execute(
+                    "SELECT command_id, execution_id, attempt, worker_id FROM noetl.command WHERE shard_id = %s"
+                    " AND status = 'claimed' AND lease_until < now()"
+                    " AND pg_postmaster_start_time() < now() - make_interval(secs => %s)"
+                    " ORDER BY lease_until LIMIT 500", (self.shard, self.cfg.lease_sec))
+                expired = list(await cur.fetchall())
             cur = await conn.execute(
                 "SELECT c.command_id, c.execution_id, c.attempt, c.kind, r.traceparent FROM noetl.command c"
                 " LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id WHERE c.shard_id = %s"

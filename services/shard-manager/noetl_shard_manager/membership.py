@@ -4,11 +4,13 @@ member side of the leases."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+from prometheus_client import Counter
 
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError
@@ -16,6 +18,9 @@ from noetl_common.errors import NoetlError
 from .balance import assign
 
 logger = logging.getLogger(__name__)
+
+ENDED_SESSIONS = Counter("noetl_shard_manager_ended_sessions_total",
+                         "Postgres sessions of dead members ended because they held a lease row (frozen mid-batch)")
 
 SHARDED_ROLES = ("api", "projector", "checkpointer", "compactor", "reaper")
 LEADER_KEY = "shard-manager"
@@ -107,18 +112,24 @@ class Membership:
                 "UPDATE noetl.leader_lease SET leased_until = now() WHERE name = %s AND holder_runtime_id = %s",
                 (LEADER_KEY, runtime_id))
 
-    async def rebalance(self) -> int:
-        """Declare stale members dead and move shards to live members; returns moves made."""
+    async def rebalance(self, *, declare_dead: bool = True) -> int:
+        """Declare stale members dead (unless ``declare_dead`` is False: the leader just
+        came back from an outage during which nobody could heartbeat) and move shards to
+        live members; returns moves made. A member is never declared dead within a lease
+        of the database's own start (a Postgres restart is everyone's missed heartbeat)."""
         moves = 0
         async with transaction(self._pool) as conn:
             await self._bounded_lock_wait(conn)
-            cur = await conn.execute(
-                "UPDATE noetl.runtime SET status = 'dead' WHERE status = 'alive'"
-                " AND heartbeat_at < now() - make_interval(secs => %s) RETURNING runtime_id, role, instance",
-                (self.lease_sec,))
-            for r in await cur.fetchall():
-                logger.warning("member %s (%s, runtime %s) missed its lease: declared dead",
-                               r["instance"], r["role"], r["runtime_id"])
+            if declare_dead:
+                cur = await conn.execute(
+                    "UPDATE noetl.runtime SET status = 'dead' WHERE status = 'alive'"
+                    " AND heartbeat_at < now() - make_interval(secs => %s)"
+                    " AND pg_postmaster_start_time() < now() - make_interval(secs => %s)"
+                    " RETURNING runtime_id, role, instance",
+                    (self.lease_sec, self.lease_sec))
+                for r in await cur.fetchall():
+                    logger.warning("member %s (%s, runtime %s) missed its lease: declared dead",
+                                   r["instance"], r["role"], r["runtime_id"])
             # Only missing rows: ON CONFLICT alone would wait on a row a member's fence has locked.
             await conn.execute(
                 "INSERT INTO noetl.shard_lease (role, shard_id) SELECT r, s FROM unnest(%s::text[]) r,"
@@ -144,31 +155,66 @@ class Membership:
             changed = [(s, o) for s, o in target.items() if current[role].get(s) != o]
             moved = 0
             for shard, owner in changed:
-                # Row lock: waits for an in-flight fenced transaction of the old owner, then
-                # bumps the epoch so every later write of the old owner fails its fence.
-                # A transaction that holds the lock longer (its member froze mid-batch) is
-                # not waited for: the shard is retried next tick, the others move now, and
-                # Postgres ends the frozen transaction after a lease (make_pool's
-                # idle_tx_timeout_sec), releasing the lock.
+                # A transaction that holds the lease row longer than the bounded wait: if its
+                # member was declared dead (it froze mid-batch), its session is ended and the
+                # move retried at once; a live owner's is waited for next tick (the other
+                # shards move now).
+                old_owner = current[role].get(shard)
                 try:
-                    async with transaction(self._pool) as conn:
-                        await self._bounded_lock_wait(conn)
-                        await conn.execute(
-                            "UPDATE noetl.shard_lease SET owner_runtime_id = %s, epoch = epoch + 1,"
-                            " leased_until = now() + make_interval(secs => %s), updated_at = now()"
-                            " WHERE role = %s AND shard_id = %s",
-                            (owner, self.lease_sec, role, shard))
+                    await self._move(role, shard, owner)
                 except NoetlError as exc:
                     if not isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
                         raise
-                    logger.warning("%s shard %s is locked by a stalled transaction of its owner; retrying next tick",
-                                   role, shard)
-                    continue
+                    if old_owner is None or old_owner in live[role] or not await self._end_stalled_holder(role, shard):
+                        logger.warning("%s shard %s is locked by a transaction of its owner; retrying next tick",
+                                       role, shard)
+                        continue
+                    try:
+                        await self._move(role, shard, owner)
+                    except NoetlError as again:
+                        if not isinstance(again.__cause__, psycopg.errors.LockNotAvailable):
+                            raise
+                        logger.warning("%s shard %s still locked after ending its stalled holder; retrying next"
+                                       " tick", role, shard)
+                        continue
                 moved += 1
             moves += moved
             if moved:
                 logger.info("rebalanced %s: %s shard(s) moved over %s member(s)", role, moved, len(live[role]))
         return moves
+
+    async def _move(self, role: str, shard: int, owner: int) -> None:
+        # Row lock: waits for an in-flight fenced transaction of the old owner, then bumps
+        # the epoch so every later write of the old owner fails its fence.
+        async with transaction(self._pool) as conn:
+            await self._bounded_lock_wait(conn)
+            await conn.execute(
+                "UPDATE noetl.shard_lease SET owner_runtime_id = %s, epoch = epoch + 1,"
+                " leased_until = now() + make_interval(secs => %s), updated_at = now()"
+                " WHERE role = %s AND shard_id = %s",
+                (owner, self.lease_sec, role, shard))
+
+    async def _end_stalled_holder(self, role: str, shard: int) -> bool:
+        """The lease row of a shard whose owner was declared dead is locked by a
+        transaction of that owner (it froze inside its fenced batch: SIGSTOP, a VM pause;
+        a session waiting on the client inside a pipeline is not "idle in transaction",
+        so no timeout ends it). End that session: the transaction holding the row lock is
+        the one whose id is the row's ``xmax``. Returns True when one was ended."""
+        async with transaction(self._pool) as conn:
+            cur = await conn.execute(
+                "SELECT l.pid, pg_terminate_backend(l.pid) AS ended FROM noetl.shard_lease s"
+                " JOIN pg_locks l ON l.locktype = 'transactionid' AND l.granted AND l.mode = 'ExclusiveLock'"
+                " AND l.transactionid = s.xmax WHERE s.role = %s AND s.shard_id = %s AND s.xmax <> '0'::xid",
+                (role, shard))
+            rows = list(await cur.fetchall())
+        ended = [r["pid"] for r in rows if r["ended"]]
+        if ended:
+            ENDED_SESSIONS.inc(len(ended))
+            logger.warning("%s shard %s: ended the stalled session(s) %s of its dead owner holding the lease row",
+                           role, shard, ended)
+            # the backend exits asynchronously: give it a moment to release the lock
+            await asyncio.sleep(0.05)
+        return bool(ended)
 
     async def _bounded_lock_wait(self, conn: Any) -> None:
         """Wait at most a quarter lease (1 s at most) for a row lock in this transaction."""

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 
 import grpc
 from prometheus_client import Counter, Gauge
@@ -50,7 +51,12 @@ class ShardManagerService(Service):
         self.spawn(self._lead_loop(), "leader")
 
     async def _lead_loop(self) -> None:
+        """Heartbeat, lead, rebalance. After an outage of Postgres that this replica saw,
+        nobody could heartbeat during it: members are not declared dead until a lease has
+        passed since it ended (they heartbeat again meanwhile)."""
         tick = min(self.shard_cfg.heartbeat_sec, 1.0) / 2
+        outage_ended: float | None = None
+        failing = False
         while not self.stopping:
             try:
                 if not await self.membership.heartbeat(self.runtime_id):
@@ -62,9 +68,15 @@ class ShardManagerService(Service):
                     logger.info("leadership: %s", f"leader (epoch {epoch})" if epoch is not None else "standby")
                     self.leader_epoch = epoch
                 IS_LEADER.labels(self.core.instance).set(1 if epoch is not None else 0)
+                if failing:
+                    failing, outage_ended = False, time.monotonic()
+                    logger.warning("the database answers again; nobody is declared dead for %.1fs",
+                                   self.shard_cfg.lease_sec)
+                grace = outage_ended is not None and time.monotonic() - outage_ended < self.shard_cfg.lease_sec
                 if epoch is not None:
-                    MOVES.inc(await self.membership.rebalance())
+                    MOVES.inc(await self.membership.rebalance(declare_dead=not grace))
             except NoetlError as exc:
+                failing = True
                 logger.warning("leader loop: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), timeout=tick)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from noetl_common.config import (
     CommandSettings,
     CoreSettings,
+    NatsSettings,
     ResultStoreSettings,
     ShardSettings,
     WorkerSettings,
@@ -24,7 +25,7 @@ def build() -> WorkerService:
     core = load(CoreSettings)
     core.require("postgres_dsn", "nats_url", "api_target", "shard_manager_target")
     return WorkerService(core, load(ShardSettings), load(CommandSettings), load(WorkerSettings),
-                         results=load(ResultStoreSettings))
+                         results=load(ResultStoreSettings), nats=load(NatsSettings))
 
 
 def main() -> int:

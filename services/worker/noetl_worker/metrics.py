@@ -29,3 +29,5 @@ RESULT_BYTES = _metric(Histogram, "noetl_event_result_bytes", "Size of result en
 CLAIMS = _metric(Counter, "noetl_worker_claims_total", "ClaimCommand outcomes", ("outcome",))
 CURSOR_ROWS = _metric(Counter, "noetl_worker_cursor_rows_total", "Rows run by cursor loop slots", ("status",))
 CANCEL_HINTS = _metric(Counter, "noetl_worker_cancel_hints_total", "Commands stopped by a cancel hint")
+RESULTS_REPUBLISHED = _metric(Counter, "noetl_worker_results_republished_total",
+                              "Results published again because the events stream lost them (NATS restart)")

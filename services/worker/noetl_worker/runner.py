@@ -20,6 +20,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from noetl_common import tracing
 from noetl_common.errors import NoetlError
+from noetl_common.retry import is_transient, retrying
 from noetl_dsl.templates import RenderContext
 from noetl_proto.v1 import messages_pb2
 from noetl_store import Reference, ResultStore, encode_json, envelope, envelope_to_proto
@@ -32,8 +33,13 @@ from .tools.outcome import INVALID_COMMAND, REFERENCE_NOT_AVAILABLE
 logger = logging.getLogger(__name__)
 
 
-# Outer bound of one persist (the store bounds its own calls too, NOETL_RESULT_TIMEOUT_SEC).
+# Outer bound of one persist attempt (the store bounds its own calls too, NOETL_RESULT_TIMEOUT_SEC).
 PERSIST_TIMEOUT_SEC = 120.0
+# How long the worker waits out an outage of the result store (Postgres, S3) or of the
+# runtime database before a result it holds becomes REFERENCE_NOT_AVAILABLE: an outage
+# shorter than this is never a user-visible error. A command whose lease is lost meanwhile
+# is stopped (cancelled) and retries nothing.
+INFRA_RETRY_SEC = 600.0
 
 
 class StoreFailure(NoetlError):
@@ -41,21 +47,40 @@ class StoreFailure(NoetlError):
 
 
 async def persist_result(store: ResultStore, value: Any, *, command: messages_pb2.Command, task: str,
-                         parent_ref_id: int | None, limit_sec: float | None = None) -> Reference:
+                         parent_ref_id: int | None, limit_sec: float | None = None,
+                         retry_sec: float | None = None) -> Reference:
     """Persist-before-emit: store one result of ``command`` and return its reference.
-    Every result the worker reports goes through here. Raises ``StoreFailure`` (the
-    caller reports ``REFERENCE_NOT_AVAILABLE``) when the store fails, refuses the value or
-    does not answer within ``limit_sec`` (default ``PERSIST_TIMEOUT_SEC``)."""
+    Every result the worker reports goes through here. A failure of the store that is an
+    outage (``retry.is_transient``: unreachable, restarting, timing out) is retried with
+    backoff for up to ``retry_sec`` (default ``INFRA_RETRY_SEC``); each attempt is bounded
+    by ``limit_sec`` (default ``PERSIST_TIMEOUT_SEC``). Raises ``StoreFailure`` (the caller
+    reports ``REFERENCE_NOT_AVAILABLE``) when the store refuses the value or the outage
+    outlasts the retries."""
     limit = PERSIST_TIMEOUT_SEC if limit_sec is None else limit_sec
+    deadline = INFRA_RETRY_SEC if retry_sec is None else retry_sec
+
+    async def once() -> Reference:
+        try:
+            async with asyncio.timeout(limit):
+                return await store.put(value, execution_id=command.execution_id, step=command.step,
+                                       command_id=command.command_id, task=task, parent_ref_id=parent_ref_id)
+        except TimeoutError as exc:
+            raise _PutTimeout(f"the result store did not answer within {limit:g}s") from exc
+
     try:
-        async with asyncio.timeout(limit):
-            return await store.put(value, execution_id=command.execution_id, step=command.step,
-                                   command_id=command.command_id, task=task, parent_ref_id=parent_ref_id)
-    except TimeoutError as exc:
-        raise StoreFailure(f"cannot store the result of task '{task}': the result store did not answer "
-                           f"within {limit:g}s") from exc
+        async for attempt in retrying(f"storing the result of task '{task}' of {command.command_id}",
+                                      deadline_sec=deadline, initial=0.1, cap=5.0):
+            with attempt:
+                return await once()
+    except _PutTimeout as exc:
+        raise StoreFailure(f"cannot store the result of task '{task}': {exc}") from exc
     except (NoetlError, TypeError, ValueError) as exc:
         raise StoreFailure(f"cannot store the result of task '{task}': {exc}") from exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _PutTimeout(TimeoutError):
+    """One put attempt ran out of time (transient: retried)."""
 
 
 class _Persister:
@@ -200,7 +225,7 @@ async def prepare(command: messages_pb2.Command, store: ResultStore, *, worker_i
         logger.warning("invalid command: %s", exc, extra=extra)
         return error_result(command, INVALID_COMMAND, str(exc), worker_id=worker_id, kind="ValueError")
     try:
-        scope = await build_scope(context, spec, store)
+        scope = await _build_scope_waiting_out_outages(context, spec, store, command)
     except ValueError as exc:
         return error_result(command, INVALID_COMMAND, str(exc), worker_id=worker_id, kind="ValueError")
     except NoetlError as exc:
@@ -208,6 +233,16 @@ async def prepare(command: messages_pb2.Command, store: ResultStore, *, worker_i
         return error_result(command, REFERENCE_NOT_AVAILABLE, f"cannot read an earlier step's result: {exc}",
                             worker_id=worker_id, kind=type(exc).__name__, retryable=True)
     return spec, context, tasks, scope
+
+
+async def _build_scope_waiting_out_outages(context: dict[str, Any], spec: dict[str, Any], store: ResultStore,
+                                           command: messages_pb2.Command) -> RenderContext:
+    """``build_scope``, with an outage of the result store waited out (INFRA_RETRY_SEC)."""
+    async for attempt in retrying(f"reading earlier results for {command.command_id}",
+                                  deadline_sec=INFRA_RETRY_SEC, initial=0.1, cap=5.0, transient=is_transient):
+        with attempt:
+            return await build_scope(context, spec, store)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def execute_command(command: messages_pb2.Command, store: ResultStore, tools: Tools, *,

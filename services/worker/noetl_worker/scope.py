@@ -66,6 +66,10 @@ async def build_scope(context: Mapping[str, Any], spec: Mapping[str, Any], store
     """The RenderContext for a command. Raises NotFound when a referenced result is not
     in the store, and the store's errors (Unavailable, ...) when it cannot be read."""
     workload = context.get("workload") or {}
+    workload_ref = context.get("workload_ref")
+    if isinstance(workload_ref, Mapping) and workload_ref.get("ref_id"):
+        # a workload too large to ride in every claim: read (and cached) from the store
+        workload = await store.get(int(workload_ref["ref_id"]))
     steps = context.get("steps") or {}
     if not isinstance(workload, Mapping) or not isinstance(steps, Mapping):
         raise ValueError("context_json: `workload` and `steps` must be objects")

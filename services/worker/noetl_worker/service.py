@@ -41,7 +41,9 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -56,6 +58,7 @@ from noetl_common.coalesce import Coalescer
 from noetl_common.config import (
     CommandSettings,
     CoreSettings,
+    NatsSettings,
     ResultStoreSettings,
     ShardSettings,
     WorkerSettings,
@@ -67,7 +70,7 @@ from noetl_store import ResultStore, encode_json, envelope_from_proto, make_resu
 
 from .cursor import CURSOR_KIND, run_cursor_slot
 from .cursor_drivers import Row, default_drivers
-from .metrics import BUSY, CANCEL_HINTS, CLAIMS, COMMANDS, CONCURRENCY, RESULT_BYTES
+from .metrics import BUSY, CANCEL_HINTS, CLAIMS, COMMANDS, CONCURRENCY, RESULT_BYTES, RESULTS_REPUBLISHED
 from .runner import error_result, execute_command
 from .tools import Credentials, HttpTool, PlaybookTool, PoolRegistry, PostgresTool, PythonPool, Tools
 
@@ -81,12 +84,25 @@ PUBLISH_BACKOFF_CAP_SEC = 5.0
 # Earlier step results kept in memory (by count: results may be large).
 RESULT_CACHE_ITEMS = 256
 TAKEN_KEEP = 4096  # command attempts this worker remembers having claimed
+# Results published lately, kept to publish again if the events stream loses them (a NATS
+# server that restarts without its unsynced writes, a recreated stream).
+RECENT_KEEP = 20_000
+RECENT_KEEP_SEC = 300.0
 WORKER_ERROR = "WORKER_ERROR"
 # Core-NATS hints of cancelled commands, one subject per shard (natsio.cancel_subject).
 CANCEL_HINTS_SUBJECT = "noetl.cancel.>"
 CANCELLED = "cancelled"
 _LOST_CLAIM = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 _LOST_LEASE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
+
+
+@dataclass(frozen=True)
+class _Published:
+    seq: int  # its position in the events stream (the PubAck)
+    subject: str
+    payload: bytes
+    msg_id: str
+    at: float
 
 
 class ClaimLost(Exception):
@@ -123,8 +139,13 @@ class WorkerService(Service):
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, command: CommandSettings,
                  worker: WorkerSettings, *, tools: Tools | None = None, store: ResultStore | None = None,
-                 results: ResultStoreSettings | None = None) -> None:
+                 results: ResultStoreSettings | None = None, nats: NatsSettings | None = None) -> None:
         super().__init__(core, shard)
+        self.nats_cfg = nats or NatsSettings.model_construct()
+        self.reconnects = natsio.Reconnects()
+        self._recent: deque[_Published] = deque(maxlen=RECENT_KEEP)
+        self._recovering: asyncio.Task[None] | None = None
+        self._consumer_checked = 0.0
         self.command_cfg = command
         self.worker_cfg = worker
         self.results_cfg = results or ResultStoreSettings()
@@ -158,9 +179,11 @@ class WorkerService(Service):
     async def on_start(self) -> None:
         self.core.require("postgres_dsn", "nats_url", "api_target")
         assert self.pool is not None
-        self.nc = await natsio.connect(self.core.nats_url, name=f"noetl-worker-{self.worker_id}")
+        self.nc = await natsio.connect(self.core.nats_url, name=f"noetl-worker-{self.worker_id}",
+                                       reconnects=self.reconnects)
         self.js = self.nc.jetstream()
-        await natsio.ensure_streams(self.js)
+        await natsio.ensure_streams(self.js, replicas=self.nats_cfg.stream_replicas)
+        self.reconnects.listen(self._on_reconnect)
         if self.store is None:
             # Writes the configured tier (NOETL_RESULT_TIER), reads every tier.
             self.store = await make_result_store(self.results_cfg, self.pool, self.js, lru_items=RESULT_CACHE_ITEMS)
@@ -182,8 +205,61 @@ class WorkerService(Service):
             self._slots.append(self.spawn(self._slot_loop(n), f"worker-slot-{n}"))
         logger.info("worker %s running %d slots", self.worker_id, len(self._slots))
 
+    async def check_health(self) -> list[str]:
+        if self.nc is not None and not self.nc.is_connected:
+            return ["nats unavailable: not connected"]
+        return []
+
+    # ------------------------------------------------------------ NATS restarts
+
+    def _on_reconnect(self) -> None:
+        if self._recovering is None or self._recovering.done():
+            self._recovering = asyncio.ensure_future(self._after_reconnect())
+
+    async def _after_reconnect(self) -> None:
+        """After a reconnect: the shared consumer may be gone with the server's state
+        (re-created), and results the events stream had acknowledged may be lost (a server
+        restart without its unsynced writes, a recreated stream): every recent result whose
+        stream position is past the stream's end now is published again (same Msg-Id; the
+        engine accepts one result per command and records any other as a duplicate)."""
+        assert self.js is not None
+        for delay in (0.0, 0.2, 0.5, 1.0, 2.0, 5.0):
+            await asyncio.sleep(delay)
+            try:
+                await natsio.ensure_streams(self.js, replicas=self.nats_cfg.stream_replicas)
+                last = int((await self.js.stream_info(natsio.EVENTS_STREAM)).state.last_seq)
+                break
+            except Exception as exc:
+                logger.warning("after a NATS reconnect: streams not readable yet (%s)", exc)
+        else:
+            return
+        horizon = time.monotonic() - RECENT_KEEP_SEC
+        lost = [p for p in self._recent if p.seq > last and p.at >= horizon]
+        if not lost:
+            return
+        logger.error("the events stream ends at %s but %d result(s) this worker published were acknowledged past"
+                     " it: publishing them again", last, len(lost))
+        RESULTS_REPUBLISHED.inc(len(lost))
+        for p in lost:
+            try:
+                await natsio.publish(self.js, p.subject, p.payload, msg_id=p.msg_id)
+            except NoetlError as exc:
+                logger.warning("republishing %s failed: %s", p.msg_id, exc)
+
+    async def _ensure_consumer(self) -> None:
+        """Re-create the shared consumer if it is gone (at most once a second)."""
+        if self.js is None or time.monotonic() - self._consumer_checked < 1.0:
+            return
+        self._consumer_checked = time.monotonic()
+        try:
+            await natsio.ensure_worker_consumer(self.js)
+        except Exception as exc:
+            logger.warning("checking the worker consumer failed: %s", exc)
+
     async def on_stop(self) -> None:
         self._draining = True
+        if self._recovering is not None:
+            self._recovering.cancel()
         grace = self.core.shutdown_grace_sec
         idle = [t for n, t in enumerate(self._slots) if n in self._idle]
         busy = [t for n, t in enumerate(self._slots) if n not in self._idle and not t.done()]
@@ -220,6 +296,7 @@ class WorkerService(Service):
                 continue
             except NatsError as exc:
                 logger.warning("fetching commands failed: %s", exc)
+                await self._ensure_consumer()
                 await self.sleep(0.5)
                 continue
             finally:
@@ -301,8 +378,19 @@ class WorkerService(Service):
                 if len(resp.outcomes) != len(claims):
                     raise Unavailable(f"ClaimCommands answered {len(resp.outcomes)} outcomes"
                                       f" for {len(claims)} claims")
-                return [o.command if o.HasField("command") else ClaimLost(o.message or "not claimable")
-                        for o in resp.outcomes]
+                out: list[messages_pb2.Command | BaseException] = []
+                for claim, o in zip(claims, resp.outcomes, strict=True):
+                    if o.HasField("command"):
+                        out.append(o.command)
+                    elif o.failure == worker_pb2.CLAIM_FAILURE_DEFERRED:
+                        # claimed for us, answer deferred (size budget): claiming again returns it
+                        try:
+                            out.append(await self._claim_one(claim))
+                        except Exception as exc:
+                            out.append(exc)
+                    else:
+                        out.append(ClaimLost(o.message or "not claimable"))
+                return out
         return list(await asyncio.gather(*(self._claim_one(c) for c in claims), return_exceptions=True))
 
     async def _claim_one(self, claim: worker_pb2.ClaimCommandRequest) -> messages_pb2.Command:
@@ -434,7 +522,9 @@ class WorkerService(Service):
         give_up_at: float | None = None
         while True:
             try:
-                await natsio.publish(self.js, subject, payload, msg_id=msg_id)
+                ack = await natsio.publish(self.js, subject, payload, msg_id=msg_id)
+                if ack is not None and getattr(ack, "seq", None):
+                    self._recent.append(_Published(int(ack.seq), subject, payload, msg_id, time.monotonic()))
                 break
             except NoetlError as exc:
                 if run.stopped.is_set():

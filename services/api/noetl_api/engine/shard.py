@@ -27,10 +27,11 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
 
 from noetl_common import natsio
-from noetl_common.config import CommandSettings, ExecutionSettings
+from noetl_common.config import CommandSettings, ExecutionSettings, LimitSettings
 from noetl_common.db import Pool, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import barrier_execution_id, snowflake_at
+from noetl_common.retry import is_transient
 from noetl_common.shards import ShardOwnership
 from noetl_dsl import merged_workload
 from noetl_flow import EV_DEAD, CallResultInput, ExecState, StartInput, Transition
@@ -53,8 +54,22 @@ REPLAYED = Counter("noetl_engine_replayed_inputs_total",
                    "(delivered to the previous owner but not committed by it)", ["shard"])
 REPUBLISHED = Counter("noetl_engine_republished_commands_total", "Commands republished on takeover or re-issue")
 DEAD_LETTERS = Counter("noetl_engine_dead_letters_total", "command.dead_lettered events appended", ["shard"])
+QUARANTINED = Counter("noetl_engine_quarantined_total",
+                      "Engine inputs quarantined after failing their batch repeatedly (not an outage)", ["shard"])
+STREAM_RESETS = Counter("noetl_engine_stream_resets_total",
+                        "Times an engine found the events stream behind its recorded position (messages lost or"
+                        " the stream recreated) and resumed at the stream's end", ["shard"])
+RESUBSCRIBES = Counter("noetl_engine_resubscribes_total",
+                       "Engine consumers re-created after a NATS reconnect", ["shard"])
 
 MAX_BATCH = 500
+# Inputs taken from NATS but not folded yet, at most: a full queue stops the subscription
+# callback, so the server stops delivering (flow control) instead of the api growing.
+MAX_QUEUE = 10_000
+# A single input whose batch fails this many times for a reason that is not an outage is
+# quarantined (recorded, its execution failed, skipped).
+POISON_ATTEMPTS = 3
+UNDECODABLE = "undecodable"
 EV_CHECKPOINT = "checkpoint.committed"
 
 
@@ -68,15 +83,26 @@ class EngineDeps:
     ownership: ShardOwnership
     commands: CommandSettings
     executions: ExecutionSettings
+    limits: LimitSettings = field(default_factory=LimitSettings.model_construct)
+    reconnects: natsio.Reconnects = field(default_factory=natsio.Reconnects)
     workloads: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)
     traces: EngineTraces = field(default_factory=EngineTraces)
 
 
 @dataclass
 class _Input:
-    kind: str  # submitted | call_result | cancel | expired | barrier | timeout
+    kind: str  # submitted | call_result | cancel | expired | barrier | timeout | abort
     execution_id: int
     msg: Any = None
+    seq: int = 0  # stream position (0: a sweep input)
+    data: bytes | None = None  # the raw message (kept for a quarantine record)
+
+
+@dataclass
+class _Quarantined:
+    inp: _Input
+    attempts: int
+    error: str
 
 
 class ShardEngine:
@@ -84,37 +110,45 @@ class ShardEngine:
         self.d = deps
         self.shard = shard
         self.epoch = epoch
-        self._queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue(maxsize=MAX_QUEUE)
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
         self._cache: OrderedDict[int, ExecState] = OrderedDict()
         self._sub: Any = None
         self._next_tick = 0.0
         self._replay_until = 0  # stream tail when the shard was taken
+        self._received = 0  # highest stream position handed to the queue
+        self._generation = 0  # the NATS connection's reconnect count our consumer was made for
+        self._reset_to: int | None = None  # the stream went back to here: the next fence records it
 
     def stop(self) -> None:
         self._stopped.set()
         self._wake.set()
 
+    def _on_reconnect(self) -> None:
+        self._wake.set()
+
     async def run(self) -> None:
+        self.d.reconnects.listen(self._on_reconnect)
         try:
             await self._run()
         except LeaseLost as exc:
             logger.warning("%s; stopping", exc, extra={"shard": self.shard})
         finally:
-            if self._sub is not None:
-                with contextlib.suppress(Exception):
-                    await self._sub.unsubscribe()
+            self.d.reconnects.unlisten(self._on_reconnect)
+            await self._unsubscribe()
 
     async def _run(self) -> None:
-        stream_seq = await self._takeover()
-        self._sub = await self.d.js.subscribe(
-            natsio.events_filter(self.shard), ordered_consumer=True, cb=self._on_msg,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=stream_seq + 1),
-        )
+        self._generation = self.d.reconnects.generation
+        start = await self._takeover()
+        await self._subscribe(start)
+        if self._reset_to is not None:
+            await self._run_batch([], self._reset_to)  # record the reset now, not at the next input
         while not self._stopped.is_set():
             if self.d.ownership.epoch(self.shard) != self.epoch:
                 raise LeaseLost(f"shard {self.shard} epoch {self.epoch} no longer trusted")
+            if self.d.reconnects.generation != self._generation:
+                await self._resubscribe()
             timeout = max(0.0, self._next_tick - time.monotonic())
             if self._queue.empty():
                 with contextlib.suppress(TimeoutError):
@@ -130,15 +164,93 @@ class ShardEngine:
                 self._next_tick = time.monotonic() + self.d.executions.sweep_interval_sec
                 synthetic = await self._tick_inputs()
             if msgs or synthetic:
-                await self._process_with_retry(msgs, synthetic)
+                await self._consume(msgs, synthetic)
 
     async def _on_msg(self, msg: Msg) -> None:
-        self._queue.put_nowait((msg.metadata.sequence.stream, msg.data))
+        seq = msg.metadata.sequence.stream
+        if seq <= self._received:
+            return  # delivered again by a consumer re-created after a reconnect
+        self._received = seq
+        await self._queue.put((seq, msg.data))  # waits while the queue is full (backpressure)
         self._wake.set()
+
+    # ------------------------------------------------------------ the stream
+
+    async def _stream_last_seq(self) -> int:
+        try:
+            return int((await self.d.js.stream_info(natsio.EVENTS_STREAM)).state.last_seq)
+        except Exception as exc:
+            raise natsio.translate(exc) from exc
+
+    async def _subscribe(self, start: int) -> None:
+        try:
+            self._sub = await self.d.js.subscribe(
+                natsio.events_filter(self.shard), ordered_consumer=True, cb=self._on_msg,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
+            )
+        except Exception as exc:
+            raise natsio.translate(exc) from exc
+        self._received = max(self._received, start - 1)
+
+    async def _unsubscribe(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _resubscribe(self) -> None:
+        """After a NATS reconnect: a new consumer from the next position we have not seen
+        (at once: the ordered consumer would notice only after two missed heartbeats). If
+        the stream is now behind what we already received, the server lost acknowledged
+        messages (or the stream was recreated): resume at its end and recover."""
+        generation = self.d.reconnects.generation
+        await self._unsubscribe()
+        try:
+            last = await self._stream_last_seq()
+        except NoetlError as exc:
+            logger.warning("engine shard %s: stream not readable after a reconnect (%s); retrying", self.shard, exc)
+            await asyncio.sleep(0.2)
+            return
+        start = self._received + 1
+        if last < self._received:
+            start = await self._stream_went_back(last, self._received)
+        await self._subscribe(start)
+        self._generation = generation
+        RESUBSCRIBES.labels(str(self.shard)).inc()
+        logger.info("engine shard %s consuming again from stream position %s", self.shard, start)
+        if self._reset_to is not None:
+            await self._run_batch([], self._reset_to)
+
+    async def _stream_went_back(self, last: int, ours: int) -> int:
+        """The events stream ends at ``last`` but we had recorded or received ``ours``:
+        messages after ``last`` are gone from the stream (a server that lost its unsynced
+        writes, a recreated stream). Drop what the queue holds beyond ``last`` (its senders
+        re-send what matters: workers republish results the stream lost, the sweeps find
+        submissions and cancellations in Postgres, the reaper re-reports expiries),
+        republish the shard's queued commands (their notices may be gone too) and resume
+        at ``last + 1``."""
+        STREAM_RESETS.labels(str(self.shard)).inc()
+        logger.error("engine shard %s: the events stream ends at %s, behind position %s we already had: messages"
+                     " were lost or the stream was recreated; resuming at its end", self.shard, last, ours)
+        kept = [m for m in _drain(self._queue) if m[0] <= last]
+        for m in kept:
+            self._queue.put_nowait(m)
+        self._received = last
+        self._reset_to = last
+        self._cache.clear()
+        async with self.d.pool.connection() as conn:
+            queued = await sql.queued_commands(conn, self.shard)
+            await conn.commit()
+        if queued:
+            REPUBLISHED.inc(len(queued))
+            await self._publish([(q["command_id"], q["execution_id"], q["attempt"], q["kind"]) for q in queued])
+        return last + 1
 
     # ------------------------------------------------------------ takeover and ticks
 
     async def _takeover(self) -> int:
+        """Load what a new owner needs, republish the shard's queued commands, and return
+        the stream position to consume from."""
         async with self.d.pool.connection() as conn:
             cur = await conn.execute(
                 "SELECT stream_seq, event_seq FROM noetl.shard_lease WHERE role = %s AND shard_id = %s"
@@ -152,59 +264,141 @@ class ShardEngine:
             await conn.commit()
         REPLAYED.labels(str(self.shard))  # the series exists (0) from the takeover on
         DEAD_LETTERS.labels(str(self.shard))
-        try:
-            self._replay_until = int((await self.d.js.stream_info(natsio.EVENTS_STREAM)).state.last_seq)
-        except Exception as exc:  # metrics only
-            logger.debug("stream info unavailable: %s", exc)
-        if queued:
+        QUARANTINED.labels(str(self.shard))
+        STREAM_RESETS.labels(str(self.shard))
+        stream_seq = int(row["stream_seq"])
+        last = await self._stream_last_seq()
+        self._replay_until = last
+        self._received = stream_seq
+        start = stream_seq + 1
+        if last < stream_seq:
+            start = await self._stream_went_back(last, stream_seq)
+        elif queued:
             REPUBLISHED.inc(len(queued))
             await self._publish([(q["command_id"], q["execution_id"], q["attempt"], q["kind"]) for q in queued])
         logger.info("engine took shard %s epoch %s at stream_seq %s event_seq %s (republished %s)",
-                    self.shard, self.epoch, row["stream_seq"], row["event_seq"], len(queued))
-        return int(row["stream_seq"])
+                    self.shard, self.epoch, stream_seq, row["event_seq"], len(queued))
+        return start
 
     async def _tick_inputs(self) -> list[_Input]:
-        async with self.d.pool.connection() as conn:
-            cur = await conn.execute("SELECT sweep_from FROM noetl.shard_lease WHERE role = %s AND shard_id = %s",
-                                     (sql.ROLE, self.shard))
-            row = await cur.fetchone()
-            after = int(row["sweep_from"]) if row else 0
-            starts = await sql.unstarted(conn, self.shard, after, 200)
-            late = await sql.overdue(conn, self.shard, 200)
-            await conn.commit()
-        return [_Input("submitted", e) for e in starts] + [_Input("timeout", e) for e in late]
+        """Sweep inputs: committed submissions never started (a lost nudge), executions
+        past their deadline, cancellations committed but not applied. A failed sweep is
+        logged and tried again next tick."""
+        try:
+            async with self.d.pool.connection() as conn:
+                cur = await conn.execute("SELECT sweep_from FROM noetl.shard_lease WHERE role = %s AND shard_id = %s",
+                                         (sql.ROLE, self.shard))
+                row = await cur.fetchone()
+                after = int(row["sweep_from"]) if row else 0
+                starts = await sql.unstarted(conn, self.shard, after, 200)
+                late = await sql.overdue(conn, self.shard, 200)
+                cancels = await sql.pending_cancels(conn, self.shard, 200)
+                await conn.commit()
+        except Exception as exc:
+            if is_transient(exc):
+                logger.warning("engine shard %s: sweep failed (%s); next tick", self.shard, exc)
+            else:
+                logger.exception("engine shard %s: sweep failed; next tick", self.shard)
+            return []
+        return ([_Input("submitted", e) for e in starts] + [_Input("timeout", e) for e in late]
+                + [_Input("cancel", c["execution_id"], messages_pb2.CancelRequested(
+                    execution_id=c["execution_id"], reason=c["reason"])) for c in cancels])
 
     # ------------------------------------------------------------ the batch
 
-    async def _process_with_retry(self, msgs: list[tuple[int, bytes]], synthetic: list[_Input]) -> None:
+    async def _consume(self, msgs: list[tuple[int, bytes]], synthetic: list[_Input]) -> None:
+        last_stream_seq = max((q for q, _ in msgs), default=0)
+        if self._replay_until:
+            replayed = sum(1 for q, _ in msgs if q <= self._replay_until)
+            if replayed:
+                REPLAYED.labels(str(self.shard)).inc(replayed)
+            if last_stream_seq >= self._replay_until:
+                self._replay_until = 0
+        # an undecodable message stays in its place (order matters for the recorded stream
+        # position) and is quarantined by the batch that holds it
+        inputs = [_decode(data, q) or _Input(UNDECODABLE, 0, seq=q, data=data) for q, data in msgs]
+        inputs += synthetic
+        await self._run_batch(inputs, last_stream_seq)
+
+    async def _run_batch(self, inputs: list[_Input], last_stream_seq: int) -> None:
+        """Fold ``inputs`` in one transaction. An outage (``retry.is_transient``) is waited
+        out: the same batch again, with capped backoff, for as long as the lease is ours.
+        Any other failure is a poison somewhere in the batch: it is split in halves (order
+        kept) until the failing input is alone; an input that fails POISON_ATTEMPTS times
+        alone is quarantined and the rest of the shard goes on."""
         delay = 0.1
+        failures = 0
         while True:
             try:
-                await self._process(msgs, synthetic)
+                await self._process(inputs, last_stream_seq)
                 return
             except LeaseLost:
                 raise
-            except (NoetlError, OSError) as exc:
+            except Exception as exc:
                 self._cache.clear()
-                logger.warning("engine batch failed on shard %s (%s); retrying in %.1fs", self.shard, exc, delay)
-            except Exception:
-                self._cache.clear()
-                logger.exception("engine batch crashed on shard %s; retrying in %.1fs", self.shard, delay)
+                if is_transient(exc):
+                    logger.warning("engine batch failed on shard %s (%s); retrying in %.1fs", self.shard, exc, delay)
+                else:
+                    failures += 1
+                    logger.exception("engine batch of %d input(s) failed on shard %s (%d time(s))", len(inputs),
+                                     self.shard, failures)
+                    if len(inputs) > 1:
+                        mid = len(inputs) // 2
+                        await self._run_batch(inputs[:mid], max((i.seq for i in inputs[:mid]), default=0))
+                        await self._run_batch(inputs[mid:], last_stream_seq)
+                        return
+                    if inputs and failures >= POISON_ATTEMPTS:
+                        await self._quarantine(_Quarantined(inputs[0], failures, f"{type(exc).__name__}: {exc}"),
+                                               last_stream_seq)
+                        return
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
             if self.d.ownership.epoch(self.shard) != self.epoch:
                 raise LeaseLost(f"shard {self.shard} lost while retrying a batch")
 
-    async def _process(self, msgs: list[tuple[int, bytes]], synthetic: list[_Input]) -> None:
+    async def _quarantine(self, bad: _Quarantined, last_stream_seq: int) -> None:
+        """Record a poison input and fail its execution in the same transaction; if failing
+        the execution fails too, record the input alone."""
+        inp = bad.inp
+        logger.error("quarantining %s input of execution %s on shard %s after %d failed attempt(s): %s",
+                     inp.kind, inp.execution_id, self.shard, bad.attempts, bad.error)
+        abort = _Input("abort", inp.execution_id, msg=f"ENGINE_INPUT_QUARANTINED: the engine could not process"
+                       f" the execution's {inp.kind} input ({bad.error}); it was quarantined")
+        try:
+            await self._transient_retry(lambda: self._process([abort], last_stream_seq, quarantine=[bad]))
+        except LeaseLost:
+            raise
+        except Exception:
+            logger.exception("failing execution %s after quarantining its input failed too; recording the"
+                             " quarantine alone", inp.execution_id)
+            await self._record_quarantine(bad, last_stream_seq)
+
+    async def _record_quarantine(self, bad: _Quarantined, last_stream_seq: int) -> None:
+        await self._transient_retry(lambda: self._process([], last_stream_seq, quarantine=[bad]))
+
+    async def _transient_retry(self, work: Any) -> None:
+        """``await work()``, retried while it fails for an outage (and the lease is ours)."""
+        delay = 0.1
+        while True:
+            try:
+                await work()
+                return
+            except Exception as exc:
+                self._cache.clear()
+                if isinstance(exc, LeaseLost) or not is_transient(exc):
+                    raise
+                logger.warning("engine shard %s: %s; retrying in %.1fs", self.shard, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            if self.d.ownership.epoch(self.shard) != self.epoch:
+                raise LeaseLost(f"shard {self.shard} lost while retrying")
+
+    async def _process(self, inputs: list[_Input], last_stream_seq: int,
+                       quarantine: list[_Quarantined] | None = None) -> None:
         started = time.perf_counter()
-        inputs = [i for _, data in msgs if (i := _decode(data)) is not None] + synthetic
-        last_stream_seq = max((s for s, _ in msgs), default=0)
-        if self._replay_until:
-            replayed = sum(1 for s, _ in msgs if s <= self._replay_until)
-            if replayed:
-                REPLAYED.labels(str(self.shard)).inc(replayed)
-            if last_stream_seq >= self._replay_until:
-                self._replay_until = 0
+        reset = self._reset_to is not None
+        if self._reset_to is not None:
+            last_stream_seq = max(last_stream_seq, self._reset_to)
         events: list[tuple[Any, ...]] = []
         touched: dict[int, tuple[ExecState, int]] = {}
         new_commands: list[tuple[int, int, Any]] = []
@@ -214,10 +408,14 @@ class ShardEngine:
         # Pipeline mode for the whole transaction: BEGIN travels with the fence, and the
         # batch's writes with the COMMIT (two round trips when the states are cached).
         async with pipelined_transaction(self.d.pool) as conn:
-            lease = await sql.fence(conn, self.shard, self.d.ownership.runtime_id, self.epoch, last_stream_seq)
+            lease = await sql.fence(conn, self.shard, self.d.ownership.runtime_id, self.epoch, last_stream_seq,
+                                    reset=reset)
             seq = int(lease["event_seq"])
             sweep_from = int(lease["sweep_from"])
             barrier_epoch, barrier_seq = int(lease["barrier_epoch"]), int(lease["barrier_seq"])
+            quarantine = [*(quarantine or ()), *(_Quarantined(i, 1, "not a decodable EngineInput message")
+                                                 for i in inputs if i.kind == UNDECODABLE)]
+            inputs = [i for i in inputs if i.kind != UNDECODABLE]
             ids = {i.execution_id for i in inputs if i.kind != "barrier"}
             states: dict[int, ExecState] = {e: self._cache[e] for e in ids if e in self._cache}
             states.update(await sql.load_states(conn, [e for e in ids if e not in states]))
@@ -260,14 +458,25 @@ class ShardEngine:
             started_ids = [e for e in requests if e in touched]
             horizon = snowflake_at(int((time.time() - 60) * 1000))
             new_sweep = min(max(started_ids, default=sweep_from), horizon)
+            ended = [eid for eid, (state, _) in touched.items() if state.status == "cancelled"]
             # every write of the batch, then the COMMIT, in one round trip
             await sql.append_events(conn, events)
             await sql.save_states(conn, self.shard, [(s, last, _deadline(s)) for s, last in touched.values()])
             await sql.insert_commands(conn, self.shard, new_commands)
             await sql.store_loop_results(conn, loop_results)
             await sql.update_commands(conn, updates)
+            await sql.applied_cancels(conn, sorted({i.execution_id for i in inputs if i.kind == "cancel"}))
+            await sql.cascade_cancels(conn, ended)
+            for bad in quarantine:
+                await sql.quarantine(conn, self.shard, bad.inp.execution_id, bad.inp.kind, bad.inp.seq or None,
+                                     bad.attempts, bad.error, bad.inp.data)
             await sql.finish_batch(conn, self.shard, seq, new_sweep, barrier_epoch, barrier_seq)
+            await sql.assert_lease(conn, self.shard, self.d.ownership.runtime_id, self.epoch)
         # committed: the cache mirrors what is in Postgres now
+        if reset:
+            self._reset_to = None
+        if quarantine:
+            QUARANTINED.labels(str(self.shard)).inc(len(quarantine))
         for eid, (state, _) in touched.items():
             if state.terminal:
                 self._cache.pop(eid, None)
@@ -283,9 +492,8 @@ class ShardEngine:
         if cancelled:  # a hint: running tasks stop now rather than at their next lease renewal
             await natsio.hint(self.d.nc, natsio.cancel_subject(self.shard),
                               json.dumps({"command_ids": cancelled}).encode())
-        ended = [eid for eid, (state, _) in touched.items() if state.status == "cancelled"]
         if ended:
-            await self._cancel_children(ended)
+            await self._nudge_children(ended)
         if events:
             self.d.traces.committed(events)
             if dead := sum(1 for e in events if e[3] == EV_DEAD):
@@ -342,6 +550,8 @@ class ShardEngine:
                                    m.reason or "claim lease expired")
         if inp.kind == "timeout":
             return flow.on_timeout(state, int(time.time() * 1000))
+        if inp.kind == "abort":
+            return flow.on_abort(state, str(inp.msg))
         return None
 
     async def _values(self, refs: dict[str, dict[str, Any] | None], conn: Any, eid: int,
@@ -392,14 +602,17 @@ class ShardEngine:
         compiled = await self.d.catalog.compiled(state.catalog_id)
         return self._workload(state.execution_id, req, compiled.playbook)
 
-    async def _cancel_children(self, parents: list[int]) -> None:
-        """Cancel cascades to sub-playbook executions (their own shards' engines act on it)."""
-        async with self.d.pool.connection() as conn:
-            cur = await conn.execute(
-                "SELECT execution_id, shard_id FROM noetl.execution_request WHERE parent_execution_id = ANY(%s)",
-                (parents,))
-            children = list(await cur.fetchall())
-            await conn.commit()
+    async def _nudge_children(self, parents: list[int]) -> None:
+        """The batch committed the cancellation of the sub-playbooks of ``parents``
+        (``noetl.cancel_request``); nudge their shards' engines so they apply it now
+        rather than at their next sweep."""
+        try:
+            async with self.d.pool.connection() as conn:
+                children = await sql.children(conn, parents)
+                await conn.commit()
+        except Exception as exc:  # a nudge: the children's sweeps apply the committed cancels anyway
+            logger.warning("cancel nudges for the children of %s not sent: %s", parents, exc)
+            return
         for child in children:
             msg = messages_pb2.EngineInput(cancel=messages_pb2.CancelRequested(
                 execution_id=child["execution_id"], reason="parent execution cancelled"))
@@ -407,7 +620,7 @@ class ShardEngine:
                 await natsio.publish(self.d.js, natsio.events_subject(child["shard_id"], natsio.KIND_CANCEL),
                                      msg.SerializeToString(), msg_id=f"cancel#{child['execution_id']}")
             except NoetlError as exc:
-                logger.warning("cancel of child execution %s not published: %s", child["execution_id"], exc)
+                logger.warning("cancel nudge of child execution %s not published: %s", child["execution_id"], exc)
 
     async def _publish(self, items: list[tuple[str, int, int, str]]) -> None:
         async def one(cid: str, eid: int, attempt: int, kind: str) -> None:
@@ -423,24 +636,29 @@ class ShardEngine:
                            len(failed), failed[0])
 
 
-def _decode(data: bytes) -> _Input | None:
+def _decode(data: bytes, seq: int = 0) -> _Input | None:
+    """The engine input a stream message carries, or None when it is not one."""
     try:
         msg = messages_pb2.EngineInput.FromString(data)
     except Exception:
-        logger.exception("undecodable engine input dropped")
+        logger.warning("undecodable engine input at stream position %s", seq)
         return None
     kind = msg.WhichOneof("input")
     if kind == "submitted":
-        return _Input(kind, msg.submitted.execution_id)
-    if kind == "call_result":
-        return _Input(kind, msg.call_result.execution_id, msg.call_result)
-    if kind == "cancel":
-        return _Input(kind, msg.cancel.execution_id, msg.cancel)
-    if kind == "expired":
-        return _Input(kind, msg.expired.execution_id, msg.expired)
+        return _Input(kind, msg.submitted.execution_id, seq=seq, data=data)
+    if kind in ("call_result", "cancel", "expired"):
+        inner = getattr(msg, kind)
+        return _Input(kind, inner.execution_id, inner, seq=seq, data=data)
     if kind == "barrier":
-        return _Input(kind, 0, msg.barrier)
+        return _Input(kind, 0, msg.barrier, seq=seq, data=data)
     return None
+
+
+def _drain(queue: asyncio.Queue[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    out = []
+    while not queue.empty():
+        out.append(queue.get_nowait())
+    return out
 
 
 def _deadline(state: ExecState) -> datetime | None:

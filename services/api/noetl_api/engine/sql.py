@@ -15,21 +15,33 @@ from noetl_flow import CommandUpdate, ExecState, NewCommand
 
 ROLE = "api"
 
+# The lease must be ours (owner and epoch) and not run out on the database's clock.
 FENCE = (
-    "UPDATE noetl.shard_lease SET stream_seq = GREATEST(stream_seq, %s), updated_at = now()"
+    "UPDATE noetl.shard_lease SET stream_seq = {stream_seq}, updated_at = now()"
     " WHERE role = %s AND shard_id = %s AND owner_runtime_id = %s AND epoch = %s"
+    " AND leased_until > clock_timestamp()"
     " RETURNING event_seq, stream_seq, sweep_from, barrier_epoch, barrier_seq"
 )
+_FENCE_ADVANCE = FENCE.format(stream_seq="GREATEST(stream_seq, %s)")
+_FENCE_RESET = FENCE.format(stream_seq="%s")
 
 
 async def fence(conn: psycopg.AsyncConnection[Any], shard: int, owner: int, epoch: int,
-                stream_seq: int) -> dict[str, Any]:
-    """Lock our lease row (serialising against a takeover) or raise LeaseLost."""
-    cur = await conn.execute(FENCE, (stream_seq, ROLE, shard, owner, epoch))
+                stream_seq: int, *, reset: bool = False) -> dict[str, Any]:
+    """Lock our lease row (serialising against a takeover) or raise LeaseLost. The
+    recorded stream position only moves forward, unless ``reset`` (the stream lost
+    messages it had acknowledged, or was recreated: its sequence went back)."""
+    cur = await conn.execute(_FENCE_RESET if reset else _FENCE_ADVANCE, (stream_seq, ROLE, shard, owner, epoch))
     row = await cur.fetchone()
     if row is None:
         raise LeaseLost(f"engine lease for shard {shard} epoch {epoch} is no longer held")
     return row
+
+
+async def assert_lease(conn: psycopg.AsyncConnection[Any], shard: int, owner: int, epoch: int) -> None:
+    """The batch's last statement before COMMIT: aborts the transaction (LeaseLost) when
+    the lease ran out meanwhile (this process froze mid-batch), so nothing commits late."""
+    await conn.execute("SELECT noetl.assert_lease(%s, %s, %s, %s)", (ROLE, shard, owner, epoch))
 
 
 async def finish_batch(conn: psycopg.AsyncConnection[Any], shard: int, event_seq: int, sweep_from: int,
@@ -58,11 +70,16 @@ async def load_requests(conn: psycopg.AsyncConnection[Any], ids: Sequence[int]) 
     return {r["execution_id"]: r for r in await cur.fetchall()}
 
 
+# Sweeps skip executions with a quarantined input: their input could not be processed,
+# and sweeping them again would only quarantine the same failure every tick.
+_NOT_QUARANTINED = "NOT EXISTS (SELECT 1 FROM noetl.quarantine q WHERE q.execution_id = {col})"
+
+
 async def unstarted(conn: psycopg.AsyncConnection[Any], shard: int, after_id: int, limit: int) -> list[int]:
     cur = await conn.execute(
         "SELECT r.execution_id FROM noetl.execution_request r WHERE r.shard_id = %s AND r.execution_id > %s"
         " AND NOT EXISTS (SELECT 1 FROM noetl.engine_state s WHERE s.execution_id = r.execution_id)"
-        " ORDER BY r.execution_id LIMIT %s",
+        " AND " + _NOT_QUARANTINED.format(col="r.execution_id") + " ORDER BY r.execution_id LIMIT %s",
         (shard, after_id, limit),
     )
     return [r["execution_id"] for r in await cur.fetchall()]
@@ -70,9 +87,50 @@ async def unstarted(conn: psycopg.AsyncConnection[Any], shard: int, after_id: in
 
 async def overdue(conn: psycopg.AsyncConnection[Any], shard: int, limit: int) -> list[int]:
     cur = await conn.execute(
-        "SELECT execution_id FROM noetl.engine_state WHERE shard_id = %s AND status = 'running'"
-        " AND deadline < now() ORDER BY deadline LIMIT %s", (shard, limit))
+        "SELECT s.execution_id FROM noetl.engine_state s WHERE s.shard_id = %s AND s.status = 'running'"
+        " AND s.deadline < now() AND " + _NOT_QUARANTINED.format(col="s.execution_id") +
+        " ORDER BY s.deadline LIMIT %s", (shard, limit))
     return [r["execution_id"] for r in await cur.fetchall()]
+
+
+async def pending_cancels(conn: psycopg.AsyncConnection[Any], shard: int, limit: int) -> list[dict[str, Any]]:
+    """Cancellations committed by CancelExecution (or a parent's cascade) not applied yet."""
+    cur = await conn.execute(
+        "SELECT c.execution_id, c.reason FROM noetl.cancel_request c WHERE c.shard_id = %s AND "
+        + _NOT_QUARANTINED.format(col="c.execution_id") + " ORDER BY c.requested_at LIMIT %s", (shard, limit))
+    return list(await cur.fetchall())
+
+
+async def applied_cancels(conn: psycopg.AsyncConnection[Any], execution_ids: Sequence[int]) -> None:
+    """Pending cancellations the batch applied (or found moot) are done."""
+    if execution_ids:
+        await conn.execute("DELETE FROM noetl.cancel_request WHERE execution_id = ANY(%b::bigint[])",
+                           (list(execution_ids),))
+
+
+async def cascade_cancels(conn: psycopg.AsyncConnection[Any], parents: Sequence[int]) -> None:
+    """Commit the cancellation of the sub-playbook executions of ``parents`` (their own
+    shards' engines apply it), in the batch that cancelled the parents."""
+    if parents:
+        await conn.execute(
+            "INSERT INTO noetl.cancel_request (execution_id, shard_id, reason)"
+            " SELECT execution_id, shard_id, 'parent execution cancelled' FROM noetl.execution_request"
+            " WHERE parent_execution_id = ANY(%b::bigint[]) ON CONFLICT (execution_id) DO NOTHING",
+            (list(parents),))
+
+
+async def children(conn: psycopg.AsyncConnection[Any], parents: Sequence[int]) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        "SELECT execution_id, shard_id FROM noetl.execution_request WHERE parent_execution_id = ANY(%s)",
+        (list(parents),))
+    return list(await cur.fetchall())
+
+
+async def quarantine(conn: psycopg.AsyncConnection[Any], shard: int, execution_id: int, kind: str,
+                     stream_seq: int | None, attempts: int, error: str, data: bytes | None) -> None:
+    await conn.execute(
+        "INSERT INTO noetl.quarantine (shard_id, execution_id, input_kind, stream_seq, attempts, error, input)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)", (shard, execution_id, kind, stream_seq, attempts, error[:4000], data))
 
 
 async def queued_commands(conn: psycopg.AsyncConnection[Any], shard: int) -> list[dict[str, Any]]:

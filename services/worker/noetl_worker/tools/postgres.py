@@ -32,6 +32,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError, NotFound
+from noetl_common.retry import retry_transient
 from noetl_store import to_jsonable
 
 from .outcome import (
@@ -74,6 +75,10 @@ def dsn_from(data: Mapping[str, Any]) -> str:
     return make_conninfo(**params)
 
 
+# How long a credential lookup waits out an outage of the runtime database.
+CREDENTIAL_RETRY_SEC = 120.0
+
+
 class Credentials:
     """Resolves credential names from ``noetl.credential`` (short TTL cache)."""
 
@@ -92,9 +97,16 @@ class Credentials:
             return hit[1]
         if self.pool is None:
             raise NotFound(f"credential {name!r} not found (the worker has no runtime database)")
-        async with transaction(self.pool) as conn:
-            cur = await conn.execute("SELECT kind, data FROM noetl.credential WHERE name = %s", (name,))
-            row = await cur.fetchone()
+        pool = self.pool
+
+        async def read() -> Any:
+            async with transaction(pool) as conn:
+                cur = await conn.execute("SELECT kind, data FROM noetl.credential WHERE name = %s", (name,))
+                return await cur.fetchone()
+
+        # the runtime database, not the task's: an outage of it is waited out, not the task's error
+        row = await retry_transient(f"reading credential {name!r}", read, deadline_sec=CREDENTIAL_RETRY_SEC,
+                                    initial=0.1, cap=5.0)
         if row is None:
             raise NotFound(f"credential {name!r} not found")
         data = row["data"] if isinstance(row["data"], dict) else json.loads(row["data"])
