@@ -7,7 +7,7 @@ library writes) can corrupt the protocol. ``print`` output is captured per task 
 sent back with the reply.
 
     parent -> child  {"id", "code", "input", "context", "libs"}
-    child -> parent  {"ready": true, "pid", "vm_size", "memory_limit"} once, then per task
+    child -> parent  {"ready": true, "pid", "vm_size", "memory_limit", "memory_error"} once, then per task
                      {"id", "status": "ok", "result", "stdout"} or
                      {"id", "status": "error", "error": {"kind", "message", "traceback"[, "size"]}, "stdout"}
 
@@ -16,7 +16,8 @@ Limits (command-line options the pool passes, applied before any task code runs)
 so task code cannot raise it): an allocation beyond it raises ``MemoryError`` in the task,
 which is reported with kind ``MemoryError`` (the pool then replaces this process; if even
 the report cannot be built, a reply prepared at start-up is sent). ``vm_size`` in the
-greeting is the address space in use before the limit was set (bytes, Linux only).
+greeting is the address space in use before the limit was set (bytes, Linux only);
+``memory_error`` says why no limit could be set (a platform without ``RLIMIT_AS``).
 ``--result-bytes N``: a value whose encoded JSON is larger is not sent; the reply is an
 error with kind ``ResultTooLarge`` and its ``size``. The value is encoded once, exactly as
 the result store encodes it (``encode_value``), and spliced into the reply frame.
@@ -310,19 +311,23 @@ def vm_size() -> int | None:
     return None
 
 
-def limit_memory(megabytes: int) -> int:
+def limit_memory(megabytes: int) -> tuple[int, str]:
     """Set this process's address-space limit (soft and hard) to ``megabytes`` MiB, or the
-    current hard limit when that is lower; 0 = leave it. Returns the limit in bytes (0: none)."""
+    current hard limit when that is lower; 0 = leave it. Returns (the limit in bytes, or 0
+    when none is set; why it could not be set, on a platform without ``RLIMIT_AS``)."""
     if megabytes <= 0:
-        return 0
-    import resource
+        return 0, ""
+    try:
+        import resource
 
-    limit = megabytes * 1024 * 1024
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    return limit
+        limit = megabytes * 1024 * 1024
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ImportError, AttributeError, ValueError, OSError) as exc:
+        return 0, f"{type(exc).__name__}: {exc}"
+    return limit, ""
 
 
 def parse_options(argv: list[str]) -> dict[str, int]:
@@ -346,12 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     options = parse_options(sys.argv[1:] if argv is None else argv)
     result_bytes = options["result-bytes"]
     baseline = vm_size()
-    memory_limit = limit_memory(options["memory-mb"])
+    memory_limit, memory_error = limit_memory(options["memory-mb"])
     # Prepared while memory is plentiful: the reply when a MemoryError leaves too little to build one.
     out_of_memory = _error_reply({}, MEMORY_ERROR, "out of memory (the reply could not be built)")
     proto_in, proto_out = _take_protocol_fds()
     write_frame(proto_out, json.dumps({"ready": True, "pid": os.getpid(), "vm_size": baseline,
-                                       "memory_limit": memory_limit}).encode())
+                                       "memory_limit": memory_limit, "memory_error": memory_error}).encode())
     while True:
         payload = read_frame(proto_in)
         if payload is None:

@@ -179,6 +179,7 @@ class PythonPool:
         if self.memory_mb:
             self.env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
         self.idle_vm_size: int | None = None  # address space of a child before any task (bytes)
+        self._unlimited_warned = False
         self._idle: asyncio.Queue[_Child] = asyncio.Queue()
         self._children: set[_Child] = set()
         self._background: set[asyncio.Task[None]] = set()
@@ -255,6 +256,10 @@ class PythonPool:
             raise ConfigError(f"python sandbox did not start{limited} ({_exit_text(rc)})") from exc
         problem = "" if hello.get("ready") else f"it sent an unexpected greeting: {hello!r}"
         vm_size, limit = hello.get("vm_size"), hello.get("memory_limit")
+        if not problem and self.memory_mb and not limit and not self._unlimited_warned:
+            self._unlimited_warned = True
+            logger.warning("%s=%d is not enforced: the python sandbox cannot limit its memory here (%s)",
+                           MEMORY_SETTING, self.memory_mb, hello.get("memory_error") or "no RLIMIT_AS")
         if not problem and isinstance(vm_size, int) and isinstance(limit, int):
             self.idle_vm_size = vm_size
             if limit and limit - vm_size < MIN_MEMORY_HEADROOM:
