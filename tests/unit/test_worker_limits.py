@@ -279,3 +279,10 @@ async def test_a_result_the_store_refuses_fails_the_command_with_result_too_larg
                                        "NOETL_LIMIT_RESULT_BYTES=4096")
     assert env["parent_ref"] is not None and await store.get(env["parent_ref"]["ref_id"]) == {"n": 1}
     assert len(store) == 1
+
+
+async def test_an_input_too_large_for_the_child_is_memory_limit(pool: PythonPool) -> None:
+    """The request frame itself does not fit in the child (300 MB of input under 256 MiB)."""
+    out = await pool.run("return len(blob)", {"blob": "b" * (300 * 1024 * 1024)}, timeout_sec=60)
+    assert out.error is not None and out.error.code == "MEMORY_LIMIT"
+    assert (await pool.run("return 'after'", {}, timeout_sec=10)).data == "after"

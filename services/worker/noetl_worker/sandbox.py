@@ -358,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     write_frame(proto_out, json.dumps({"ready": True, "pid": os.getpid(), "vm_size": baseline,
                                        "memory_limit": memory_limit, "memory_error": memory_error}).encode())
     while True:
-        payload = read_frame(proto_in)
+        try:
+            payload = read_frame(proto_in)
+        except MemoryError:  # a request too large to hold: the rest of its frame is unread
+            write_frame(proto_out, out_of_memory)
+            return 1
         if payload is None:
             return 0
         try:

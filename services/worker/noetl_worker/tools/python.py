@@ -377,7 +377,10 @@ class PythonPool:
         return _outcome(reply)
 
     async def _exchange(self, child: _Child, payload: bytes) -> dict[str, Any]:
-        await child.send(payload)
+        with contextlib.suppress(_ChildExited):
+            # A child that stopped reading may have answered first (a request it could not
+            # hold: its out-of-memory reply); with nothing to read, receive raises _ChildExited.
+            await child.send(payload)
         return await child.receive(self.max_frame)
 
     def _memory_outcome(self, reply: Mapping[str, Any]) -> ToolOutcome:
