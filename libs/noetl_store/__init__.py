@@ -12,6 +12,11 @@ whatever the tier. ``make_result_store(settings, pool, js)`` builds what a servi
 from ``noetl_common.config.ResultStoreSettings``; ``S3Client`` is the object-store client
 (httpx, SigV4 signing of its own).
 
+A tier built with a result size limit (``make_result_store(..., max_result_bytes=N)``,
+the worker passes ``NOETL_LIMIT_RESULT_BYTES``) refuses a larger value with
+``ResultTooLarge`` (an ``InvalidInput``: the task's failure, not the store's);
+``check_result_size`` is the same check for tools that measure a result before it exists.
+
 Helpers: ``encode_json`` (the one JSON encoder for results), ``envelope`` /
 ``context_of`` (the v3 envelope; credential-shaped keys never reach ``context``),
 ``envelope_to_proto`` / ``envelope_from_proto``.
@@ -26,7 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 from ._codec import decode_json, encode_json, json_default, to_jsonable
 from ._envelope import MAX_CONTEXT_KEYS, MAX_CONTEXT_STRING, context_of, envelope, error_info, is_secret_key
-from ._store import CachedResultStore, MemoryResultStore, Reference, ResultStore
+from ._store import (
+    RESULT_BYTES_SETTING,
+    CachedResultStore,
+    MemoryResultStore,
+    Reference,
+    ResultStore,
+    ResultTooLarge,
+    check_result_size,
+)
 
 if TYPE_CHECKING:
     from ._factory import make_result_store
@@ -39,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_CONTEXT_KEYS",
     "MAX_CONTEXT_STRING",
+    "RESULT_BYTES_SETTING",
     "TRACE_COLUMNS",
     "CachedResultStore",
     "KvCachedResultStore",
@@ -46,9 +60,11 @@ __all__ = [
     "PostgresResultStore",
     "Reference",
     "ResultStore",
+    "ResultTooLarge",
     "S3Client",
     "S3Config",
     "S3ResultStore",
+    "check_result_size",
     "context_of",
     "decode_json",
     "encode_json",

@@ -51,10 +51,11 @@ async def check_bucket(objects: S3Client) -> None:
 
 
 async def make_result_store(settings: ResultStoreSettings, pool: Pool, js: Any = None, *,
-                            lru_items: int = 0, check: bool = True) -> ResultStore:
+                            lru_items: int = 0, check: bool = True, max_result_bytes: int = 0) -> ResultStore:
     """The result store a service uses. ``js`` (a JetStream context) is needed for
     ``cache=kv``; ``lru_items`` > 0 adds an in-process LRU in front; ``check`` verifies the
-    S3 bucket at start."""
+    S3 bucket at start; ``max_result_bytes`` > 0 makes a put of a larger value (encoded
+    JSON) raise ``ResultTooLarge`` (the worker passes ``NOETL_LIMIT_RESULT_BYTES``)."""
     objects = s3_client(settings) if settings.s3_configured else None
     store: ResultStore
     if objects is not None:
@@ -66,11 +67,12 @@ async def make_result_store(settings: ResultStoreSettings, pool: Pool, js: Any =
                 raise
         if settings.tier == "s3":
             store = S3ResultStore(pool, objects, prefix=settings.s3_prefix, timeout_sec=settings.timeout_sec,
-                                  owns_objects=True)
+                                  owns_objects=True, max_bytes=max_result_bytes)
         else:
-            store = PostgresResultStore(pool, objects=objects, timeout_sec=settings.timeout_sec, owns_objects=True)
+            store = PostgresResultStore(pool, objects=objects, timeout_sec=settings.timeout_sec, owns_objects=True,
+                                        max_bytes=max_result_bytes)
     else:
-        store = PostgresResultStore(pool, timeout_sec=settings.timeout_sec)
+        store = PostgresResultStore(pool, timeout_sec=settings.timeout_sec, max_bytes=max_result_bytes)
     if settings.cache == "kv":
         if js is None:
             raise ConfigError("NOETL_RESULT_CACHE=kv needs NATS (NOETL_NATS_URL)")

@@ -2,7 +2,8 @@
 
     noetl_reference_resolve_ms{tier}              time to read values of one tier (db, s3,
                                                    loop, kv), observed once per read call
-    noetl_result_store_writes_total{tier,outcome}  puts (ok / error)
+    noetl_result_store_writes_total{tier,outcome}  puts (ok / error / too_large: refused by
+                                                   the result size limit, nothing written)
     noetl_result_cache_requests_total{cache,outcome}  read-through cache hits / misses / skips
 """
 

@@ -14,7 +14,9 @@ parent, draws the ref id, PUTs the object, then inserts the ref row: a reference
 exists without its payload (a failure in between leaves at most an unreferenced object).
 
 Every public call is bounded by ``timeout_sec`` (``Unavailable`` past it). psycopg
-errors are translated by ``noetl_common.db``, S3 errors by ``_s3``.
+errors are translated by ``noetl_common.db``, S3 errors by ``_s3``. A value whose encoded
+JSON exceeds ``max_bytes`` (> 0) is refused with ``ResultTooLarge`` before anything is
+written (``noetl_result_store_writes_total{outcome="too_large"}``).
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from noetl_common.coalesce import Coalescer
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import NoetlError, NotFound, Unavailable
 
-from ._codec import decode_json, encode_json
+from ._codec import decode_json
 from ._metrics import WRITES, resolving
 from ._s3 import S3Client
-from ._store import Reference, ResultStore, digest
+from ._store import Reference, ResultStore, ResultTooLarge, digest
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +146,12 @@ class PostgresResultStore(ResultStore):
     TIER = TIER
 
     def __init__(self, pool: Pool, *, objects: S3Client | None = None,
-                 timeout_sec: float = DEFAULT_TIMEOUT_SEC, owns_objects: bool = False) -> None:
+                 timeout_sec: float = DEFAULT_TIMEOUT_SEC, owns_objects: bool = False, max_bytes: int = 0) -> None:
         self.pool = pool
         self.objects = objects
         self.timeout_sec = timeout_sec
         self.owns_objects = owns_objects
+        self.max_bytes = max_bytes
         self._writes: Coalescer[_PutItem, Reference] = Coalescer(self._put_many, max_batch=128)
 
     async def close(self) -> None:
@@ -167,7 +170,11 @@ class PostgresResultStore(ResultStore):
 
     async def put(self, value: Any, *, execution_id: int, step: str, command_id: str, task: str,
                   parent_ref_id: int | None) -> Reference:
-        data = encode_json(value)
+        try:
+            data = self.encode(value, task=task)
+        except ResultTooLarge:
+            WRITES.labels(self.TIER, "too_large").inc()
+            raise
         start = time.perf_counter()
         try:
             async with self._deadline("storing a result"):
@@ -331,8 +338,9 @@ class S3ResultStore(PostgresResultStore):
     TIER = S3_TIER
 
     def __init__(self, pool: Pool, objects: S3Client, *, prefix: str = "noetl/results/",
-                 timeout_sec: float = DEFAULT_TIMEOUT_SEC, owns_objects: bool = False) -> None:
-        super().__init__(pool, objects=objects, timeout_sec=timeout_sec, owns_objects=owns_objects)
+                 timeout_sec: float = DEFAULT_TIMEOUT_SEC, owns_objects: bool = False, max_bytes: int = 0) -> None:
+        super().__init__(pool, objects=objects, timeout_sec=timeout_sec, owns_objects=owns_objects,
+                         max_bytes=max_bytes)
         self.s3 = objects
         self.prefix = prefix
 

@@ -4,6 +4,10 @@ read-through LRU cache.
 Results are immutable once written, so caching by ``ref_id`` is always safe: dropping
 the cache changes latency only. Values handed out by ``get`` are shared with the cache
 and must be treated as read-only.
+
+Result size limit: a tier built with ``max_bytes`` > 0 refuses a value whose encoded JSON
+is larger (``ResultStore.encode`` raises ``ResultTooLarge`` before anything is written).
+Every value a tier stores is encoded there, once, so that is where the limit is exact.
 """
 
 from __future__ import annotations
@@ -16,9 +20,45 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from noetl_common.errors import NotFound
+from noetl_common.errors import InvalidInput, NotFound
 
 from ._codec import decode_json, encode_json
+
+# The setting that bounds one result (noetl_common.config.LimitSettings.result_bytes).
+RESULT_BYTES_SETTING = "NOETL_LIMIT_RESULT_BYTES"
+
+
+class ResultTooLarge(InvalidInput):
+    """A task's result is larger (encoded JSON, in bytes) than the result size limit.
+
+    The task's own failure, not the store's: never retried, never
+    ``REFERENCE_NOT_AVAILABLE`` (the worker reports it as ``RESULT_TOO_LARGE``). ``exact``
+    is False when ``size`` is only what was seen before reading stopped (a lower bound)."""
+
+    def __init__(self, size: int, limit: int, *, task: str = "", exact: bool = True) -> None:
+        self.size = size
+        self.limit = limit
+        self.task = task
+        self.exact = exact
+        what = f"result of task '{task}'" if task else "result"
+        super().__init__(f"{what} is {'' if exact else 'at least '}{size} bytes; "
+                         f"limit {RESULT_BYTES_SETTING}={limit}")
+
+    def for_task(self, task: str) -> ResultTooLarge:
+        """The same error naming ``task`` (tools raise it without knowing the task's name)."""
+        if self.task or not task:
+            return self
+        return ResultTooLarge(self.size, self.limit, task=task, exact=self.exact)
+
+    def details(self) -> dict[str, Any]:
+        return {"size_bytes": self.size, "size_exact": self.exact, "limit_bytes": self.limit,
+                "setting": RESULT_BYTES_SETTING}
+
+
+def check_result_size(size: int, limit: int, *, task: str = "", exact: bool = True) -> None:
+    """Raise ``ResultTooLarge`` when ``size`` bytes exceed ``limit`` (0 = no limit)."""
+    if limit > 0 and size > limit:
+        raise ResultTooLarge(size, limit, task=task, exact=exact)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +83,22 @@ class Reference:
 class ResultStore(abc.ABC):
     """Stores result payloads and hands out references (persist-before-emit)."""
 
+    # Largest encoded value a tier stores (0 = no limit); see ``encode``.
+    max_bytes: int = 0
+
     @abc.abstractmethod
     async def put(self, value: Any, *, execution_id: int, step: str, command_id: str, task: str,
                   parent_ref_id: int | None) -> Reference:
         """Store ``value`` (JSON-encoded with ``encode_json``) and return its reference.
-        Raises NotFound when ``parent_ref_id`` does not exist, Unavailable/NoetlError when
-        the tier fails; never returns without having stored the value."""
+        Raises ResultTooLarge (nothing written) when the encoded value exceeds the tier's
+        ``max_bytes``, NotFound when ``parent_ref_id`` does not exist, Unavailable/NoetlError
+        when the tier fails; never returns without having stored the value."""
+
+    def encode(self, value: Any, *, task: str = "") -> bytes:
+        """``value`` as the bytes a tier stores; ``ResultTooLarge`` beyond ``max_bytes``."""
+        data = encode_json(value)
+        check_result_size(len(data), self.max_bytes, task=task)
+        return data
 
     @abc.abstractmethod
     async def get(self, ref_id: int) -> Any:
@@ -89,13 +139,14 @@ class MemoryResultStore(ResultStore):
 
     TIER = "memory"
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_bytes: int = 0) -> None:
         self._rows: dict[int, _MemoryRow] = {}
         self._ids = itertools.count(1)
+        self.max_bytes = max_bytes
 
     async def put(self, value: Any, *, execution_id: int, step: str, command_id: str, task: str,
                   parent_ref_id: int | None) -> Reference:
-        data = encode_json(value)
+        data = self.encode(value, task=task)
         if parent_ref_id is not None and parent_ref_id not in self._rows:
             raise NotFound(f"parent result reference {parent_ref_id} not found")
         ref_id = next(self._ids)

@@ -38,6 +38,7 @@ from noetl_store import (
     MemoryResultStore,
     PostgresResultStore,
     ResultStore,
+    ResultTooLarge,
     S3Client,
     S3Config,
     S3ResultStore,
@@ -45,7 +46,7 @@ from noetl_store import (
     make_result_store,
     trace,
 )
-from noetl_store._metrics import CACHE, RESOLVE_MS
+from noetl_store._metrics import CACHE, RESOLVE_MS, WRITES
 
 pytestmark = pytest.mark.integration
 
@@ -421,3 +422,43 @@ async def test_concurrent_db_puts_are_group_committed_and_isolate_a_bad_parent(p
             "SELECT count(*) AS n FROM noetl.result_ref r JOIN noetl.result_payload p USING (ref_id)"
             " WHERE r.ref_id = ANY(%s) AND r.parent_ref_id = %s", (list(ids), parent))).fetchone()
     assert rows is not None and rows["n"] == 40
+
+
+# ---------------------------------------------------------------- the result size limit
+
+
+@pytest.mark.parametrize("kind", ["db", "s3", "s3+kv+lru"])
+async def test_a_value_past_the_size_limit_is_refused_and_nothing_is_written(
+        kind: str, pool: Pool, nc: NATS, s3_server: Any) -> None:
+    """``max_result_bytes`` (the worker's NOETL_LIMIT_RESULT_BYTES) bounds the encoded value
+    exactly, in every tier and through the caches; a refused value is refused before the
+    tier is touched (no reference, no payload row, no object) and counts as
+    writes_total{outcome="too_large"}."""
+    s3 = {"s3_endpoint": s3_server.endpoint, "s3_bucket": S3_BUCKET, "s3_access_key": s3_server.access_key,
+          "s3_secret_key": s3_server.secret_key, "s3_prefix": f"limit-{uuid.uuid4().hex[:8]}/"}
+    bucket = f"noetl_results_limit_{uuid.uuid4().hex[:8]}"
+    settings = (ResultStoreSettings() if kind == "db" else
+                ResultStoreSettings(tier="s3", cache="kv" if "kv" in kind else "none", kv_bucket=bucket, **s3))
+    store = await make_result_store(settings, pool, nc.jetstream(), lru_items=8 if "lru" in kind else 0,
+                                    max_result_bytes=4096)
+    tier = "db" if kind == "db" else "s3"
+    refs_before = (await one(pool, "SELECT count(*) AS n FROM noetl.result_ref"))["n"]
+    payloads_before = (await one(pool, "SELECT count(*) AS n FROM noetl.result_payload"))["n"]
+    refused_before = _count(WRITES, tier, "too_large")
+    at_limit = {"blob": "é" * 2040}  # {"blob":""} is 11 bytes, each é 2: 4091
+    assert len(encode_json(at_limit)) <= 4096 < len(encode_json({"blob": "é" * 2043}))
+    ref = await store.put(at_limit, execution_id=EXECUTION_ID, step="s", command_id="c-limit", task="fits",
+                          parent_ref_id=None)
+    assert await store.get(ref.ref_id) == at_limit
+    with pytest.raises(ResultTooLarge) as caught:
+        await store.put({"blob": "é" * 2043}, execution_id=EXECUTION_ID, step="s", command_id="c-limit",
+                        task="big", parent_ref_id=ref.ref_id)
+    assert str(caught.value) == "result of task 'big' is 4097 bytes; limit NOETL_LIMIT_RESULT_BYTES=4096"
+    assert (caught.value.size, caught.value.limit, caught.value.exact) == (4097, 4096, True)
+    assert (await one(pool, "SELECT count(*) AS n FROM noetl.result_ref"))["n"] == refs_before + 1
+    assert (await one(pool, "SELECT count(*) AS n FROM noetl.result_payload"))["n"] == (
+        payloads_before + (1 if tier == "db" else 0))
+    assert _count(WRITES, tier, "too_large") == refused_before + 1
+    await store.close()
+    if "kv" in kind:
+        await nc.jetstream().delete_key_value(bucket)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import json
 import threading
 import time
@@ -12,9 +14,19 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from noetl_dsl.templates import RenderContext
+from noetl_store import ResultTooLarge
 from noetl_worker.tools import HttpTool, Tools
 
 pytestmark = pytest.mark.integration
+
+MIB = 1024 * 1024
+SENT: dict[str, int] = {}  # bytes of body each /big?tag= response managed to write
+DONE: dict[str, threading.Event] = {}  # set when that response's handler is done writing
+
+
+def done(tag: str) -> threading.Event:
+    return DONE.setdefault(tag, threading.Event())
+GZIP_BOMB = gzip.compress(bytes(64 * MIB), compresslevel=9)  # ~64 KB on the wire, 64 MiB decoded
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -42,6 +54,29 @@ class Handler(BaseHTTPRequestHandler):
         elif url.path.startswith("/status/"):
             code = int(url.path.rsplit("/", 1)[1])
             self._send(code, json.dumps({"error": code}).encode(), "application/json")
+        elif url.path == "/big":  # 100 MiB, declared (Content-Length) or not (close-delimited)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            if query.get("declare") == "1":
+                self.send_header("Content-Length", str(100 * MIB))
+            self.end_headers()
+            tag, chunk = query.get("tag", ""), b"x" * (64 * 1024)
+            SENT[tag] = 0
+            try:
+                for _ in range(1600):
+                    self.wfile.write(chunk)
+                    SENT[tag] += len(chunk)
+            except OSError:  # the client hung up
+                pass
+            finally:
+                done(tag).set()
+        elif url.path == "/gzip":
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(GZIP_BOMB)))
+            self.end_headers()
+            self.wfile.write(GZIP_BOMB)
         elif url.path == "/slow":
             time.sleep(float(query.get("s", "2")))
             self._send(200, b"{}", "application/json")
@@ -134,3 +169,58 @@ async def test_rendered_through_tools_with_policy_shape(server: str, http: HttpT
     assert out.status == "ok", out.error
     assert out.to_output()["data"]["body"]["query"] == {"cursor": "abc", "limit": "10"}
     assert out.to_output()["http"] == {"status": 200}
+
+
+# ---------------------------------------------------------------- result size limit (NOETL_LIMIT_RESULT_BYTES)
+
+
+def status_kb(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def reset_peak_rss() -> tuple[int, str]:
+    """Reset this process's peak RSS (``/proc/self/clear_refs``): (the RSS now in KiB, the
+    field to read afterwards: the peak, or the RSS where the reset is not allowed)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return status_kb("VmRSS"), "VmRSS"
+    return status_kb("VmRSS"), "VmHWM"
+
+
+@pytest.mark.parametrize("declare", ["1", "0"], ids=["content-length", "close-delimited"])
+async def test_a_body_past_the_limit_is_not_read(server: str, declare: str) -> None:
+    """100 MiB offered, 4 MiB allowed: refused from Content-Length, or the read stops at
+    the limit and the connection is dropped (the server could not write the rest)."""
+    tool = HttpTool(max_body_bytes=4 * MIB)
+    tag = f"declare-{declare}"
+    before, field = reset_peak_rss()
+    with pytest.raises(ResultTooLarge) as caught:
+        await tool.run({"url": f"{server}/big", "params": {"declare": declare, "tag": tag}}, timeout_sec=30)
+    assert caught.value.limit == 4 * MIB and caught.value.size > 4 * MIB and not caught.value.exact
+    assert (status_kb(field) - before) / 1024 < 32  # MiB: the 100 MiB were never held
+    assert await asyncio.to_thread(done(tag).wait, 10)  # the handler saw the hang-up
+    assert SENT[tag] < 40 * MIB
+    assert (await tool.run({"url": f"{server}/json"})).status == "ok"  # the client is fine
+    await tool.close()
+
+
+async def test_a_compressed_body_is_limited_decoded(server: str) -> None:
+    tool = HttpTool(max_body_bytes=4 * MIB)
+    assert len(GZIP_BOMB) < MIB
+    with pytest.raises(ResultTooLarge):
+        await tool.run({"url": f"{server}/gzip"})
+    await tool.close()
+
+
+async def test_too_large_through_tools_names_the_task(server: str) -> None:
+    tool = HttpTool(max_body_bytes=4 * MIB)
+    out = await Tools(http=tool).run_task({"kind": "http", "name": "fetch_all", "url": f"{server}/big",
+                                           "params": {"declare": "1", "tag": "tools"}}, RenderContext({}))
+    assert out.error is not None
+    assert (out.error.code, out.error.retryable) == ("RESULT_TOO_LARGE", False)
+    assert out.error.message == (f"result of task 'fetch_all' is at least {100 * MIB} bytes; "
+                                 f"limit NOETL_LIMIT_RESULT_BYTES={4 * MIB}")
+    await tool.close()

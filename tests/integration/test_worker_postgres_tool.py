@@ -11,6 +11,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from noetl_common.db import make_pool
 from noetl_dsl.templates import RenderContext
+from noetl_store import ResultTooLarge
 from noetl_worker.tools import Credentials, PoolRegistry, PostgresTool, Tools, dsn_from
 
 pytestmark = pytest.mark.integration
@@ -130,6 +131,33 @@ async def test_rendered_through_tools(tool: PostgresTool) -> None:
     assert out.data["rows"] == [{"id": "55:o'k"}]
     bad = await tools.run_task({"kind": "postgres", "auth": "{{ nope }}", "query": "SELECT 1"}, scope)
     assert bad.error is not None and bad.error.code == "TEMPLATE_ERROR" and "{{ nope }}" in bad.error.message
+
+
+# ---------------------------------------------------------------- result size limit (NOETL_LIMIT_RESULT_BYTES)
+
+MIB = 1024 * 1024
+WIDE = "SELECT n, repeat('x', 1000) AS pad FROM generate_series(1, {rows}) AS n"
+
+
+async def test_rows_past_the_limit_stop_the_conversion(runtime_pool: AsyncConnectionPool) -> None:
+    """20 MB of rows, 1 MiB allowed: refused once the converted rows pass the limit (a batch
+    of FETCH_ROWS at most beyond it), not after turning all of them into objects."""
+    limited = PostgresTool(Credentials(runtime_pool), PoolRegistry(max_size=1), max_result_bytes=MIB)
+    with pytest.raises(ResultTooLarge) as caught:
+        await limited.run(WIDE.format(rows=20_000), "pg_test_dsn")
+    assert caught.value.limit == MIB and not caught.value.exact
+    assert MIB < caught.value.size < 3 * MIB  # stopped within about one batch (~1 MB) of the limit
+    small = await limited.run(WIDE.format(rows=900), "pg_test_dsn")  # ~0.9 MB: under the limit
+    assert small.status == "ok" and small.data["row_count"] == 900
+    assert small.data["rows"][0] == {"n": 1, "pad": "x" * 1000}
+    out = await Tools(postgres=limited).run_task({"kind": "postgres", "name": "dump", "auth": "pg_test_dsn",
+                                                  "query": WIDE.format(rows=20_000)}, RenderContext({}))
+    assert out.error is not None and (out.error.code, out.error.retryable) == ("RESULT_TOO_LARGE", False)
+    assert out.error.message.startswith("result of task 'dump' is at least ")
+    assert out.error.message.endswith(f" bytes; limit NOETL_LIMIT_RESULT_BYTES={MIB}")
+    again = await limited.run("SHOW statement_timeout", "pg_test_dsn")  # the connection went back clean
+    assert again.status == "ok"
+    await limited.pools.close()
 
 
 def test_dsn_from_fields() -> None:

@@ -19,7 +19,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_common import natsio
-from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, WorkerSettings
+from noetl_common.config import CommandSettings, CoreSettings, LimitSettings, ShardSettings, WorkerSettings
 from noetl_proto.v1 import messages_pb2, worker_pb2, worker_pb2_grpc
 from noetl_store import PostgresResultStore, envelope_from_proto
 from noetl_worker.runner import execute_command
@@ -140,9 +140,12 @@ async def wait_for(cond: Callable[[], bool], limit: float = 10) -> None:
 
 @pytest.fixture
 async def harness(request: pytest.FixtureRequest, pg_dsn: str, nats_url: str) -> AsyncIterator[Harness]:
-    """A running worker (no shard-manager) against the fake api; ``indirect`` params
-    give it a Tools factory instead of the real tools."""
-    tools_factory = getattr(request, "param", None)
+    """A running worker (no shard-manager) against the fake api; ``indirect`` params give
+    it a Tools factory instead of the real tools, or a dict of ``tools``, ``worker``
+    (WorkerSettings) and ``limits`` (LimitSettings)."""
+    param = getattr(request, "param", None)
+    options: dict[str, Any] = param if isinstance(param, dict) else {"tools": param}
+    tools_factory = options.get("tools")
     api = FakeApi()
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(api, server)
@@ -151,8 +154,8 @@ async def harness(request: pytest.FixtureRequest, pg_dsn: str, nats_url: str) ->
     core = CoreSettings(postgres_dsn=pg_dsn, nats_url=nats_url, api_target=f"127.0.0.1:{port}",
                         instance="test-worker-1", shutdown_grace_sec=3)
     svc = StandaloneWorker(core, ShardSettings(), CommandSettings(lease_sec=0.6),
-                           WorkerSettings(concurrency=2, python_pool=2),
-                           tools=tools_factory() if tools_factory else None)
+                           options.get("worker") or WorkerSettings(concurrency=2, python_pool=2),
+                           tools=tools_factory() if tools_factory else None, limits=options.get("limits"))
     running = asyncio.ensure_future(svc.run())
     await wait_for(lambda: len(svc._slots) == 2 or running.done(), limit=30)
     assert not running.done()
@@ -259,3 +262,46 @@ async def test_worker_bug_is_reported_and_the_slot_survives(harness: Harness) ->
         env = envelope_from_proto((await harness.result_for(command.command_id)).envelope)
         assert env["status"] == "error" and env["error"]["code"] == "WORKER_ERROR"
         assert "bug in a tool" in env["error"]["message"]
+
+
+# ---------------------------------------------------------------- limits (issue 11)
+
+MIB = 1024 * 1024
+LIMITED = {"worker": WorkerSettings(concurrency=2, python_pool=1, python_memory_mb=256),
+           "limits": LimitSettings(result_bytes=MIB)}
+
+
+@pytest.mark.parametrize("harness", [LIMITED], indirect=True)
+async def test_hostile_tasks_fail_alone_within_the_worker_limits(harness: Harness, pool: AsyncConnectionPool) -> None:
+    """NOETL_WORKER_PYTHON_MEMORY_MB and NOETL_LIMIT_RESULT_BYTES as the service wires them:
+    a memory hog fails with MEMORY_LIMIT, a python result past the limit and a noop result
+    the Postgres store refuses fail with RESULT_TOO_LARGE (not retryable, nothing stored),
+    and the next command runs normally on the same worker."""
+    async def run(command: messages_pb2.Command) -> dict[str, Any]:
+        await harness.submit(command)
+        return envelope_from_proto((await harness.result_for(command.command_id, limit=60)).envelope)
+
+    hog = await run(make_command("b = bytearray(1024 * 1024 * 1024)\nresult = len(b)"))
+    assert hog["status"] == "error" and hog["error"]["code"] == "MEMORY_LIMIT"
+    assert hog["error"]["message"] == "python task exceeded its memory limit NOETL_WORKER_PYTHON_MEMORY_MB=256"
+
+    big = make_command("return 'x' * (2 * 1024 * 1024)")
+    env = await run(big)
+    assert env["error"]["code"] == "RESULT_TOO_LARGE" and env["error"]["retryable"] is False
+    assert env["error"]["message"] == (f"result of task '{big.step}' is {2 * MIB + 2} bytes; "
+                                       f"limit NOETL_LIMIT_RESULT_BYTES={MIB}")
+
+    echo = make_command("", tool=[{"name": "keep", "kind": "noop", "input": {"n": 1}},
+                                  {"name": "blob", "kind": "noop", "input": {"blob": "z" * (2 * MIB)}}])
+    env = await run(echo)
+    assert env["error"]["code"] == "RESULT_TOO_LARGE" and env["error"]["retryable"] is False
+    assert env["error"]["message"] == (f"result of task 'blob' is {2 * MIB + 11} bytes; "
+                                       f"limit NOETL_LIMIT_RESULT_BYTES={MIB}")
+    assert env["reference"] is None
+    assert await PostgresResultStore(pool).get(env["parent_ref"]["ref_id"]) == {"n": 1}
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT task FROM noetl.result_ref WHERE command_id = %s", (echo.command_id,))
+        assert [r["task"] for r in await cur.fetchall()] == ["keep"]
+
+    fine = await run(make_command("return 'fine'"))
+    assert fine["status"] == "ok" and fine["context"] == {"value": "fine"}

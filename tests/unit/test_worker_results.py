@@ -103,9 +103,9 @@ def test_envelope_proto_round_trip() -> None:
 
 def test_public_surface() -> None:
     assert sorted(noetl_store.__all__) == sorted([
-        "MAX_CONTEXT_KEYS", "MAX_CONTEXT_STRING", "CachedResultStore", "KvCachedResultStore", "MemoryResultStore",
-        "PostgresResultStore", "Reference", "ResultStore", "S3Client", "S3Config", "S3ResultStore",
-        "TRACE_COLUMNS", "context_of", "decode_json", "encode_json", "entry_from_json", "entry_json", "envelope",
+        "MAX_CONTEXT_KEYS", "MAX_CONTEXT_STRING", "RESULT_BYTES_SETTING", "CachedResultStore", "KvCachedResultStore",
+        "MemoryResultStore", "PostgresResultStore", "Reference", "ResultStore", "ResultTooLarge", "S3Client",
+        "S3Config", "S3ResultStore", "TRACE_COLUMNS", "check_result_size", "context_of", "decode_json", "encode_json", "entry_from_json", "entry_json", "envelope",
         "envelope_from_proto", "envelope_to_proto", "error_info", "is_secret_key", "json_default",
         "make_result_store", "to_jsonable", "trace"])
     for name in noetl_store.__all__:

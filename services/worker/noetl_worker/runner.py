@@ -6,6 +6,8 @@ cursor slot's counts) is stored by ``persist_result`` (one ``ResultStore.put``, 
 by a timeout, whose ``parent_ref`` is the previous task's reference) before any
 ``CallResult`` is built. A store failure or timeout stops the command with
 ``REFERENCE_NOT_AVAILABLE``: a result is never silently lost, and never waited on forever.
+A result the store refuses as larger than ``NOETL_LIMIT_RESULT_BYTES`` (``ResultTooLarge``)
+is the task's own failure: the command fails with ``RESULT_TOO_LARGE``, not retryable.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from noetl_common.errors import NoetlError
 from noetl_common.retry import is_transient, retrying
 from noetl_dsl.templates import RenderContext
 from noetl_proto.v1 import messages_pb2
-from noetl_store import Reference, ResultStore, encode_json, envelope, envelope_to_proto
+from noetl_store import Reference, ResultStore, ResultTooLarge, encode_json, envelope, envelope_to_proto
 
 from .pipeline import PipelineResult, TaskRun, run_pipeline
 from .scope import build_scope
 from .tools import CallInfo, ToolOutcome, Tools
-from .tools.outcome import INVALID_COMMAND, REFERENCE_NOT_AVAILABLE
+from .tools.outcome import INVALID_COMMAND, REFERENCE_NOT_AVAILABLE, RESULT_TOO_LARGE
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,9 @@ async def persist_result(store: ResultStore, value: Any, *, command: messages_pb
     backoff for up to ``retry_sec`` (default ``INFRA_RETRY_SEC``); each attempt is bounded
     by ``limit_sec`` (default ``PERSIST_TIMEOUT_SEC``). Raises ``StoreFailure`` (the caller
     reports ``REFERENCE_NOT_AVAILABLE``) when the store refuses the value or the outage
-    outlasts the retries."""
+    outlasts the retries. A value larger than the store's result size limit raises
+    ``ResultTooLarge`` as it is (the task's failure: the caller reports
+    ``RESULT_TOO_LARGE``; nothing was stored, nothing to retry)."""
     limit = PERSIST_TIMEOUT_SEC if limit_sec is None else limit_sec
     deadline = INFRA_RETRY_SEC if retry_sec is None else retry_sec
 
@@ -74,6 +78,8 @@ async def persist_result(store: ResultStore, value: Any, *, command: messages_pb
                 return await once()
     except _PutTimeout as exc:
         raise StoreFailure(f"cannot store the result of task '{task}': {exc}") from exc
+    except ResultTooLarge:
+        raise
     except (NoetlError, TypeError, ValueError) as exc:
         raise StoreFailure(f"cannot store the result of task '{task}': {exc}") from exc
     raise AssertionError("unreachable")  # pragma: no cover
@@ -269,6 +275,11 @@ async def execute_command(command: messages_pb2.Command, store: ResultStore, too
         _, parent = persister.references(None)
         return error_result(command, REFERENCE_NOT_AVAILABLE, str(exc), worker_id=worker_id,
                             kind="StoreFailure", retryable=True, parent=parent)
+    except ResultTooLarge as exc:
+        logger.info("%s", exc, extra=extra)
+        _, parent = persister.references(None)
+        return error_result(command, RESULT_TOO_LARGE, str(exc), worker_id=worker_id,
+                            kind="ResultTooLarge", parent=parent)
 
     ref, parent = persister.references(result.last)
     error = result.error.to_dict() if result.error is not None else None

@@ -7,9 +7,21 @@ library writes) can corrupt the protocol. ``print`` output is captured per task 
 sent back with the reply.
 
     parent -> child  {"id", "code", "input", "context", "libs"}
-    child -> parent  {"ready": true, "pid"} once, then per task
+    child -> parent  {"ready": true, "pid", "vm_size", "memory_limit", "memory_error"} once, then per task
                      {"id", "status": "ok", "result", "stdout"} or
-                     {"id", "status": "error", "error": {"kind", "message", "traceback"}, "stdout"}
+                     {"id", "status": "error", "error": {"kind", "message", "traceback"[, "size"]}, "stdout"}
+
+Limits (command-line options the pool passes, applied before any task code runs):
+``--memory-mb N`` sets this process's address-space limit (``RLIMIT_AS``, soft and hard,
+so task code cannot raise it): an allocation beyond it raises ``MemoryError`` in the task,
+which is reported with kind ``MemoryError`` (the pool then replaces this process; if even
+the report cannot be built, a reply prepared at start-up is sent). ``vm_size`` in the
+greeting is the address space in use before the limit was set (bytes, Linux only);
+``memory_error`` says why no limit could be set (a platform without ``RLIMIT_AS``).
+``--result-bytes N``: a value whose encoded JSON is larger is not sent; the reply is an
+error with kind ``ResultTooLarge`` and its ``size``. The value is encoded once, exactly as
+the result store encodes it (``encode_value``), and spliced into the reply frame.
+Error messages and tracebacks are capped so an error reply stays small.
 
 Task semantics (NoETL's): fresh globals holding every input key, ``input_data`` (the
 input, or its ``input_data`` value when it has one), ``context`` (the render scope) and
@@ -43,6 +55,10 @@ from noetl_store._codec import json_default
 
 HEADER = struct.Struct(">I")
 MAX_STDOUT_CHARS = 256 * 1024
+MAX_MESSAGE_CHARS = 16 * 1024
+MAX_TRACEBACK_CHARS = 64 * 1024
+MEMORY_ERROR = "MemoryError"
+RESULT_TOO_LARGE = "ResultTooLarge"
 FILENAME = "<task>"
 _MISSING = object()
 
@@ -188,6 +204,13 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb if tb is not None else exc.__traceback__))
 
 
+def _capped(text: str, limit: int, *, keep_tail: bool = False) -> str:
+    if len(text) <= limit:
+        return text
+    cut = f"[{len(text) - limit} characters cut]"
+    return cut + text[-limit:] if keep_tail else text[:limit] + cut
+
+
 def handle(request: dict[str, Any]) -> dict[str, Any]:
     out = _CappedText()
     reply: dict[str, Any] = {"id": request.get("id")}
@@ -204,24 +227,52 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
             message = f"{exc.msg} (line {exc.lineno})"
         else:
             message = str(exc) or type(exc).__name__
-        reply.update(status="error", error={"kind": type(exc).__name__, "message": message,
-                                            "traceback": _user_traceback(exc)})
+        reply.update(status="error", error={
+            "kind": type(exc).__name__, "message": _capped(message, MAX_MESSAGE_CHARS),
+            "traceback": _capped(_user_traceback(exc), MAX_TRACEBACK_CHARS, keep_tail=True)})
     reply["stdout"] = out.text()
     return reply
 
 
-def encode_reply(reply: dict[str, Any]) -> bytes:
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, default=json_default, separators=(",", ":"), allow_nan=False).encode()
+
+
+def encode_value(value: Any) -> bytes:
+    """A task's value as the result store will encode it (``noetl_store.encode_json``,
+    except that non-finite floats are an error here, not null): its length is the size
+    the result size limit is about."""
+    return json.dumps(value, default=json_default, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+
+
+def _error_reply(reply: dict[str, Any], kind: str, message: str, **extra: Any) -> bytes:
+    return json.dumps({"id": reply.get("id"), "status": "error", "stdout": reply.get("stdout", ""),
+                       "error": {"kind": kind, "traceback": "", "message": message, **extra}},
+                      default=str).encode()
+
+
+def encode_reply(reply: dict[str, Any], result_bytes: int = 0) -> list[bytes]:
+    """The reply frame's payload, in parts (an ok reply's value is encoded once and spliced
+    in, not copied into one buffer). A value larger than ``result_bytes`` (> 0) is not sent:
+    the reply says ``ResultTooLarge`` with its size."""
     try:
-        return json.dumps(reply, default=json_default, separators=(",", ":"), allow_nan=False).encode()
+        if reply.get("status") != "ok":
+            return [_dumps(reply)]
+        value = encode_value(reply.get("result"))
+        if result_bytes and len(value) > result_bytes:
+            return [_error_reply(reply, RESULT_TOO_LARGE, f"the task's value is {len(value)} bytes",
+                                 size=len(value))]
+        head = _dumps({k: v for k, v in reply.items() if k != "result"})
+        return [head[:-1], b',"result":', value, b"}"]
     except (TypeError, ValueError) as exc:
-        failed = {"id": reply.get("id"), "status": "error", "stdout": reply.get("stdout", ""),
-                  "error": {"kind": type(exc).__name__, "traceback": "",
-                            "message": f"the task's value is not JSON serialisable: {exc}"}}
-        return json.dumps(failed, default=str).encode()
+        return [_error_reply(reply, type(exc).__name__, f"the task's value is not JSON serialisable: {exc}")]
 
 
-def write_frame(stream: BinaryIO, payload: bytes) -> None:
-    stream.write(HEADER.pack(len(payload)) + payload)
+def write_frame(stream: BinaryIO, *parts: bytes) -> None:
+    stream.write(HEADER.pack(sum(len(p) for p in parts)))
+    for part in parts:
+        stream.write(part)
     stream.flush()
 
 
@@ -248,19 +299,79 @@ def _take_protocol_fds() -> tuple[BinaryIO, BinaryIO]:
     return proto_in, proto_out
 
 
-def main() -> int:
+def vm_size() -> int | None:
+    """This process's address space in use, in bytes (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def limit_memory(megabytes: int) -> tuple[int, str]:
+    """Set this process's address-space limit (soft and hard) to ``megabytes`` MiB, or the
+    current hard limit when that is lower; 0 = leave it. Returns (the limit in bytes, or 0
+    when none is set; why it could not be set, on a platform without ``RLIMIT_AS``)."""
+    if megabytes <= 0:
+        return 0, ""
+    try:
+        import resource
+
+        limit = megabytes * 1024 * 1024
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ImportError, AttributeError, ValueError, OSError) as exc:
+        return 0, f"{type(exc).__name__}: {exc}"
+    return limit, ""
+
+
+def parse_options(argv: list[str]) -> dict[str, int]:
+    """``--memory-mb N`` and ``--result-bytes N`` (the pool's; no argparse: start-up time)."""
+    options = {"memory-mb": 0, "result-bytes": 0}
+    args = iter(argv)
+    for arg in args:
+        name = arg.removeprefix("--")
+        if name not in options or not arg.startswith("--"):
+            raise SystemExit(f"noetl_worker.sandbox: unknown option {arg!r}")
+        options[name] = int(next(args, "0"))
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
     # The worker owns this process's lifetime (it kills it on timeout, cancel and close;
     # EOF on the protocol pipe ends it): a SIGTERM/SIGINT sent to the worker's process
     # group must not kill a task the worker is letting finish during a graceful stop.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    options = parse_options(sys.argv[1:] if argv is None else argv)
+    result_bytes = options["result-bytes"]
+    baseline = vm_size()
+    memory_limit, memory_error = limit_memory(options["memory-mb"])
+    # Prepared while memory is plentiful: the reply when a MemoryError leaves too little to build one.
+    out_of_memory = _error_reply({}, MEMORY_ERROR, "out of memory (the reply could not be built)")
     proto_in, proto_out = _take_protocol_fds()
-    write_frame(proto_out, json.dumps({"ready": True, "pid": os.getpid()}).encode())
+    write_frame(proto_out, json.dumps({"ready": True, "pid": os.getpid(), "vm_size": baseline,
+                                       "memory_limit": memory_limit, "memory_error": memory_error}).encode())
     while True:
-        payload = read_frame(proto_in)
+        try:
+            payload = read_frame(proto_in)
+        except MemoryError:  # a request too large to hold: the rest of its frame is unread
+            write_frame(proto_out, out_of_memory)
+            return 1
         if payload is None:
             return 0
-        write_frame(proto_out, encode_reply(handle(json.loads(payload))))
+        try:
+            parts = encode_reply(handle(json.loads(payload)), result_bytes)
+        except MemoryError:
+            parts = [out_of_memory]
+        del payload
+        write_frame(proto_out, *parts)
+        del parts
 
 
 if __name__ == "__main__":

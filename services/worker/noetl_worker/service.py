@@ -58,6 +58,7 @@ from noetl_common.coalesce import Coalescer
 from noetl_common.config import (
     CommandSettings,
     CoreSettings,
+    LimitSettings,
     NatsSettings,
     ResultStoreSettings,
     ShardSettings,
@@ -139,7 +140,8 @@ class WorkerService(Service):
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, command: CommandSettings,
                  worker: WorkerSettings, *, tools: Tools | None = None, store: ResultStore | None = None,
-                 results: ResultStoreSettings | None = None, nats: NatsSettings | None = None) -> None:
+                 results: ResultStoreSettings | None = None, limits: LimitSettings | None = None,
+                 nats: NatsSettings | None = None) -> None:
         super().__init__(core, shard)
         self.nats_cfg = nats or NatsSettings.model_construct()
         self.reconnects = natsio.Reconnects()
@@ -149,6 +151,7 @@ class WorkerService(Service):
         self.command_cfg = command
         self.worker_cfg = worker
         self.results_cfg = results or ResultStoreSettings()
+        self.limits = limits or LimitSettings()
         self.tools = tools
         self.store = store
         self.nc: NATS | None = None
@@ -184,15 +187,21 @@ class WorkerService(Service):
         self.js = self.nc.jetstream()
         await natsio.ensure_streams(self.js, replicas=self.nats_cfg.stream_replicas)
         self.reconnects.listen(self._on_reconnect)
+        result_bytes = self.limits.result_bytes
         if self.store is None:
-            # Writes the configured tier (NOETL_RESULT_TIER), reads every tier.
-            self.store = await make_result_store(self.results_cfg, self.pool, self.js, lru_items=RESULT_CACHE_ITEMS)
+            # Writes the configured tier (NOETL_RESULT_TIER), reads every tier; refuses a
+            # result above NOETL_LIMIT_RESULT_BYTES (the task's RESULT_TOO_LARGE).
+            self.store = await make_result_store(self.results_cfg, self.pool, self.js, lru_items=RESULT_CACHE_ITEMS,
+                                                 max_result_bytes=result_bytes)
         self.api_channel = grpcutil.channel(self.core.api_target)
         self.api = worker_pb2_grpc.WorkerServiceStub(self.api_channel)
         if self.tools is None:
-            python = PythonPool(self.worker_cfg.python_pool or self.worker_cfg.concurrency)
+            # Tools stop reading a result as soon as it passes the limit (the store checks it exactly).
+            python = PythonPool(self.worker_cfg.python_pool or self.worker_cfg.concurrency,
+                                memory_mb=self.worker_cfg.python_memory_mb, result_bytes=result_bytes)
             credentials, pools = Credentials(self.pool), PoolRegistry()
-            self.tools = Tools(python=python, http=HttpTool(), postgres=PostgresTool(credentials, pools),
+            self.tools = Tools(python=python, http=HttpTool(max_body_bytes=result_bytes),
+                               postgres=PostgresTool(credentials, pools, max_result_bytes=result_bytes),
                                playbook=PlaybookTool(execution_pb2_grpc.ExecutionServiceStub(self.api_channel)),
                                cursors=default_drivers(credentials, pools))
         if self.tools.python is not None:

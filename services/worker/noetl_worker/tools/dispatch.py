@@ -11,6 +11,10 @@ task with ``TEMPLATE_ERROR`` and the template's message. The python ``context`` 
 with its own input defaults overridden by the caller's rendered input. ``kind: playbook``
 runs a sub-playbook (``playbook.py``) with the rendered input as its payload; it needs the
 caller's ``CallInfo`` (idempotency key, cancel signal).
+
+A tool that finds its result larger than ``NOETL_LIMIT_RESULT_BYTES`` (python's reply,
+an http body, postgres rows) raises ``ResultTooLarge`` as soon as it knows, before holding
+the whole value; it becomes the task's ``RESULT_TOO_LARGE`` error naming the task here.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from noetl_common.errors import ToolError
 from noetl_dsl.templates import RenderContext, TemplateError, render, render_text
+from noetl_store import ResultTooLarge
 
 from ..metrics import TASK_SECONDS
 from .call import CallInfo
@@ -132,6 +137,9 @@ class Tools:
             return await self._dispatch(kind, task, scope, inputs, workbook, timeout_sec, depth, call)
         except ToolError as exc:
             return ToolOutcome("error", None, ErrorDetail.from_exception(exc))
+        except ResultTooLarge as exc:
+            name = str(scope.get("_task") or task.get("name") or kind)
+            return ToolOutcome("error", None, ErrorDetail.from_exception(exc.for_task(name)))
         except TemplateError as exc:
             return ToolOutcome.failure(TEMPLATE_ERROR, str(exc), kind="TemplateError")
         except (TypeError, ValueError) as exc:

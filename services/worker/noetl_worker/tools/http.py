@@ -10,6 +10,13 @@ the content type says JSON or the text parses, else text. ``data`` is the same b
 (upstream NoETL playbooks read ``{{ step.data }}``, others ``{{ step.body }}``). Status < 400 is ok; otherwise an
 error, retryable for 408, 429 and 5xx. Network errors are retryable errors.
 ``output.http`` is ``{"status": code}``.
+
+The body is streamed and never held beyond ``max_body_bytes`` (``NOETL_LIMIT_RESULT_BYTES``;
+decoded bytes, so a compressed body cannot expand past it): a larger declared
+``Content-Length`` is refused before reading, a body that grows past it stops the read
+and closes the connection. Either raises ``noetl_store.ResultTooLarge`` (the task's
+``RESULT_TOO_LARGE``). The value holds the body twice (``body`` and ``data``), so the
+result store's exact check refuses bodies above about half the limit.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+
+from noetl_store import check_result_size
 
 from .outcome import HTTP_ERROR, INVALID_TASK, TIMEOUT, ToolOutcome
 
@@ -33,9 +42,23 @@ def _retryable_status(code: int) -> bool:
     return code in (408, 429) or code >= 500
 
 
-def _parse_body(response: httpx.Response) -> Any:
+async def _read_body(response: httpx.Response, limit: int) -> bytes:
+    """The (decoded) body; ``ResultTooLarge`` as soon as it is known to exceed ``limit`` (> 0)."""
+    declared = response.headers.get("content-length")
+    if limit and declared and declared.isdigit():
+        check_result_size(int(declared), limit, exact=False)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        check_result_size(size, limit, exact=False)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_body(response: httpx.Response, content: bytes) -> Any:
     """JSON when the body parses as JSON (whatever the content type claims), else text."""
-    text = response.text
+    text = content.decode(response.encoding or "utf-8", errors="replace")
     if not text.strip():
         return text
     try:
@@ -95,11 +118,13 @@ class HttpTool:
     """Runs http tasks on one shared client (``close()`` closes it if the tool made it)."""
 
     def __init__(self, client: httpx.AsyncClient | None = None, *,
-                 default_timeout: float = DEFAULT_TIMEOUT_SEC) -> None:
+                 default_timeout: float = DEFAULT_TIMEOUT_SEC, max_body_bytes: int = 0) -> None:
+        """``max_body_bytes``: the largest body read (0 = no limit; module docstring)."""
         self._own = client is None
         self.client = client or httpx.AsyncClient(
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         self.default_timeout = default_timeout
+        self.max_body_bytes = max(0, max_body_bytes)
 
     async def close(self) -> None:
         if self._own:
@@ -119,9 +144,10 @@ class HttpTool:
         except (TypeError, ValueError) as exc:
             return ToolOutcome.failure(INVALID_TASK, str(exc), kind=type(exc).__name__)
         try:
-            response = await self.client.request(method, url, timeout=request_timeout,
-                                                 follow_redirects=bool(task.get("follow_redirects", False)),
-                                                 **kwargs)
+            async with self.client.stream(method, url, timeout=request_timeout,
+                                          follow_redirects=bool(task.get("follow_redirects", False)),
+                                          **kwargs) as response:
+                content = await _read_body(response, self.max_body_bytes)
         except httpx.TimeoutException as exc:
             return ToolOutcome.failure(TIMEOUT, f"{method} {url}: timed out after {request_timeout:g} s",
                                        kind=type(exc).__name__, retryable=True)
@@ -130,7 +156,8 @@ class HttpTool:
         except httpx.HTTPError as exc:
             return ToolOutcome.failure(NETWORK_ERROR, f"{method} {url}: {type(exc).__name__}: {exc}",
                                        kind=type(exc).__name__, retryable=True)
-        body = _parse_body(response)
+        body = _parse_body(response, content)
+        del content
         data = {"status_code": response.status_code, "headers": dict(response.headers.items()),
                 "body": body, "data": body}
         http = {"status": response.status_code}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from noetl_common.errors import ToolError
+from noetl_store import ResultTooLarge
 
 Status = Literal["ok", "error"]
 
@@ -20,6 +21,10 @@ TIMEOUT = "TIMEOUT"
 TEMPLATE_ERROR = "TEMPLATE_ERROR"
 INVALID_TASK = "INVALID_TASK"
 SANDBOX_EXITED = "SANDBOX_EXITED"
+# A python task allocated beyond NOETL_WORKER_PYTHON_MEMORY_MB (its interpreter is replaced).
+MEMORY_LIMIT = "MEMORY_LIMIT"
+# A task's result (encoded JSON) is larger than NOETL_LIMIT_RESULT_BYTES: the task's failure, never retried.
+RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
 HTTP_ERROR = "HTTP_ERROR"
 SQL_ERROR = "SQL_ERROR"
 CREDENTIAL_NOT_FOUND = "CREDENTIAL_NOT_FOUND"
@@ -44,6 +49,8 @@ class ErrorDetail:
 
     @classmethod
     def from_exception(cls, exc: BaseException, *, code: str = TOOL_ERROR) -> ErrorDetail:
+        if isinstance(exc, ResultTooLarge):
+            return cls(RESULT_TOO_LARGE, str(exc), "ResultTooLarge", False, exc.details())
         if isinstance(exc, ToolError):
             return cls(exc.code, str(exc), exc.kind or type(exc).__name__, exc.retryable, dict(exc.details))
         return cls(code, str(exc) or type(exc).__name__, type(exc).__name__)

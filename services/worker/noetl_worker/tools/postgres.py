@@ -13,6 +13,11 @@
   that returned rows (``{"status": "ok", "rows", "row_count", "columns"}``), else
   ``{"status": "ok", "row_count"}`` of the last statement.
 * SQL errors carry the SQLSTATE and the server's message.
+* Rows are turned into plain JSON values ``FETCH_ROWS`` at a time, and their encoded size
+  is counted as they are: once it passes ``max_result_bytes`` (``NOETL_LIMIT_RESULT_BYTES``)
+  the task fails with ``ResultTooLarge`` without converting the rest (libpq has received
+  the whole result by then: a client-side cursor; the Python objects, several times
+  larger, are what is bounded).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError, NotFound
 from noetl_common.retry import retry_transient
-from noetl_store import to_jsonable
+from noetl_store import check_result_size, decode_json, encode_json
 
 from .outcome import (
     CREDENTIAL_NOT_FOUND,
@@ -57,6 +62,7 @@ _CONNINFO_KEYS: dict[str, tuple[str, ...]] = {
 }
 # SQLSTATE classes worth retrying: connection, transaction rollback, resources, operator intervention.
 _RETRYABLE_CLASSES = ("08", "40", "53", "57P")
+FETCH_ROWS = 1000  # rows converted (and measured) at a time
 
 
 def dsn_from(data: Mapping[str, Any]) -> str:
@@ -192,9 +198,11 @@ async def resolve_dsn(credentials: Credentials, auth: Any) -> str:
 
 
 class PostgresTool:
-    def __init__(self, credentials: Credentials, pools: PoolRegistry) -> None:
+    def __init__(self, credentials: Credentials, pools: PoolRegistry, *, max_result_bytes: int = 0) -> None:
+        """``max_result_bytes``: the largest rows (encoded JSON) a task may return; 0 = no limit."""
         self.credentials = credentials
         self.pools = pools
+        self.max_result_bytes = max(0, max_result_bytes)
 
     async def dsn_for(self, auth: Any) -> str:
         return await resolve_dsn(self.credentials, auth)
@@ -218,7 +226,7 @@ class PostgresTool:
         try:
             pool = await self.pools.get(dsn)
             async with pool.connection() as conn:
-                return ToolOutcome.success(await _execute(conn, sql, timeout_sec))
+                return ToolOutcome.success(await _execute(conn, sql, timeout_sec, self.max_result_bytes))
         except psycopg.Error as exc:
             return _sql_failure(exc)
         except PoolTimeout as exc:
@@ -226,7 +234,22 @@ class PostgresTool:
                                        kind="PoolTimeout", retryable=True)
 
 
-async def _execute(conn: psycopg.AsyncConnection[Any], sql: str, timeout_sec: float | None) -> dict[str, Any]:
+async def _fetch_rows(cur: psycopg.AsyncCursor[Any], limit: int) -> list[Any]:
+    """The current result's rows as plain JSON values (what a reader gets back from the
+    store), ``FETCH_ROWS`` at a time; ``ResultTooLarge`` as soon as their encoded size
+    passes ``limit`` (> 0)."""
+    rows: list[Any] = []
+    size = 0
+    while batch := await cur.fetchmany(FETCH_ROWS):
+        data = encode_json(batch)
+        size += len(data) - (1 if rows else 0)  # the size of the rows as one JSON array
+        check_result_size(size, limit, exact=False)
+        rows.extend(decode_json(data))
+    return rows
+
+
+async def _execute(conn: psycopg.AsyncConnection[Any], sql: str, timeout_sec: float | None,
+                   limit: int = 0) -> dict[str, Any]:
     if timeout_sec:
         await conn.execute("SELECT set_config('statement_timeout', %s, false)",
                            (str(max(1, int(timeout_sec * 1000))),))
@@ -238,8 +261,8 @@ async def _execute(conn: psycopg.AsyncConnection[Any], sql: str, timeout_sec: fl
         while True:
             row_count = cur.rowcount
             if cur.description is not None:
-                rows = await cur.fetchall()
-                rows_result = {"status": "ok", "rows": to_jsonable(rows), "row_count": len(rows),
+                rows = await _fetch_rows(cur, limit)
+                rows_result = {"status": "ok", "rows": rows, "row_count": len(rows),
                                "columns": [c.name for c in cur.description]}
             if not cur.nextset():
                 break

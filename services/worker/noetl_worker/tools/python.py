@@ -8,6 +8,27 @@ after ``max_tasks_per_child`` tasks (module state leaks between tasks of a child
 
     idle queue --get--> [request frame] --> child --> [reply frame] --put--> idle queue
                                    timeout / cancel / EOF: kill, reap, spawn a new one
+
+Limits. ``memory_mb`` (``NOETL_WORKER_PYTHON_MEMORY_MB``) is each child's address-space
+limit: the child sets ``RLIMIT_AS`` on itself from its command line (``--memory-mb``)
+before it greets the pool, so no task code ever runs without it, and it reports the
+address space it used before (its idle size). Not ``preexec_fn``: it runs Python between
+fork and exec in this threaded process (gRPC, executors), which Python documents as
+deadlock-prone, and it disables the posix_spawn/vfork path. Not ``prlimit`` on the pid
+from here: Linux-only, and applied from outside at an arbitrary point of the start-up.
+A task that allocates beyond it gets ``MemoryError``; its reply fails the task with
+``MEMORY_LIMIT`` and the child is replaced (a MemoryError can leave an interpreter in a
+bad state). The children run with ``MALLOC_ARENA_MAX=2`` (unless set): glibc reserves
+64 MiB of address space per thread arena, which would make a threaded task hit the
+limit without using the memory. An idle child uses ~23 MiB of address space; a limit
+that leaves less than ``MIN_MEMORY_HEADROOM`` above that fails the pool's start.
+
+``result_bytes`` (``NOETL_LIMIT_RESULT_BYTES``): the child encodes the value once, as the
+result store will, and replies ``ResultTooLarge`` instead of sending a larger one; the
+pool also refuses any reply frame above ``result_bytes + FRAME_SLACK`` from its length
+header alone (a task can tamper with its own interpreter), killing the child instead of
+reading the frame. Both raise ``noetl_store.ResultTooLarge`` (the dispatcher makes it the
+task's ``RESULT_TOO_LARGE`` error).
 """
 
 from __future__ import annotations
@@ -24,15 +45,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from noetl_common.errors import ConfigError
-from noetl_store import encode_json
+from noetl_store import ResultTooLarge, encode_json
 
-from .outcome import SANDBOX_EXITED, TIMEOUT, TOOL_ERROR, ToolOutcome
+from ..sandbox import MEMORY_ERROR, RESULT_TOO_LARGE
+from .outcome import MEMORY_LIMIT, SANDBOX_EXITED, TIMEOUT, TOOL_ERROR, ToolOutcome
 
 logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct(">I")
 SANDBOX_MODULE = "noetl_worker.sandbox"
 STDOUT_IN_DETAILS = 4096
+DRAIN_CHUNK = 64 * 1024  # reads of a dead child's leftover output
+MEMORY_SETTING = "NOETL_WORKER_PYTHON_MEMORY_MB"
+# What a reply frame may hold beyond the value: captured stdout (256 Ki characters, up to
+# 12 bytes each once JSON-escaped), the capped error message and traceback, the keys.
+FRAME_SLACK = 8 * 1024 * 1024
+# Address space a child must have beyond its idle size for a memory limit to be usable.
+MIN_MEMORY_HEADROOM = 32 * 1024 * 1024
+# glibc malloc arenas per child when a memory limit is set (each reserves 64 MiB of address space).
+MALLOC_ARENAS = "2"
 # The runtime's own connection strings and secrets are not the task code's business: any
 # NOETL_* name that looks secret-bearing (HIDDEN_ENV_MARKERS: NOETL_POSTGRES_DSN,
 # NOETL_NATS_URL, NOETL_RESULT_S3_*_KEY, ...) and the names below (the OTLP collector's
@@ -50,6 +81,14 @@ def hidden_env(name: str) -> bool:
 
 class _ChildExited(Exception):
     """The child closed its protocol pipe (it exited)."""
+
+
+class _FrameTooLarge(Exception):
+    """The child announced a reply frame larger than the pool accepts (not read)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"reply frame of {size} bytes")
+        self.size = size
 
 
 class _Child:
@@ -71,11 +110,15 @@ class _Child:
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise _ChildExited() from exc
 
-    async def receive(self) -> dict[str, Any]:
+    async def receive(self, max_size: int = 0) -> dict[str, Any]:
+        """The next reply. A frame above ``max_size`` (> 0) raises ``_FrameTooLarge`` before
+        its payload is read (the pipe's reader buffers at most its 64 KiB limit beyond it)."""
         assert self.proc.stdout is not None
         try:
             header = await self.proc.stdout.readexactly(HEADER.size)
             (size,) = HEADER.unpack(header)
+            if max_size and size > max_size:
+                raise _FrameTooLarge(size)
             payload = await self.proc.stdout.readexactly(size)
         except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
             raise _ChildExited() from exc
@@ -87,6 +130,14 @@ class _Child:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
+
+    async def discard_output(self) -> None:
+        """Read and drop what a dead child left in its pipe (at most the pipe's capacity), so
+        the pipe reaches EOF and its transport closes (a refused frame was left unread)."""
+        if self.proc.stdout is not None:
+            with contextlib.suppress(Exception):
+                while await self.proc.stdout.read(DRAIN_CHUNK):
+                    pass
 
 
 def _exit_text(code: int | None) -> str:
@@ -108,17 +159,27 @@ class PythonPool:
     kills the children."""
 
     def __init__(self, size: int, *, executable: str | None = None, max_tasks_per_child: int = 1000,
-                 start_timeout: float = 30.0, env: Mapping[str, str] | None = None) -> None:
+                 start_timeout: float = 30.0, env: Mapping[str, str] | None = None,
+                 memory_mb: int = 0, result_bytes: int = 0) -> None:
         """``env``: the children's environment (default: this process's, without the
-        runtime's secrets: ``hidden_env``), captured when the pool is built."""
+        runtime's secrets: ``hidden_env``), captured when the pool is built. ``memory_mb``:
+        each child's address-space limit in MiB, ``result_bytes``: the largest value (encoded
+        JSON) a task may return; 0 = no limit (module docstring)."""
         if size < 1:
             raise ConfigError("python pool size must be at least 1")
         self.size = size
         self.executable = executable or sys.executable
         self.max_tasks_per_child = max_tasks_per_child
         self.start_timeout = start_timeout
+        self.memory_mb = max(0, memory_mb)
+        self.result_bytes = max(0, result_bytes)
+        self.max_frame = self.result_bytes + FRAME_SLACK if self.result_bytes else 0
         self.env = dict(env) if env is not None else {
             k: v for k, v in os.environ.items() if not hidden_env(k)}
+        if self.memory_mb:
+            self.env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
+        self.idle_vm_size: int | None = None  # address space of a child before any task (bytes)
+        self._unlimited_warned = False
         self._idle: asyncio.Queue[_Child] = asyncio.Queue()
         self._children: set[_Child] = set()
         self._background: set[asyncio.Task[None]] = set()
@@ -135,7 +196,10 @@ class PythonPool:
         children = await asyncio.gather(*(self._spawn() for _ in range(self.size)))
         for child in children:
             self._idle.put_nowait(child)
-        logger.info("python pool started: %d children", self.size)
+        logger.info("python pool started: %d children, memory limit %s, result limit %s, idle child %s",
+                    self.size, f"{self.memory_mb} MiB" if self.memory_mb else "none",
+                    f"{self.result_bytes} bytes" if self.result_bytes else "none",
+                    f"{self.idle_vm_size / 2**20:.1f} MiB address space" if self.idle_vm_size else "unmeasured")
 
     async def close(self) -> None:
         """Kill every child (idempotent)."""
@@ -169,24 +233,44 @@ class PythonPool:
 
     # ------------------------------------------------------------ children
 
+    def _command(self) -> list[str]:
+        args = [self.executable, "-m", SANDBOX_MODULE]
+        if self.memory_mb:
+            args += ["--memory-mb", str(self.memory_mb)]
+        if self.result_bytes:
+            args += ["--result-bytes", str(self.result_bytes)]
+        return args
+
     async def _spawn(self) -> _Child:
         proc = await asyncio.create_subprocess_exec(
-            self.executable, "-m", SANDBOX_MODULE,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env=self.env)
+            *self._command(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=self.env)
         child = _Child(proc)
         self._children.add(child)
+        limited = f" with {MEMORY_SETTING}={self.memory_mb}" if self.memory_mb else ""
         try:
-            hello = await asyncio.wait_for(child.receive(), timeout=self.start_timeout)
-        except (TimeoutError, _ChildExited) as exc:
+            hello = await asyncio.wait_for(child.receive(max_size=FRAME_SLACK), timeout=self.start_timeout)
+        except (TimeoutError, _ChildExited, _FrameTooLarge, ValueError) as exc:
             child.kill()
             self._children.discard(child)
             rc = await proc.wait()
-            raise ConfigError(f"python sandbox did not start ({_exit_text(rc)})") from exc
-        if not hello.get("ready"):
+            raise ConfigError(f"python sandbox did not start{limited} ({_exit_text(rc)})") from exc
+        problem = "" if hello.get("ready") else f"it sent an unexpected greeting: {hello!r}"
+        vm_size, limit = hello.get("vm_size"), hello.get("memory_limit")
+        if not problem and self.memory_mb and not limit and not self._unlimited_warned:
+            self._unlimited_warned = True
+            logger.warning("%s=%d is not enforced: the python sandbox cannot limit its memory here (%s)",
+                           MEMORY_SETTING, self.memory_mb, hello.get("memory_error") or "no RLIMIT_AS")
+        if not problem and isinstance(vm_size, int) and isinstance(limit, int):
+            self.idle_vm_size = vm_size
+            if limit and limit - vm_size < MIN_MEMORY_HEADROOM:
+                problem = (f"{MEMORY_SETTING}={self.memory_mb} leaves {(limit - vm_size) / 2**20:.0f} MiB beyond "
+                           f"the {vm_size / 2**20:.0f} MiB of address space an idle interpreter uses; at least "
+                           f"{MIN_MEMORY_HEADROOM // 2**20} MiB more are needed")
+        if problem:
             child.kill()
             self._children.discard(child)
-            raise ConfigError(f"python sandbox sent an unexpected greeting: {hello!r}")
+            await proc.wait()
+            raise ConfigError(f"python sandbox cannot be used: {problem}")
         return child
 
     def _retire(self, child: _Child, *, kill: bool) -> None:
@@ -207,6 +291,8 @@ class PythonPool:
             await old.proc.wait()
         finally:
             self._children.discard(old)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(old.discard_output(), timeout=5)
         delay = 0.1
         while not self._closed:
             try:
@@ -230,7 +316,9 @@ class PythonPool:
                   context: Mapping[str, Any] | None = None) -> ToolOutcome:
         """Run ``code`` in a child. ``input`` keys become globals (plus ``input_data``),
         ``context`` is the render scope, ``libs`` maps aliases to modules. ``timeout_sec``
-        (None or 0 = none) bounds the run; on overrun the child is killed."""
+        (None or 0 = none) bounds the run; on overrun the child is killed. Task failures
+        are outcomes (``MEMORY_LIMIT`` past ``memory_mb``); a value larger than
+        ``result_bytes`` raises ``ResultTooLarge``."""
         if self._closed:
             raise RuntimeError("python pool is closed")
         if not self._started:
@@ -245,6 +333,13 @@ class PythonPool:
         child = await self._idle.get()
         try:
             reply = await asyncio.wait_for(self._exchange(child, payload), timeout=timeout_sec or None)
+        except _FrameTooLarge as exc:
+            # Not read: the child is killed mid-write and replaced.
+            self._retire(child, kill=True)
+            logger.warning("python sandbox pid=%s sent a %d-byte reply (limit %d + slack); killed it",
+                           child.pid, exc.size, self.result_bytes)
+            raise ResultTooLarge(max(self.result_bytes + 1, exc.size - FRAME_SLACK), self.result_bytes,
+                                 exact=False) from None
         except TimeoutError:
             logger.warning("python task exceeded %ss; killing sandbox pid=%s", timeout_sec, child.pid)
             self._retire(child, kill=True)
@@ -264,16 +359,37 @@ class PythonPool:
             self._retire(child, kill=True)
             raise
         child.tasks_run += 1
+        error = reply.get("error") if reply.get("status") != "ok" else None
+        kind = str(error.get("kind") or "") if isinstance(error, Mapping) else ""
+        if kind == MEMORY_ERROR:
+            # The interpreter may be left in a bad state (half-built objects, a failed import).
+            self._retire(child, kill=True)
+            return self._memory_outcome(reply)
         if self.max_tasks_per_child and child.tasks_run >= self.max_tasks_per_child:
             self._retire(child, kill=False)
         else:
             self._idle.put_nowait(child)
+        if kind == RESULT_TOO_LARGE and self.result_bytes and isinstance(error, Mapping):
+            size = error.get("size")
+            if isinstance(size, int) and size > self.result_bytes:
+                raise ResultTooLarge(size, self.result_bytes)
+            raise ResultTooLarge(self.result_bytes + 1, self.result_bytes, exact=False)
         return _outcome(reply)
 
-    @staticmethod
-    async def _exchange(child: _Child, payload: bytes) -> dict[str, Any]:
-        await child.send(payload)
-        return await child.receive()
+    async def _exchange(self, child: _Child, payload: bytes) -> dict[str, Any]:
+        with contextlib.suppress(_ChildExited):
+            # A child that stopped reading may have answered first (a request it could not
+            # hold: its out-of-memory reply); with nothing to read, receive raises _ChildExited.
+            await child.send(payload)
+        return await child.receive(self.max_frame)
+
+    def _memory_outcome(self, reply: Mapping[str, Any]) -> ToolOutcome:
+        if not self.memory_mb:
+            return _outcome(reply)  # a MemoryError without a limit of ours: the task's own error
+        outcome = _outcome(reply)
+        message = f"python task exceeded its memory limit {MEMORY_SETTING}={self.memory_mb}"
+        details = outcome.error.details if outcome.error is not None else {}
+        return ToolOutcome.failure(MEMORY_LIMIT, message, kind=MEMORY_ERROR, details=details, stdout=outcome.stdout)
 
 
 def _outcome(reply: Mapping[str, Any]) -> ToolOutcome:
