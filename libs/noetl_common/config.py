@@ -40,6 +40,8 @@ class CoreSettings(BaseSettings):
     ready_file: str = Field(default="", description="write {role,pid,grpc,metrics} JSON here once serving")
     log_level: str = "INFO"
     shutdown_grace_sec: float = Field(default=5.0, gt=0)
+    # Tests only: a file of armed fault points (noetl_common.faults).
+    faults_file: str = ""
 
     def require(self, *names: str) -> None:
         missing = [f"NOETL_{n.upper()}" for n in names if not getattr(self, n)]

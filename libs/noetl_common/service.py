@@ -26,7 +26,7 @@ from prometheus_client import Counter, Gauge, start_http_server
 from noetl_proto.v1 import shard_manager_pb2 as sm_pb2
 from noetl_proto.v1 import shard_manager_pb2_grpc as sm_grpc
 
-from . import grpcutil, tracing
+from . import faults, grpcutil, tracing
 from .config import CoreSettings, ShardSettings, TracingSettings, load
 from .db import Pool, make_pool
 from .errors import ConfigError, NoetlError
@@ -41,6 +41,11 @@ DEPENDENCY_UP = Gauge("noetl_dependency_up", "1 while this process reaches the d
                       ["dependency"])
 SERVING = Gauge("noetl_serving", "1 while this process reports SERVING (its loops alive, its dependencies reachable)")
 HEALTH_INTERVAL_SEC = 1.0
+# The health "service" a liveness probe asks: SERVING for as long as the process answers at
+# all. Readiness asks "" (and each gRPC service name), NOT_SERVING while a dependency is
+# unreachable or a shard loop keeps crashing: an outage of Postgres must take replicas out
+# of load balancing, not get them restarted.
+LIVENESS = "noetl.liveness"
 HEALTH_TIMEOUT_SEC = 2.0
 LEASE_RENEWALS = Counter("noetl_lease_renewals_total", "Shard lease renewal rounds", ["role"])
 LEASE_LOSSES = Counter("noetl_lease_losses_total", "Shard leases lost (reassigned or expired)", ["role"])
@@ -151,6 +156,7 @@ class Service:
             await self.shutdown()
 
     async def _start(self) -> None:
+        faults.configure(self.core.faults_file)
         if self.core.postgres_dsn:
             # A transaction left idle longer than a lease (this process froze mid-batch) is
             # ended by Postgres, so it cannot keep a lease row locked behind a takeover.
@@ -184,6 +190,7 @@ class Service:
             await self._join()
             self.spawn(self._membership_loop(), "membership")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         for name in self.service_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         SERVING.set(1)

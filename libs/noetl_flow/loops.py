@@ -86,7 +86,7 @@ def start(flow: Flow, t: Transition, step: Step, run: StepRun, event: dict[str, 
         t.emit(EV_STEP_ENTER, step=step.step,
                meta={"visit": run.visits, "loop_instance": instance, "mode": "cursor", "total": slots})
     else:
-        items = _collection(render(loop.in_, scope), step.step)
+        items = _collection(render(loop.in_, scope), step.step, flow.max_loop_items)
         mode = loop.mode if loop.mode in ("sequential", "parallel") else "sequential"
         width = 1 if mode == "sequential" else (loop.max_in_flight or DEFAULT_PARALLEL)
         run.loop = LoopRun(instance=instance, mode=mode, iterator=iterator, total=len(items), max_in_flight=width)
@@ -190,14 +190,22 @@ def _refill(flow: Flow, t: Transition, step_name: str, run: StepRun, event: dict
         flow.dispatch(t, step_name, command_id, kind, event, extra, index=index)
 
 
-def _collection(value: Any, step: str) -> list[Any]:
+def _collection(value: Any, step: str, max_items: int) -> list[Any]:
+    """The items of a rendered ``loop.in``; a LoopError (the step fails) for anything
+    that is not a collection, or has more than ``max_items`` (NOETL_LIMIT_LOOP_ITEMS),
+    checked before a single item is copied."""
     if value is None:
         return []
+    size = _size(value)
+    if size is not None and size > max_items:
+        raise LoopError(f"loop.in of step '{step}' has {size} items; limit NOETL_LIMIT_LOOP_ITEMS={max_items}")
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise LoopError(f"loop.in of step '{step}' rendered to a string that is not a JSON list") from exc
+        if (size := _size(value)) is not None and size > max_items:
+            raise LoopError(f"loop.in of step '{step}' has {size} items; limit NOETL_LIMIT_LOOP_ITEMS={max_items}")
     if isinstance(value, list | tuple):
         return list(value)
     if isinstance(value, Mapping):
@@ -205,3 +213,11 @@ def _collection(value: Any, step: str) -> list[Any]:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return list(range(value))
     raise LoopError(f"loop.in of step '{step}' rendered to {type(value).__name__}, expected a list")
+
+
+def _size(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, list | tuple | Mapping):
+        return len(value)
+    return None

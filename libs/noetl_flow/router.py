@@ -79,12 +79,15 @@ class Inputs:
 class Flow:
     """Routing for one playbook version (cache one per catalog id)."""
 
-    def __init__(self, playbook: Playbook, *, copy_state: bool = True) -> None:
+    def __init__(self, playbook: Playbook, *, copy_state: bool = True, max_loop_items: int = 500_000) -> None:
         """``copy_state=False`` folds inputs into the given state object in place (the
         engine does, to skip a deep copy per input: its cache is dropped whenever a batch
-        fails, so a half-applied state never outlives the failed transaction)."""
+        fails, so a half-applied state never outlives the failed transaction).
+        ``max_loop_items``: a loop whose collection is larger fails its step
+        (NOETL_LIMIT_LOOP_ITEMS)."""
         self.pb = playbook
         self._copy_state = copy_state
+        self.max_loop_items = max_loop_items
         preds = predecessors(playbook)
         self.joins = {name for name, p in preds.items() if len(p) >= 2}
         self.reach = {name: reachable_from(playbook, name) for name in playbook.step_names}

@@ -94,10 +94,17 @@ class Db:
     """One autocommit connection with dict rows (polling without a connect per query)."""
 
     def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
         self.conn = psycopg.connect(dsn, autocommit=True, row_factory=dict_row)
 
     def close(self) -> None:
         self.conn.close()
+
+    def reconnect(self) -> None:
+        """A new connection (after the server restarted)."""
+        with contextlib.suppress(psycopg.Error):
+            self.conn.close()
+        self.conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
 
     def all(self, query: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
         return list(self.conn.execute(query, params).fetchall())

@@ -213,3 +213,21 @@ workflow:
     done = r.events("loop.done")
     assert len(done) == 1 and done[0].result["context"] == {"total": 33, "success": 33, "failed": 0}
     assert r.state.status == "completed"
+
+
+def test_a_collection_over_the_limit_fails_the_step_before_any_item_is_copied() -> None:
+    """NOETL_LIMIT_LOOP_ITEMS: a list, a mapping, a JSON string or a count above it fails
+    the loop step naming the limit (an int is never expanded into a range first)."""
+    for items, workload in (("{{ numbers }}", {"numbers": list(range(6))}), ("{{ numbers }}", {"numbers": 10**9}),
+                            ("{{ numbers | tojson }}", {"numbers": list(range(6))}),
+                            ("{{ numbers }}", {"numbers": {str(i): i for i in range(6)}})):
+        flow = loop_playbook("parallel", items=items)
+        flow.max_loop_items = 5
+        r = Run(flow, workload)
+        r.finish(r.pending("start")[0], ok(1))
+        assert r.state.status == "failed", items
+        assert "has " in (r.state.error or "") and "limit NOETL_LIMIT_LOOP_ITEMS=5" in (r.state.error or ""), r.state.error
+        assert not r.log[-1].loop_items
+    r = Run(loop_playbook("parallel"))  # the default limit lets 5 items through
+    r.finish(r.pending("start")[0], ok(1))
+    assert r.log[-1].loop_items == [("each:1", [1, 2, 3, 4, 5])]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -46,8 +47,9 @@ def parse(content: str) -> Playbook:
 
 
 class Catalog:
-    def __init__(self, pool: Pool, cache_size: int = 256) -> None:
+    def __init__(self, pool: Pool, cache_size: int = 256, *, max_loop_items: int = 500_000) -> None:
         self._pool = pool
+        self._max_loop_items = max_loop_items
         self._cache: OrderedDict[int, Compiled] = OrderedDict()
         self._cache_size = cache_size
 
@@ -100,6 +102,10 @@ class Catalog:
             )
             return [_entry(r) for r in await cur.fetchall()]
 
+    def _compile(self, doc: Any) -> tuple[Playbook, Flow]:
+        playbook = load_playbook(doc)
+        return playbook, Flow(playbook, copy_state=False, max_loop_items=self._max_loop_items)
+
     async def compiled(self, catalog_id: int) -> Compiled:
         hit = self._cache.get(catalog_id)
         if hit is not None:
@@ -110,8 +116,10 @@ class Catalog:
             row = await cur.fetchone()
         if row is None:
             raise NotFound(f"catalog entry {catalog_id} not found")
-        playbook = load_playbook(row["doc"])
-        compiled = Compiled(_entry(row), playbook, Flow(playbook, copy_state=False))
+        # validating and building the routing tables never run on the loop that drives
+        # the engines and the leases
+        playbook, flow = await asyncio.to_thread(self._compile, row["doc"])
+        compiled = Compiled(_entry(row), playbook, flow)
         self._cache[catalog_id] = compiled
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

@@ -81,7 +81,7 @@ class ApiService(Service):
         self.js = self.nc.jetstream()
         await natsio.ensure_streams(self.js, command_ack_wait_sec=max(5.0, self.commands.lease_sec),
                                     replicas=self.nats_cfg.stream_replicas)
-        self.catalog = Catalog(self.pool)
+        self.catalog = Catalog(self.pool, max_loop_items=self.limits.loop_items)
         # The api reads every tier (engine templates, GetExecution with results).
         self.results = CachedResultStore(await make_result_store(self.results_cfg, self.pool, self.js),
                                          max_items=RESULT_CACHE_ITEMS)

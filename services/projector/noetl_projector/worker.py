@@ -15,7 +15,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Gauge
 
-from noetl_common import natsio
+from noetl_common import faults, natsio
 from noetl_common.db import Pool, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
@@ -57,6 +57,7 @@ class ShardProjector:
         sub = await self.nc.subscribe(natsio.projector_subject(self.shard), cb=hint)
         try:
             while not self._stopped:
+                faults.check("projector.loop", self.shard)
                 if self.ownership.epoch(self.shard) != self.epoch:
                     raise LeaseLost(f"projector shard {self.shard} epoch {self.epoch} no longer trusted")
                 self._wake.clear()

@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
 
-from noetl_common import natsio
+from noetl_common import faults, natsio
 from noetl_common.config import CommandSettings, ExecutionSettings, LimitSettings
 from noetl_common.db import Pool, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
@@ -145,6 +145,7 @@ class ShardEngine:
         if self._reset_to is not None:
             await self._run_batch([], self._reset_to)  # record the reset now, not at the next input
         while not self._stopped.is_set():
+            faults.check("engine.loop", self.shard)
             if self.d.ownership.epoch(self.shard) != self.epoch:
                 raise LeaseLost(f"shard {self.shard} epoch {self.epoch} no longer trusted")
             if self.d.reconnects.generation != self._generation:
