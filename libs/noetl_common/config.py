@@ -238,6 +238,9 @@ class WorkerSettings(BaseSettings):
     python_memory_mb: int = Field(default=1024, ge=0)
     # Most claims one ClaimCommands call carries (concurrent claims are group-committed).
     claim_batch: int = Field(default=64, ge=1, le=1000)
+    # How long an outage of the result store or of the runtime database is waited out
+    # before a result the worker holds is reported REFERENCE_NOT_AVAILABLE.
+    infra_retry_sec: float = Field(default=600.0, gt=0)
 
 
 class TracingSettings(BaseSettings):

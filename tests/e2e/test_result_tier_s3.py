@@ -48,6 +48,8 @@ def s3_stack(s3: S3Server) -> Iterator[Runner]:
         "NOETL_RESULT_S3_ACCESS_KEY": s3.access_key, "NOETL_RESULT_S3_SECRET_KEY": s3.secret_key,
         "NOETL_RESULT_S3_PREFIX": "e2e/", "NOETL_RESULT_TIMEOUT_SEC": "5",
         "NOETL_RESULT_S3_CONNECT_TIMEOUT_SEC": "1",
+        # an outage of the store is waited out this long before a result is given up on
+        "NOETL_WORKER_INFRA_RETRY_SEC": "8",
     })
     runner = Runner(state)
     try:
@@ -145,7 +147,8 @@ SLOW = HEADER.format(name="slow") + """workflow:
 
 
 def test_an_s3_outage_while_persisting_is_reference_not_available(s3_stack: Runner, s3: S3Server) -> None:
-    """Last in the module: it takes the S3 server down."""
+    """Last in the module: it takes the S3 server down, for longer than the worker waits
+    out an outage (NOETL_WORKER_INFRA_RETRY_SEC=8): only then is the result given up on."""
     sub = s3_stack.submit(SLOW)
     wait_until(lambda: worker_busy(s3_stack.state) >= 1, 30, "the slow step to be running")
     s3.kill()

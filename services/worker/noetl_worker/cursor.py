@@ -125,6 +125,7 @@ class CursorSlot:
         self.timeout = command.timeout_seconds or default_timeout or None
         self.cancelled = cancelled
         self.sleep = sleep
+        self.infra_retry_sec: float | None = None  # how long an outage of the store is waited out
         self.counts = SlotCounts()
         self.extra = {"execution_id": command.execution_id, "command_id": command.command_id,
                       "step": command.step}
@@ -132,7 +133,7 @@ class CursorSlot:
     async def run(self) -> messages_pb2.CallResult:
         """Never raises for task, claim or store failures; cancellation propagates."""
         command = self.command
-        prepared = await prepare(command, self.store, worker_id=self.worker_id)
+        prepared = await prepare(command, self.store, worker_id=self.worker_id, retry_sec=self.infra_retry_sec)
         if isinstance(prepared, messages_pb2.CallResult):
             return prepared
         spec, context, tasks, scope = prepared
@@ -218,7 +219,8 @@ class CursorSlot:
         command, counts = self.command, self.counts
         value = counts.value()
         try:
-            ref = await persist_result(self.store, value, command=command, task=SLOT_TASK, parent_ref_id=None)
+            ref = await persist_result(self.store, value, command=command, task=SLOT_TASK, parent_ref_id=None,
+                                       retry_sec=self.infra_retry_sec)
         except StoreFailure as exc:
             logger.error("cannot store the cursor slot's counts: %s", exc, extra=self.extra)
             return error_result(command, REFERENCE_NOT_AVAILABLE, str(exc), worker_id=self.worker_id,
@@ -236,7 +238,10 @@ class CursorSlot:
 async def run_cursor_slot(command: messages_pb2.Command, store: ResultStore, tools: Tools, *,
                           report: ReportRow | None = None, worker_id: str = "", default_timeout: float = 0.0,
                           cancelled: asyncio.Event | None = None,
-                          sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> messages_pb2.CallResult:
+                          sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+                          infra_retry_sec: float | None = None) -> messages_pb2.CallResult:
     """Run a claimed cursor slot command (see the module docstring) to its ``CallResult``."""
-    return await CursorSlot(command, store, tools, report=report, worker_id=worker_id,
-                            default_timeout=default_timeout, cancelled=cancelled, sleep=sleep).run()
+    slot = CursorSlot(command, store, tools, report=report, worker_id=worker_id,
+                      default_timeout=default_timeout, cancelled=cancelled, sleep=sleep)
+    slot.infra_retry_sec = infra_retry_sec
+    return await slot.run()

@@ -93,9 +93,10 @@ class _Persister:
     """Stores each task result (``persist_result``), chaining references through
     ``parent_ref_id``."""
 
-    def __init__(self, store: ResultStore, command: messages_pb2.Command) -> None:
+    def __init__(self, store: ResultStore, command: messages_pb2.Command, retry_sec: float | None = None) -> None:
         self.store = store
         self.command = command
+        self.retry_sec = retry_sec
         self.stored: list[tuple[TaskRun, Reference]] = []
 
     async def record(self, run: TaskRun) -> None:
@@ -105,7 +106,7 @@ class _Persister:
             return  # nothing to keep: the error itself travels in the envelope
         parent = self.stored[-1][1].ref_id if self.stored else None
         ref = await persist_result(self.store, outcome.data, command=self.command, task=run.name,
-                                   parent_ref_id=parent)
+                                   parent_ref_id=parent, retry_sec=self.retry_sec)
         self.stored.append((run, ref))
 
     def references(self, last: TaskRun | None) -> tuple[Reference | None, Reference | None]:
@@ -220,7 +221,8 @@ def error_result(command: messages_pb2.Command, code: str, message: str, *, work
     return build_call_result(command, env, worker_id=worker_id)
 
 
-async def prepare(command: messages_pb2.Command, store: ResultStore, *, worker_id: str = ""
+async def prepare(command: messages_pb2.Command, store: ResultStore, *, worker_id: str = "",
+                  retry_sec: float | None = None
                   ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], RenderContext] | messages_pb2.CallResult:
     """(spec, context, tasks, render scope) of a command, or the error ``CallResult`` when
     the command is malformed or an earlier result cannot be read."""
@@ -231,7 +233,7 @@ async def prepare(command: messages_pb2.Command, store: ResultStore, *, worker_i
         logger.warning("invalid command: %s", exc, extra=extra)
         return error_result(command, INVALID_COMMAND, str(exc), worker_id=worker_id, kind="ValueError")
     try:
-        scope = await _build_scope_waiting_out_outages(context, spec, store, command)
+        scope = await _build_scope_waiting_out_outages(context, spec, store, command, retry_sec)
     except ValueError as exc:
         return error_result(command, INVALID_COMMAND, str(exc), worker_id=worker_id, kind="ValueError")
     except NoetlError as exc:
@@ -242,10 +244,12 @@ async def prepare(command: messages_pb2.Command, store: ResultStore, *, worker_i
 
 
 async def _build_scope_waiting_out_outages(context: dict[str, Any], spec: dict[str, Any], store: ResultStore,
-                                           command: messages_pb2.Command) -> RenderContext:
-    """``build_scope``, with an outage of the result store waited out (INFRA_RETRY_SEC)."""
+                                           command: messages_pb2.Command, retry_sec: float | None) -> RenderContext:
+    """``build_scope``, with an outage of the result store waited out (``retry_sec``,
+    default INFRA_RETRY_SEC)."""
+    deadline = INFRA_RETRY_SEC if retry_sec is None else retry_sec
     async for attempt in retrying(f"reading earlier results for {command.command_id}",
-                                  deadline_sec=INFRA_RETRY_SEC, initial=0.1, cap=5.0, transient=is_transient):
+                                  deadline_sec=deadline, initial=0.1, cap=5.0, transient=is_transient):
         with attempt:
             return await build_scope(context, spec, store)
     raise AssertionError("unreachable")  # pragma: no cover
@@ -254,19 +258,20 @@ async def _build_scope_waiting_out_outages(context: dict[str, Any], spec: dict[s
 async def execute_command(command: messages_pb2.Command, store: ResultStore, tools: Tools, *,
                           worker_id: str = "", default_timeout: float = 0.0,
                           cancelled: asyncio.Event | None = None,
-                          sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> messages_pb2.CallResult:
+                          sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+                          infra_retry_sec: float | None = None) -> messages_pb2.CallResult:
     """Run a claimed command to its ``CallResult``. Never raises for task, template or
     store failures (they become error envelopes); cancellation propagates. ``cancelled``
     is set when the api cancelled the command (tools that started work elsewhere, like
     sub-playbooks, cancel it then)."""
     extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
-    prepared = await prepare(command, store, worker_id=worker_id)
+    prepared = await prepare(command, store, worker_id=worker_id, retry_sec=infra_retry_sec)
     if isinstance(prepared, messages_pb2.CallResult):
         return prepared
     spec, _, tasks, scope = prepared
     caller = TaskCaller(command, spec, tools, timeout=command.timeout_seconds or default_timeout or None,
                         cancelled=cancelled)
-    persister = _Persister(store, command)
+    persister = _Persister(store, command, infra_retry_sec)
     try:
         result: PipelineResult = await run_pipeline(tasks, scope, caller, on_result=persister.record,
                                                     sleep=sleep)

@@ -431,11 +431,11 @@ class WorkerService(Service):
 
                 work = run_cursor_slot(command, self.store, self.tools, report=report, worker_id=self.worker_id,
                                        default_timeout=self.worker_cfg.default_task_timeout_sec,
-                                       cancelled=run.cancelled)
+                                       cancelled=run.cancelled, infra_retry_sec=self.worker_cfg.infra_retry_sec)
             else:
                 work = execute_command(command, self.store, self.tools, worker_id=self.worker_id,
                                        default_timeout=self.worker_cfg.default_task_timeout_sec,
-                                       cancelled=run.cancelled)
+                                       cancelled=run.cancelled, infra_retry_sec=self.worker_cfg.infra_retry_sec)
             run.task = asyncio.ensure_future(work)
             try:
                 result = await run.task
