@@ -508,6 +508,8 @@ class ShardEngine:
                      conn: Any, batch_loop_results: list[tuple[int, str, int, str, int | None]]
                      ) -> Transition | None:
         eid = inp.execution_id
+        if inp.kind != "abort":
+            faults.check("engine.input", eid)
         state = states.get(eid)
         if inp.kind in ("submitted", "cancel") and state is None:
             req = requests.get(eid)

@@ -1,0 +1,256 @@
+"""The engine (``ShardEngine``) against real Postgres and NATS JetStream, on a fake shard
+of its own, when its inputs or its stream go wrong:
+
+* a poison input (a fault point that raises for one execution's inputs, every time) is
+  split out of its batch and quarantined after three attempts: recorded durably with its
+  error, its execution failed (``ENGINE_INPUT_QUARANTINED``), counted, listed by
+  ``ListQuarantined``; inputs of other executions in the same batch go on; an undecodable
+  message is quarantined in its place;
+* a stream behind the engine's recorded position (messages lost by a restarted server, a
+  recreated stream) is detected at takeover: the engine resumes at the stream's end and
+  new inputs are consumed, not skipped;
+* a cancellation is committed to Postgres before it is acknowledged: with NATS unable to
+  carry the nudge, CancelExecution still answers accepted and the engine's sweep applies
+  it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from nats.aio.client import Client as NATS
+from prometheus_client import REGISTRY
+
+from noetl_api.catalog import Catalog
+from noetl_api.engine.shard import EngineDeps, ShardEngine
+from noetl_api.queries import Queries
+from noetl_api.servicers import ExecutionServicer
+from noetl_common import faults, natsio
+from noetl_common.config import CommandSettings, ExecutionSettings
+from noetl_common.db import Pool
+from noetl_common.ids import SnowflakeGenerator
+from noetl_common.shards import ShardOwnership
+from noetl_proto.v1 import execution_pb2, messages_pb2
+from noetl_store import MemoryResultStore
+
+pytestmark = pytest.mark.integration
+
+T = TypeVar("T")
+IDS = SnowflakeGenerator(node_id=1018)
+OWNER = 6_100_000_000 + random.randrange(1_000_000)
+EPOCH = 3
+
+PLAYBOOK = """apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: engine_faults, path: tests/engine_faults}
+workflow:
+  - step: start
+    tool: {kind: noop}
+"""
+
+
+async def eventually(probe: Callable[[], Awaitable[T]], what: str, limit: float = 20.0) -> T:
+    deadline = asyncio.get_running_loop().time() + limit
+    while True:
+        value = await probe()
+        if value:
+            return value
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what} (last: {value!r})"
+        await asyncio.sleep(0.02)
+
+
+def metric(name: str, shard: int) -> float:
+    return REGISTRY.get_sample_value(name, {"shard": str(shard)}) or 0.0
+
+
+@dataclass
+class Cell:
+    pool: Pool
+    nc: NATS
+    shard: int = field(default_factory=lambda: 200_000 + random.randrange(1_000_000))
+    executions: list[int] = field(default_factory=list)
+    engine: tuple[ShardEngine, asyncio.Future[Any]] | None = None
+    catalog_id: int = 0
+
+    async def setup(self) -> None:
+        entry, _ = await Catalog(self.pool).register(PLAYBOOK)
+        self.catalog_id = entry.catalog_id
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute(
+                "INSERT INTO noetl.shard_lease (role, shard_id, owner_runtime_id, epoch, leased_until)"
+                " VALUES ('api', %s, %s, %s, now() + interval '1 minute')", (self.shard, OWNER, EPOCH))
+
+    async def start_engine(self) -> ShardEngine:
+        own = ShardOwnership(self.pool, "api", lease_sec=60.0, margin_sec=5.0)
+        own.runtime_id = OWNER
+        assert await own.renew({self.shard: EPOCH}) == ({self.shard: EPOCH}, set())
+        deps = EngineDeps(self.pool, self.nc, self.nc.jetstream(), Catalog(self.pool), MemoryResultStore(), own,
+                          CommandSettings(), ExecutionSettings(sweep_interval_sec=0.2))
+        engine = ShardEngine(deps, self.shard, EPOCH)
+        self.engine = (engine, asyncio.ensure_future(engine.run()))
+        return engine
+
+    async def stop_engine(self) -> None:
+        if self.engine is not None:
+            engine, task = self.engine
+            engine.stop()
+            await asyncio.wait_for(task, timeout=15)
+            self.engine = None
+
+    async def request(self, nudge: bool = True) -> int:
+        eid = IDS.next_id()
+        self.executions.append(eid)
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute("INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
+                               " timeout_sec) VALUES (%s, %s, %s, '{}', 600)", (eid, self.shard, self.catalog_id))
+        if nudge:
+            await self.publish(natsio.KIND_SUBMIT, messages_pb2.EngineInput(
+                submitted=messages_pb2.ExecutionSubmitted(execution_id=eid)).SerializeToString())
+        return eid
+
+    async def publish(self, kind: str, data: bytes) -> None:
+        await natsio.publish(self.nc.jetstream(), natsio.events_subject(self.shard, kind), data)
+
+    async def rows(self, query: str, params: tuple[Any, ...]) -> list[dict[str, Any]]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query, params)
+            out = list(await cur.fetchall())
+            await conn.commit()
+        return out
+
+    async def status(self, eid: int) -> str | None:
+        found = await self.rows("SELECT status FROM noetl.engine_state WHERE execution_id = %s", (eid,))
+        return found[0]["status"] if found else None
+
+    async def cleanup(self) -> None:
+        await self.stop_engine()
+        async with self.pool.connection() as conn, conn.transaction():
+            for table in ("event", "quarantine", "cancel_request"):
+                await conn.execute(f"DELETE FROM noetl.{table} WHERE shard_id = %s", (self.shard,))
+            await conn.execute("DELETE FROM noetl.command WHERE shard_id = %s", (self.shard,))
+            await conn.execute("DELETE FROM noetl.engine_state WHERE shard_id = %s", (self.shard,))
+            await conn.execute("DELETE FROM noetl.execution_request WHERE shard_id = %s", (self.shard,))
+            await conn.execute("DELETE FROM noetl.shard_lease WHERE role = 'api' AND shard_id = %s", (self.shard,))
+
+
+@pytest.fixture
+async def cell(pool: Pool, nc: NATS) -> AsyncIterator[Cell]:
+    c = Cell(pool, nc)
+    await c.setup()
+    try:
+        yield c
+    finally:
+        await c.cleanup()
+
+
+@pytest.fixture
+def armed(tmp_path: Path) -> Iterator[Path]:
+    """This process's fault points armed from a file of the test's."""
+    path = tmp_path / "faults"
+    path.touch()
+    faults.configure(str(path))
+    try:
+        yield path
+    finally:
+        faults.configure("")
+
+
+async def test_a_poison_input_is_quarantined_and_the_rest_of_the_shard_goes_on(cell: Cell, armed: Path) -> None:
+    await cell.start_engine()
+    poisoned = await cell.request()
+    await eventually(lambda: cell.status(poisoned), "the execution to start")
+    before = metric("noetl_engine_quarantined_total", cell.shard)
+    # from now on every input of `poisoned` makes the engine raise (a bug on its data)
+    await asyncio.to_thread(armed.write_text, f"engine.input {poisoned} *\n")
+    await asyncio.sleep(faults.READ_EVERY_SEC * 2)
+    await cell.publish(natsio.KIND_CANCEL, messages_pb2.EngineInput(cancel=messages_pb2.CancelRequested(
+        execution_id=poisoned, reason="test")).SerializeToString())
+    healthy = await cell.request()  # in the same batch or the next: it starts all the same
+    await cell.publish(natsio.KIND_CALL, b"\xff\x00 not a protobuf")
+
+    await eventually(lambda: _is(cell.rows("SELECT count(*) AS n FROM noetl.quarantine WHERE shard_id = %s",
+                                           (cell.shard,)), [{"n": 2}]), "the poison and the garbage quarantined", 30)
+    found = await cell.rows("SELECT * FROM noetl.quarantine WHERE shard_id = %s", (cell.shard,))
+    kinds = {r["input_kind"]: r for r in found}
+    assert set(kinds) == {"cancel", "undecodable"}, kinds
+    poison = kinds["cancel"]
+    assert poison["execution_id"] == poisoned and poison["attempts"] == 3
+    assert "injected fault at engine.input" in poison["error"] and poison["stream_seq"] > 0
+    assert messages_pb2.EngineInput.FromString(bytes(poison["input"])).cancel.execution_id == poisoned
+    assert kinds["undecodable"]["execution_id"] == 0
+    # its execution was failed in the same transaction, naming why
+    assert await cell.status(poisoned) == "failed"
+    failed = await cell.rows("SELECT result FROM noetl.event WHERE execution_id = %s AND event_type = 'playbook.failed'",
+                             (poisoned,))
+    assert len(failed) == 1 and "ENGINE_INPUT_QUARANTINED" in failed[0]["result"]["error"]["message"]
+    # the rest of the shard went on
+    await eventually(lambda: cell.status(healthy), "the healthy execution to start")
+    assert metric("noetl_engine_quarantined_total", cell.shard) == before + 2
+    listed = await Queries(cell.pool, MemoryResultStore()).quarantined(poisoned, 10)
+    assert [r["input_kind"] for r in listed] == ["cancel"]
+
+
+async def test_an_execution_whose_start_is_poisoned_reads_failed_and_is_not_swept_again(cell: Cell, armed: Path) -> None:
+    doomed = IDS.next_id()
+    await asyncio.to_thread(armed.write_text, f"engine.input {doomed} *\n")
+    await asyncio.sleep(faults.READ_EVERY_SEC * 2)
+    await cell.start_engine()
+    cell.executions.append(doomed)
+    async with cell.pool.connection() as conn, conn.transaction():
+        await conn.execute("INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
+                           " timeout_sec) VALUES (%s, %s, %s, '{}', 600)", (doomed, cell.shard, cell.catalog_id))
+    # no nudge: the sweep finds it, fails on it, quarantines it once, and then skips it
+    rows = await eventually(lambda: cell.rows("SELECT * FROM noetl.quarantine WHERE execution_id = %s", (doomed,)),
+                            "the start quarantined", 30)
+    assert rows[0]["input_kind"] == "submitted" and rows[0]["stream_seq"] is None
+    await asyncio.sleep(1.0)  # five sweeps later: still one record
+    assert len(await cell.rows("SELECT 1 FROM noetl.quarantine WHERE execution_id = %s", (doomed,))) == 1
+    row = await Queries(cell.pool, MemoryResultStore()).execution(doomed)
+    assert row["status"] == "FAILED" and "ENGINE_INPUT_QUARANTINED" in row["error"]
+
+
+async def test_engine_resumes_at_the_end_of_a_stream_that_went_back(cell: Cell) -> None:
+    js = cell.nc.jetstream()
+    last = int((await js.stream_info(natsio.EVENTS_STREAM)).state.last_seq)
+    # the shard's engine had recorded a position the stream no longer reaches
+    async with cell.pool.connection() as conn, conn.transaction():
+        await conn.execute("UPDATE noetl.shard_lease SET stream_seq = %s WHERE role = 'api' AND shard_id = %s",
+                           (last + 1000, cell.shard))
+    before = metric("noetl_engine_stream_resets_total", cell.shard)
+    await cell.start_engine()
+    eid = await cell.request()  # lands at a position below the recorded one
+    await eventually(lambda: cell.status(eid), "the execution submitted after the reset to start")
+    assert metric("noetl_engine_stream_resets_total", cell.shard) == before + 1
+    lease = (await cell.rows("SELECT stream_seq FROM noetl.shard_lease WHERE role = 'api' AND shard_id = %s",
+                             (cell.shard,)))[0]
+    now_last = int((await js.stream_info(natsio.EVENTS_STREAM)).state.last_seq)
+    assert lease["stream_seq"] <= now_last, (lease, now_last)
+
+
+async def test_a_cancel_is_in_postgres_before_it_is_acknowledged(cell: Cell, nats_url: str) -> None:
+    await cell.start_engine()
+    eid = await cell.request()
+    await eventually(lambda: cell.status(eid), "the execution to start")
+    # a NATS connection that is closed: the nudge cannot be published
+    dead = await natsio.connect(nats_url, name="test-dead-nats")
+    await dead.close()
+    servicer = ExecutionServicer(None, Queries(cell.pool, MemoryResultStore()), dead, dead.jetstream())
+    resp = await servicer.CancelExecution(execution_pb2.CancelExecutionRequest(execution_id=eid, reason="durable"),
+                                          None)  # type: ignore[arg-type]
+    assert resp.accepted
+    # committed before the answer, applied by the engine's sweep, then gone
+    await eventually(lambda: _is(cell.status(eid), "cancelled"), "the sweep to apply the cancel")
+    assert await cell.rows("SELECT 1 FROM noetl.cancel_request WHERE execution_id = %s", (eid,)) == []
+    cancelled = await cell.rows("SELECT result FROM noetl.event WHERE execution_id = %s"
+                                " AND event_type = 'playbook.cancelled'", (eid,))
+    assert len(cancelled) == 1 and cancelled[0]["result"]["error"]["message"] == "durable"
+
+
+async def _is(value: Awaitable[Any], wanted: Any) -> bool:
+    return await value == wanted
