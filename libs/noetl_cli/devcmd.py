@@ -14,6 +14,7 @@ from noetl_common.errors import InvalidInput, NoetlError
 
 from . import devstack
 from .home import resolve_dsn, state_path
+from .localstack import PortTaken
 from .output import CliError, eprint, print_json, table
 from .supervise import RoleCommand, StackError, describe_exit
 
@@ -27,16 +28,18 @@ def _stack_error(exc: StackError) -> CliError:
         detail = f"--- last lines of {exc.log} ---\n{exc.log_tail}\n--- end of {exc.instance} log ---"
     else:
         detail = f"({exc.instance} wrote nothing to {exc.log})" if exc.log else ""
-    return CliError(f"{exc}; the stack was torn down", code=1, detail=detail)
+    outcome = ("the stack was torn down" if exc.torn_down else
+               "the rest of the stack is left as it is (`noetl-rt dev status`)")
+    return CliError(f"{exc}; {outcome}", code=1, detail=detail)
 
 
-def _summary(state: devstack.StackState) -> str:
+def _summary(state: devstack.StackState, title: str = "local stack up") -> str:
     rows: list[tuple[str, str]] = [("api", state.api), ("shard-manager", state.shard_manager),
                                    ("postgres", state.postgres_dsn), ("nats", state.nats_url),
                                    ("logs", str(state.log_dir)), ("state", str(state_path(state.home)))]
     procs = ", ".join(f"{role}={len(ps)}" for role, ps in state.services.items())
     rows.insert(2, ("processes", procs))
-    return "local stack up\n" + table([(f"  {k}", v) for k, v in rows])
+    return title + "\n" + table([(f"  {k}", v) for k, v in rows])
 
 
 def role_command_from(template: str | None) -> RoleCommand | None:
@@ -64,7 +67,9 @@ def up(home: Path, *, scale: str | None, detach: bool, timeout: float,
         raise CliError(str(exc), code=2) from None
     if timeout <= 0:
         raise CliError(f"--timeout must be positive, got {timeout}", code=2)
-    eprint(f"starting the local stack under {home}")
+    existing = devstack.StackState.load(home)
+    healing = bool(existing and existing.phase == "up" and existing.alive() and existing.dead_parts())
+    eprint(f"{'healing' if healing else 'starting'} the local stack under {home}")
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM tears down like Ctrl-C
     try:
         state = devstack.up(home, replicas, timeout=timeout, progress=_progress,
@@ -73,12 +78,23 @@ def up(home: Path, *, scale: str | None, detach: bool, timeout: float,
         raise CliError(str(exc), code=1) from None
     except StackError as exc:
         raise _stack_error(exc) from None
+    except PortTaken as exc:
+        raise CliError(f"cannot restart the local stack in place: {exc}; stop that process and run "
+                       "`noetl-rt dev up` again, or `noetl-rt dev down` to start afresh (deletes the stack's data)",
+                       code=1) from None
     except KeyboardInterrupt:
-        raise CliError("interrupted; the stack was torn down", code=130) from None
+        outcome = "what was restarted keeps running" if healing else "the stack was torn down"
+        raise CliError(f"interrupted; {outcome}", code=130) from None
     except NoetlError as exc:
         raise CliError(f"cannot start the local stack: {exc}", code=1) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if state.healed:
+        if scale:
+            eprint("--scale does not apply to a running stack: it keeps its replicas")
+        print(_summary(state, f"local stack up (restarted in place: {', '.join(state.healed)})"), flush=True)
+        state.forget_children()
+        return 0
     print(_summary(state), flush=True)
     if detach:
         state.forget_children()
@@ -142,15 +158,21 @@ def status(home: Path, *, as_json: bool) -> int:
         print(f"local stack under {report.home}")
         print(table([
             ("  api", report.api),
-            ("  postgres", f"{report.postgres_dsn}  ({'running' if report.postgres_alive else 'DEAD'})"),
-            ("  nats", f"{report.nats_url}  ({'running' if report.nats_alive else 'DEAD'})"),
+            ("  postgres", f"{report.postgres_dsn}  ({_server_state(report.postgres_alive, report.postgres_pid)})"),
+            ("  nats", f"{report.nats_url}  ({_server_state(report.nats_alive, report.nats_pid)})"),
         ]))
         rows = [(s["instance"], role, s["pid"], s["health"], s["grpc"], s["metrics"])
                 for role, procs in report.services.items() for s in procs]
         print(table(rows, header=("INSTANCE", "ROLE", "PID", "HEALTH", "GRPC", "METRICS")))
-    if not report.postgres_alive or not report.nats_alive:
-        eprint("postgres or nats is not running")
+    dead = report.dead()
+    if dead:
+        eprint(f"not running: {', '.join(dead)}; `noetl-rt dev up` restarts {'it' if len(dead) == 1 else 'them'} "
+               "in place (data kept)")
     return 0 if report.healthy else 1
+
+
+def _server_state(alive: bool, pid: int) -> str:
+    return f"running, pid {pid}" if alive else f"DEAD, pid {pid or '?'} gone"
 
 
 def migrate(home: Path, *, dsn: str | None) -> int:

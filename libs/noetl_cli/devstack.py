@@ -7,8 +7,17 @@ Python API (used by ``noetl-rt dev`` and by the end-to-end tests)::
     state.processes("worker")        # [ServiceProcess, ...]
     state.kill("worker", 1)          # crash one replica (SIGKILL to its process group)
     state.restart("worker", 1)       # start it again (same instance name and gRPC port)
+    state.kill_postgres()            # crash Postgres (SIGKILL the postmaster); kill_nats() likewise
+    state.heal()                     # restart whatever is dead, in place (data, ports kept)
+    devstack.up(home)                # on a partly dead stack: the same heal (``noetl-rt dev up``)
     devstack.status(home).to_json()  # health of every recorded process, now
     devstack.down(home)              # stop everything, delete the throwaway data
+
+Postgres and NATS are controlled in place by ``stop_postgres``/``kill_postgres``/
+``start_postgres`` and ``stop_nats``/``kill_nats``/``start_nats`` (stackinfra.py): the same
+data directory, store and port, so the roles' DSN and URL stay valid. ``up(...,
+role_postgres_dsn=...)`` gives the role processes another way to Postgres (a fault
+proxy in tests) while ``state.postgres_dsn`` stays the direct one.
 
 Layout under ``<home>/dev``: ``state.json``, ``pg/`` (Postgres), ``nats/`` (JetStream
 store), ``run/<role>-<i>.json`` (ready files), ``logs/<role>-<i>.log``. ``down`` deletes
@@ -32,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from noetl_common import db, natsio
-from noetl_common.errors import Conflict, InvalidInput
+from noetl_common.errors import Conflict, InvalidInput, NotFound
 
-from . import localstack
+from . import localstack, stackinfra
 from .home import dev_dir, read_state, state_path, write_state
 from .supervise import (
     DEAD,
@@ -45,9 +54,7 @@ from .supervise import (
     ServiceProcess,
     StackError,
     default_role_command,
-    same_process,
     spawn,
-    start_ticks,
     stop_groups,
     target_of,
     wait_ready,
@@ -59,7 +66,7 @@ logger = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 
 __all__ = ["DEAD", "ROLES", "SERVING", "ServiceProcess", "StackError", "StackRunning", "StackState",
-           "StackStatus", "down", "parse_scale", "status", "up"]
+           "StackStatus", "down", "heal", "parse_scale", "status", "up"]
 
 
 class StackRunning(Conflict):
@@ -107,6 +114,10 @@ class StackState:
     services: dict[str, list[ServiceProcess]] = field(default_factory=dict)
     phase: str = "starting"
     env_overrides: dict[str, str] = field(default_factory=dict)
+    # The roles' NOETL_POSTGRES_DSN when it is not ``postgres_dsn`` (e.g. through a fault proxy).
+    role_postgres_dsn: str = ""
+    # What the call that returned this object restarted in place (``heal``); not recorded.
+    healed: list[str] = field(default_factory=list, compare=False)
 
     # ------------------------------------------------------------ paths
 
@@ -154,7 +165,7 @@ class StackState:
         env = dict(os.environ)
         env.update(self.env_overrides)
         env.update({
-            "NOETL_POSTGRES_DSN": self.postgres_dsn,
+            "NOETL_POSTGRES_DSN": self.role_postgres_dsn or self.postgres_dsn,
             "NOETL_NATS_URL": self.nats_url,
             "NOETL_SHARD_MANAGER_TARGET": self.shard_manager,
             "NOETL_API_TARGET": self.api,
@@ -181,15 +192,18 @@ class StackState:
         proc = self.process(role, index)
         if proc.alive():
             proc.stop(stop_timeout)
-        proc.reap()
-        listen = proc.grpc if same_port and proc.grpc else "127.0.0.1:0"
-        spawn(proc, self.role_env(proc, listen), append_log=True)
+        self._respawn(proc, same_port=same_port)
         self.save()
         deadline = time.monotonic() + timeout
         wait_ready([proc], deadline)
         wait_serving([proc], deadline)
         self.save()
         return proc
+
+    def _respawn(self, proc: ServiceProcess, *, same_port: bool = True) -> None:
+        proc.reap()
+        listen = proc.grpc if same_port and proc.grpc else "127.0.0.1:0"
+        spawn(proc, self.role_env(proc, listen), append_log=True)
 
     def add_replica(self, role: str, *, timeout: float = 60.0,
                     command: Sequence[str] | None = None) -> ServiceProcess:
@@ -208,8 +222,115 @@ class StackState:
 
     def alive(self) -> bool:
         """True when any recorded process (role, NATS or Postgres) still runs."""
-        return (any(p.alive() for p in self.processes()) or _infra_alive(self.nats)
-                or _infra_alive(self.postgres))
+        return any(p.alive() for p in self.processes()) or self.nats_alive() or self.postgres_alive()
+
+    def dead_parts(self) -> list[str]:
+        """What no longer runs: ``postgres``, ``nats``, role instances (``worker-1``)."""
+        dead = [name for name, up in (("postgres", self.postgres_alive()), ("nats", self.nats_alive())) if not up]
+        return dead + [p.instance for p in self.processes() if not p.alive()]
+
+    # ------------------------------------------------------------ Postgres and NATS, in place
+
+    def postgres_alive(self) -> bool:
+        return stackinfra.alive(self.postgres)
+
+    def nats_alive(self) -> bool:
+        return stackinfra.alive(self.nats)
+
+    def stop_postgres(self, mode: str = "fast") -> None:
+        """``pg_ctl stop -m MODE`` (fast, immediate or smart); returns once it is down."""
+        stackinfra.stop_postgres(self.postgres, mode)
+
+    def kill_postgres(self) -> int:
+        """SIGKILL the postmaster (a crash: its children exit on their own); returns its pid
+        once it is gone. ``start_postgres`` copes with the children still exiting."""
+        return stackinfra.kill_postgres(self.postgres)
+
+    def start_postgres(self) -> int:
+        """Start Postgres again on its data directory and port with its settings (no-op
+        when it runs); returns its pid once it accepts connections."""
+        if not self.postgres_alive():
+            self.postgres = stackinfra.start_postgres(self.postgres)
+            self.save()
+        return int(self.postgres["pid"])
+
+    def stop_nats(self, timeout: float = 10.0) -> None:
+        """SIGTERM NATS (SIGKILL after ``timeout``); returns once it is gone."""
+        stackinfra.stop_nats(self.nats, timeout)
+
+    def kill_nats(self) -> int:
+        """SIGKILL NATS; returns its pid once it is gone."""
+        return stackinfra.kill_nats(self.nats)
+
+    def start_nats(self) -> int:
+        """Start NATS again (JetStream on) on its store directory and port (no-op when it
+        runs); returns its pid once it accepts clients."""
+        if not self.nats_alive():
+            self.nats = stackinfra.start_nats(self.nats)
+            self.save()
+        return int(self.nats["pid"])
+
+    # ------------------------------------------------------------ healing
+
+    def heal(self, *, timeout: float = 90.0, progress: Progress | None = None) -> list[str]:
+        """Restart in place whatever part of this stack is dead and keep what runs; return
+        once every role answers SERVING (roles that lost Postgres or NATS report
+        NOT_SERVING until they have it back).
+
+        Postgres restarts on its data directory and port (the roles' DSN stays valid),
+        NATS on its JetStream store and port (streams and messages kept), a role replica
+        under its instance name and gRPC port (the targets handed to other roles stay
+        valid). Returns what was restarted, in order (``[]`` when nothing was dead).
+        Nothing is torn down on failure: ``PortTaken`` when a recorded port is held by
+        another process, ``StackError`` naming a replica that does not come back."""
+        say = progress or _quiet
+        deadline = time.monotonic() + timeout
+        restarted: list[str] = []
+        if not self.postgres_alive():
+            pid = self.start_postgres()
+            say(f"postgres restarted in place (port {self.postgres.get('port')}, pid {pid}; data kept)")
+            restarted.append("postgres")
+        if not self.nats_alive():
+            pid = self.start_nats()
+            _run_async(lambda: _ensure_streams(self.nats_url))
+            say(f"nats restarted in place (port {self.nats.get('port')}, pid {pid}; streams kept)")
+            restarted.append("nats")
+        extra = tuple(r for r in self.services if r not in ROLES)
+        for stage in (*STAGES, extra):
+            dead = [p for r in stage for p in self.processes(r) if not p.alive()]
+            for proc in dead:
+                self._respawn(proc)
+            if not dead:
+                continue
+            self.save()
+            wait_ready(dead, deadline, on_ready=lambda p: say(f"{p.instance} restarted (pid {p.pid}, grpc {p.grpc})"))
+            restarted += [p.instance for p in dead]
+            self.save()
+        wait_serving(self.processes(), deadline)
+        say("every role SERVING")
+        self.healed = restarted
+        return restarted
+
+    def refresh(self) -> None:
+        """Take in what another process recorded for this stack (a ``noetl-rt dev up``
+        that healed it): the servers' records and each replica restarted elsewhere (its
+        pid, ports). Replicas that did not change keep their process handles here."""
+        disk = StackState.load(self.home)
+        if disk is None:
+            return
+        self.postgres, self.nats = disk.postgres, disk.nats
+        for role, procs in disk.services.items():
+            mine = {p.index: p for p in self.services.get(role, [])}
+            for recorded in procs:
+                current = mine.get(recorded.index)
+                if current is None:
+                    self.services.setdefault(role, []).append(recorded)
+                elif (current.pid, current.started) != (recorded.pid, recorded.started):
+                    current.reap()
+                    current.forget()
+                    current.pid, current.started = recorded.pid, recorded.started
+                    current.grpc, current.metrics = recorded.grpc, recorded.metrics
+                    current.runtime_id = recorded.runtime_id
 
     def client_env(self) -> dict[str, str]:
         """Environment for a client of this stack (``noetl-rt`` commands, tests)."""
@@ -217,7 +338,9 @@ class StackState:
                 "NOETL_HOME": str(self.home)}
 
     def shutdown(self, *, timeout: float = 10.0, progress: Progress | None = None) -> None:
-        """Stop every process of this stack and delete its data (same as ``down(home)``)."""
+        """Stop every process of this stack (what another process restarted too) and delete
+        its data (same as ``down(home)``)."""
+        self.refresh()
         _teardown(self, say=progress or _quiet, timeout=timeout)
 
     def forget_children(self) -> None:
@@ -233,7 +356,7 @@ class StackState:
             "postgres_dsn": self.postgres_dsn, "nats_url": self.nats_url,
             "postgres": dict(self.postgres), "nats": dict(self.nats),
             "services": {role: [p.to_json() for p in procs] for role, procs in self.services.items()},
-            "env": dict(self.env_overrides),
+            "env": dict(self.env_overrides), "role_postgres_dsn": self.role_postgres_dsn,
         }
 
     def save(self) -> None:
@@ -249,16 +372,13 @@ class StackState:
             services={role: [ServiceProcess.from_json(role, i, p) for i, p in enumerate(procs)]
                       for role, procs in (data.get("services") or {}).items()},
             env_overrides={str(k): str(v) for k, v in (data.get("env") or {}).items()},
+            role_postgres_dsn=str(data.get("role_postgres_dsn") or ""),
         )
 
     @classmethod
     def load(cls, home: str | os.PathLike[str]) -> StackState | None:
         data = read_state(home)
         return cls.from_json(data, Path(home).resolve()) if data is not None else None
-
-
-def _infra_alive(info: Mapping[str, Any]) -> bool:
-    return same_process(int(info.get("pid") or 0), int(info.get("started") or 0))
 
 
 # ---------------------------------------------------------------- up
@@ -285,17 +405,32 @@ async def _ensure_streams(url: str) -> None:
         nats_log.setLevel(level)
 
 
+RolePostgresDsn = str | Callable[[str], str]
+
+
 def up(home: str | os.PathLike[str], scale: Mapping[str, int] | None = None, *, timeout: float = 90.0,
        roles: Sequence[str] = ROLES, role_command: RoleCommand | None = None,
-       env: Mapping[str, str] | None = None, progress: Progress | None = None) -> StackState:
+       env: Mapping[str, str] | None = None, progress: Progress | None = None,
+       role_postgres_dsn: RolePostgresDsn | None = None, synchronous_commit: bool | None = None) -> StackState:
     """Start Postgres, NATS and every role in ``roles`` (``scale[role]`` replicas each,
     default 1) as separate processes; return once every process answers SERVING.
 
     ``role_command(role)`` gives the argv of a role process (default ``python -m
-    noetl_<role>``); ``env`` adds environment variables for the role processes. On any
-    failure everything started so far is torn down and the error (a ``StackError``
-    naming the failing replica, with its log tail) is raised. Raises ``StackRunning``
-    when a stack recorded under ``home`` still runs."""
+    noetl_<role>``); ``env`` adds environment variables for the role processes.
+    ``role_postgres_dsn`` is the roles' NOETL_POSTGRES_DSN when it is not the direct one:
+    a DSN, or a function of the direct DSN called once Postgres is up (a test's fault
+    proxy: ``role_postgres_dsn=proxy.dsn_via``); ``state.postgres_dsn`` (migrations,
+    clients, tests) stays direct. ``synchronous_commit=True`` starts Postgres so that a
+    commit it acknowledged survives a crash of Postgres (tests that SIGKILL it need that;
+    the default, off like fsync, loses the last fraction of a second of commits then:
+    ``localstack.start_postgres``). On any failure everything started so far is torn down
+    and the error (a ``StackError`` naming the failing replica, with its log tail) is
+    raised.
+
+    When a stack recorded under ``home`` is partly alive (Postgres, NATS or some replicas
+    died), it is healed in place instead (``StackState.heal``: data, ports and live
+    processes kept; the arguments above do not apply) and returned with ``healed``
+    naming what was restarted. Raises ``StackRunning`` when it runs whole."""
     say = progress or _quiet
     home = Path(home).resolve()
     unknown = [r for r in [*roles, *(scale or {})] if r not in ROLES]
@@ -309,10 +444,29 @@ def up(home: str | os.PathLike[str], scale: Mapping[str, int] | None = None, *, 
     with _start_lock(home):
         existing = StackState.load(home)
         if existing is not None and existing.alive():
-            raise StackRunning(f"a local stack is already running under {home} (api {existing.api or '?'}); "
-                               "stop it with `noetl-rt dev down`")
+            dead = existing.dead_parts()
+            if not dead or existing.phase != "up":
+                raise StackRunning(f"a local stack is already running under {home} (api {existing.api or '?'}); "
+                                   "stop it with `noetl-rt dev down`")
+            say(f"not running: {', '.join(dead)}; restarting in place")
+            existing.heal(timeout=timeout, progress=say)
+            return existing
         _clean(home, say=_quiet)
-        return _start(StackState(home=home, env_overrides=dict(env or {})), replicas, command, timeout, say)
+        state = StackState(home=home, env_overrides=dict(env or {}))
+        return _start(state, replicas, command, timeout, say, role_postgres_dsn, synchronous_commit)
+
+
+def heal(home: str | os.PathLike[str], *, timeout: float = 90.0, progress: Progress | None = None) -> StackState:
+    """Restart in place whatever part of the stack recorded under ``home`` is dead
+    (``StackState.heal``); returns the stack once every role is SERVING, with
+    ``healed`` naming what was restarted. Raises ``NotFound`` when no stack is recorded."""
+    home = Path(home).resolve()
+    with _start_lock(home):
+        state = StackState.load(home)
+        if state is None:
+            raise NotFound(f"no local stack recorded under {home} (start one with `noetl-rt dev up`)")
+        state.heal(timeout=timeout, progress=progress)
+        return state
 
 
 @contextlib.contextmanager
@@ -332,18 +486,22 @@ def _start_lock(home: Path) -> Iterator[None]:
 
 
 def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand, timeout: float,
-           say: Progress) -> StackState:
+           say: Progress, role_postgres_dsn: RolePostgresDsn | None = None,
+           synchronous_commit: bool | None = None) -> StackState:
     state.log_dir.mkdir(parents=True, exist_ok=True)
     state.run_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout
     try:
-        pg = localstack.start_postgres(state.dev_dir / "pg")
-        state.postgres = {**pg.to_json(), "started": start_ticks(pg.pid)}
+        pg = localstack.start_postgres(state.dev_dir / "pg", synchronous_commit=synchronous_commit)
+        state.postgres = stackinfra.record(pg)
         state.postgres_dsn = pg.dsn
+        if role_postgres_dsn is not None:
+            dsn = role_postgres_dsn(pg.dsn) if callable(role_postgres_dsn) else role_postgres_dsn
+            state.role_postgres_dsn = "" if dsn == pg.dsn else dsn
         state.save()
         say(f"postgres ready (port {pg.port})")
         nats = localstack.start_nats(state.dev_dir / "nats")
-        state.nats = {**nats.to_json(), "started": start_ticks(nats.pid)}
+        state.nats = stackinfra.record(nats)
         state.nats_url = nats.url
         state.save()
         say(f"nats ready (port {nats.port})")
@@ -377,25 +535,15 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
         state.phase = "up"
         state.save()
         return state
-    except BaseException:
+    except BaseException as exc:
         say("start failed; tearing the stack down")
         _teardown(state, say=_quiet)
+        if isinstance(exc, StackError):
+            exc.torn_down = True
         raise
 
 
 # ---------------------------------------------------------------- down
-
-
-def _stop_postgres(info: Mapping[str, Any], say: Progress) -> None:
-    if not info.get("datadir"):
-        return
-    server = localstack.PostgresServer(datadir=str(info["datadir"]), port=int(info.get("port") or 0),
-                                       bindir=str(info.get("bindir") or ""), pid=int(info.get("pid") or 0))
-    if server.bindir:
-        server.stop("fast")
-    if server.pid and _infra_alive(info):
-        localstack.stop_pid(server.pid, 10, group=False)
-    say("postgres stopped")
 
 
 def _teardown(state: StackState, *, say: Progress, timeout: float = 10.0) -> None:
@@ -413,10 +561,12 @@ def _teardown(state: StackState, *, say: Progress, timeout: float = 10.0) -> Non
         stop_groups([p.group_id() for p in procs], timeout, reap=reap)
         for p in procs:
             say(f"{p.instance} stopped")
-    if _infra_alive(state.nats):
+    if stackinfra.alive(state.nats):
         localstack.stop_pid(int(state.nats["pid"]), timeout)
         say("nats stopped")
-    _stop_postgres(state.postgres, say)
+    if state.postgres.get("datadir"):
+        stackinfra.stop_postgres(state.postgres, "fast")
+        say("postgres stopped")
     _clean(state.home, say=say)
 
 
@@ -429,7 +579,7 @@ def _clean(home: Path, *, say: Progress) -> None:
             bindir = str(localstack._pg_bindir())
         except Exception:
             bindir = ""
-        _stop_postgres({"datadir": str(pgdata), "bindir": bindir}, _quiet)
+        stackinfra.stop_postgres({"datadir": str(pgdata), "bindir": bindir}, "fast")
     for sub in ("pg", "nats", "run"):
         shutil.rmtree(dev / sub, ignore_errors=True)
     state_path(home).unlink(missing_ok=True)
@@ -462,16 +612,36 @@ class StackStatus:
     postgres_alive: bool
     nats_alive: bool
     home: str = ""
+    postgres_pid: int = 0
+    postgres_port: int = 0
+    nats_pid: int = 0
+    nats_port: int = 0
 
     @property
     def healthy(self) -> bool:
         every = [s["health"] for procs in self.services.values() for s in procs]
         return self.postgres_alive and self.nats_alive and all(h == SERVING for h in every)
 
+    def dead(self) -> list[str]:
+        """``postgres``, ``nats`` and the role instances whose process is gone."""
+        infra = [n for n, up in (("postgres", self.postgres_alive), ("nats", self.nats_alive)) if not up]
+        return infra + [s["instance"] for procs in self.services.values() for s in procs if s["health"] == DEAD]
+
     def to_json(self) -> dict[str, Any]:
-        """The ``dev status --json`` document."""
+        """The ``dev status --json`` document. ``postgres``/``nats``: ``status`` is
+        ``running`` or ``DEAD``; each service's ``health`` is what its grpc.health.v1
+        answered (SERVING, NOT_SERVING, ...), UNREACHABLE when it did not answer, DEAD
+        when its process is gone."""
         return {"api": self.api, "postgres_dsn": self.postgres_dsn, "nats_url": self.nats_url,
-                "services": self.services}
+                "services": self.services,
+                "postgres": {"status": _running(self.postgres_alive), "pid": self.postgres_pid,
+                             "port": self.postgres_port},
+                "nats": {"status": _running(self.nats_alive), "pid": self.nats_pid, "port": self.nats_port},
+                "healthy": self.healthy}
+
+
+def _running(alive: bool) -> str:
+    return "running" if alive else DEAD
 
 
 def status(home: str | os.PathLike[str], *, timeout: float = 1.0) -> StackStatus | None:
@@ -488,7 +658,8 @@ def status(home: str | os.PathLike[str], *, timeout: float = 1.0) -> StackStatus
                                                 "grpc": p.grpc, "instance": p.instance})
     return StackStatus(
         api=state.api, postgres_dsn=state.postgres_dsn, nats_url=state.nats_url, services=services,
-        postgres_alive=_infra_alive(state.postgres), nats_alive=_infra_alive(state.nats),
-        home=str(state.home),
+        postgres_alive=state.postgres_alive(), nats_alive=state.nats_alive(), home=str(state.home),
+        postgres_pid=int(state.postgres.get("pid") or 0), postgres_port=int(state.postgres.get("port") or 0),
+        nats_pid=int(state.nats.get("pid") or 0), nats_port=int(state.nats.get("port") or 0),
     )
 
