@@ -26,6 +26,7 @@ from noetl_common import natsio
 pytestmark = pytest.mark.integration
 
 T = TypeVar("T")
+ROLE_DSN_SUFFIX = " application_name=noetl-role"
 
 
 def wait_for(cond: Callable[[], T], timeout: float, what: str) -> T:
@@ -49,9 +50,11 @@ def stack(session_dir: Path, tmp_path_factory: pytest.TempPathFactory,
           health_dir: Path) -> Iterator[devstack.StackState]:
     fake = write_fake_role(tmp_path_factory.mktemp("fake"))
     home = session_dir / "heal-home"
-    # synchronous_commit: a commit acknowledged before the postmaster is SIGKILLed survives it
+    # synchronous_commit: a commit acknowledged before the postmaster is SIGKILLed survives it.
+    # role_postgres_dsn: the roles get their own DSN (a fault proxy's, in chaos tests).
     state = devstack.up(home, {"worker": 2}, role_command=command_for(fake),
-                        env={"FAKE_HEALTH_DIR": str(health_dir)}, synchronous_commit=True)
+                        env={"FAKE_HEALTH_DIR": str(health_dir)}, synchronous_commit=True,
+                        role_postgres_dsn=lambda direct: direct + ROLE_DSN_SUFFIX)
     yield state
     state.shutdown(timeout=2)  # refresh(): also what a `dev up` in this process restarted
 
@@ -142,7 +145,14 @@ def test_postgres_stopped_with_pg_ctl_and_started_again(stack: devstack.StackSta
     assert stack.start_nats() == stack.nats["pid"]
 
 
+def role_dsn(proc: devstack.ServiceProcess) -> str:
+    return str(json.loads(Path(proc.ready_file).read_text())["env"]["NOETL_POSTGRES_DSN"])
+
+
 def test_up_restarts_a_dead_replica_under_its_name_and_port(stack: devstack.StackState) -> None:
+    assert stack.role_postgres_dsn == stack.postgres_dsn + ROLE_DSN_SUFFIX
+    assert role_dsn(stack.process("worker", 1)) == stack.role_postgres_dsn
+    assert stack.client_env()["NOETL_POSTGRES_DSN"] == stack.postgres_dsn  # clients and tests: direct
     worker = stack.process("worker", 1)
     old_pid, old_grpc = worker.pid, worker.grpc
     others = {k: v for k, v in role_pids(stack).items() if k != "worker-1"}
@@ -153,6 +163,7 @@ def test_up_restarts_a_dead_replica_under_its_name_and_port(stack: devstack.Stac
     assert healed.healed == ["worker-1"]
     again = healed.process("worker", 1)
     assert again.pid != old_pid and again.grpc == old_grpc and again.instance == "worker-1"
+    assert role_dsn(again) == stack.role_postgres_dsn  # recorded in state.json, given again
     assert any(line.startswith("worker-1 restarted (pid ") for line in lines), lines
     healed.forget_children()
     stack.refresh()
