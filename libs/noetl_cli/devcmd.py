@@ -15,8 +15,8 @@ from noetl_common.errors import InvalidInput, NoetlError
 
 from . import devstack
 from .home import resolve_dsn, state_path
-from .localstack import PortTaken
 from .output import CliError, eprint, print_json, table
+from .ports import PortTaken
 from .supervise import RoleCommand, StackError, describe_exit
 
 

@@ -16,6 +16,9 @@ hand with ``pg_ctl``) is adopted rather than started twice.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import logging
 import os
 import signal
 import time
@@ -23,9 +26,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from noetl_common import natsio
 from noetl_common.errors import Conflict
 
-from . import localstack
+from . import localstack, ports
 from .supervise import same_process, start_ticks
 
 KILL_WAIT = 10.0
@@ -56,7 +60,7 @@ def _kill(info: Mapping[str, Any], what: str) -> int:
     deadline = time.monotonic() + KILL_WAIT
     _wait_gone(pid, KILL_WAIT)
     if info.get("port"):
-        localstack.wait_port_free(int(info["port"]), max(0.0, deadline - time.monotonic()))
+        ports.wait_port_free(int(info["port"]), max(0.0, deadline - time.monotonic()))
     return pid
 
 
@@ -137,3 +141,25 @@ def stop_nats(info: Mapping[str, Any], timeout: float = 10.0) -> None:
 def kill_nats(info: Mapping[str, Any]) -> int:
     """SIGKILL the NATS server; returns its pid once it is gone."""
     return _kill(info, "nats")
+
+
+def ensure_streams(url: str) -> None:
+    """Create or update the runtime's JetStream streams on the NATS at ``url`` (on a
+    private event loop, so it works under a running loop too)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: asyncio.run(_ensure_streams(url))).result()
+
+
+async def _ensure_streams(url: str) -> None:
+    # natsio logs a warning when the connection closes; this one closes on purpose.
+    nats_log = logging.getLogger(natsio.__name__)
+    level = nats_log.level
+    nats_log.setLevel(logging.ERROR)
+    try:
+        nc = await natsio.connect(url, name="noetl-rt-dev")
+        try:
+            await natsio.ensure_streams(nc.jetstream())
+        finally:
+            await nc.drain()
+    finally:
+        nats_log.setLevel(level)

@@ -19,8 +19,9 @@ import pytest
 from fakerole import command_for, write_fake_role
 
 from noetl_cli import devstack
-from noetl_cli.localstack import PortTaken, group_members, pid_alive
+from noetl_cli.localstack import group_members, pid_alive
 from noetl_cli.main import main
+from noetl_cli.ports import PortTaken
 from noetl_common import natsio
 
 pytestmark = pytest.mark.integration
