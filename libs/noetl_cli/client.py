@@ -1,7 +1,8 @@
 """Client commands: a blocking gRPC client of the api role.
 
-Every RPC goes through ``Api.call``, the one place gRPC errors become project errors
-(``noetl_common.grpcutil.translate``); UNAVAILABLE becomes "cannot reach the api at X".
+Every RPC goes through ``Api.call`` (apichannel.py), the one place gRPC errors become
+project errors: "cannot reach the api at X" when it cannot be reached, "the api cannot
+serve the request: <its message>" when it answers that a dependency is down.
 """
 
 from __future__ import annotations
@@ -10,38 +11,17 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
-from noetl_common import grpcutil
-from noetl_common.errors import InvalidInput, NoetlError, NotFound, Unavailable
-from noetl_proto.v1 import (
-    catalog_pb2,
-    catalog_pb2_grpc,
-    common_pb2,
-    execution_pb2,
-    execution_pb2_grpc,
-    shard_manager_pb2,
-    shard_manager_pb2_grpc,
-)
+from noetl_common.errors import InvalidInput, NoetlError, NotFound
+from noetl_proto.v1 import catalog_pb2, common_pb2, execution_pb2, shard_manager_pb2
 
 from . import output
+from .apichannel import RPC_TIMEOUT, Api
 from .output import CliError, eprint
 
-T = TypeVar("T")
-
-# Same policy as noetl_common.grpcutil.channel (round robin over replicas, transparent
-# retries on UNAVAILABLE), for the blocking client.
-_SERVICE_CONFIG = json.dumps({
-    "loadBalancingConfig": [{"round_robin": {}}],
-    "methodConfig": [{
-        "name": [{}],
-        "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s",
-                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
-    }],
-})
-RPC_TIMEOUT = 30.0
 POLL_INTERVAL = 0.2
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND})
 TRANSIENT_GRACE = 30.0
@@ -81,50 +61,6 @@ def read_file(path: str) -> str:
         raise CliError(f"{path} is a directory, not a playbook file", code=2) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"cannot read {path}: {exc}", code=2) from None
-
-
-class Api:
-    """Stubs of the services over one channel to ``target`` (the api's, or with
-    ``what="shard-manager"`` the shard-manager's)."""
-
-    def __init__(self, target: str, source: str = "", what: str = "api") -> None:
-        self.target = target
-        self.source = source
-        self.what = what
-        self.channel = grpc.insecure_channel(target, options=[
-            ("grpc.service_config", _SERVICE_CONFIG),
-            ("grpc.enable_retries", 1),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ])
-        self.executions = execution_pb2_grpc.ExecutionServiceStub(self.channel)
-        self.catalog = catalog_pb2_grpc.CatalogServiceStub(self.channel)
-        self.credentials = catalog_pb2_grpc.CredentialServiceStub(self.channel)
-        self.shard_manager = shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self) -> Api:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def error(self, exc: grpc.RpcError) -> NoetlError:
-        """The project error for an RpcError; UNAVAILABLE names the api address."""
-        err = grpcutil.translate(exc)
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
-            where = f" (from {self.source})" if self.source else ""
-            return Unavailable(f"cannot reach the {self.what} at {self.target}{where}: "
-                               f"{exc.details()}")  # type: ignore[attr-defined]
-        return err
-
-    def call(self, fn: Callable[..., T], request: Any, timeout: float = RPC_TIMEOUT) -> T:
-        try:
-            return fn(request, timeout=timeout)
-        except grpc.RpcError as exc:
-            raise self.error(exc) from exc
 
 
 # ---------------------------------------------------------------- run

@@ -6,6 +6,7 @@ import shlex
 import signal
 import sys
 import threading
+from collections.abc import Collection
 from pathlib import Path
 from types import FrameType
 
@@ -15,6 +16,7 @@ from noetl_common.errors import InvalidInput, NoetlError
 from . import devstack
 from .home import resolve_dsn, state_path
 from .output import CliError, eprint, print_json, table
+from .ports import PortTaken
 from .supervise import RoleCommand, StackError, describe_exit
 
 
@@ -27,16 +29,18 @@ def _stack_error(exc: StackError) -> CliError:
         detail = f"--- last lines of {exc.log} ---\n{exc.log_tail}\n--- end of {exc.instance} log ---"
     else:
         detail = f"({exc.instance} wrote nothing to {exc.log})" if exc.log else ""
-    return CliError(f"{exc}; the stack was torn down", code=1, detail=detail)
+    outcome = ("the stack was torn down" if exc.torn_down else
+               "the rest of the stack is left as it is (`noetl-rt dev status`)")
+    return CliError(f"{exc}; {outcome}", code=1, detail=detail)
 
 
-def _summary(state: devstack.StackState) -> str:
+def _summary(state: devstack.StackState, title: str = "local stack up") -> str:
     rows: list[tuple[str, str]] = [("api", state.api), ("shard-manager", state.shard_manager),
                                    ("postgres", state.postgres_dsn), ("nats", state.nats_url),
                                    ("logs", str(state.log_dir)), ("state", str(state_path(state.home)))]
     procs = ", ".join(f"{role}={len(ps)}" for role, ps in state.services.items())
     rows.insert(2, ("processes", procs))
-    return "local stack up\n" + table([(f"  {k}", v) for k, v in rows])
+    return title + "\n" + table([(f"  {k}", v) for k, v in rows])
 
 
 def role_command_from(template: str | None) -> RoleCommand | None:
@@ -64,7 +68,9 @@ def up(home: Path, *, scale: str | None, detach: bool, timeout: float,
         raise CliError(str(exc), code=2) from None
     if timeout <= 0:
         raise CliError(f"--timeout must be positive, got {timeout}", code=2)
-    eprint(f"starting the local stack under {home}")
+    existing = devstack.StackState.load(home)
+    healing = bool(existing and existing.phase == "up" and existing.alive() and existing.dead_parts())
+    eprint(f"{'healing' if healing else 'starting'} the local stack under {home}")
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM tears down like Ctrl-C
     try:
         state = devstack.up(home, replicas, timeout=timeout, progress=_progress,
@@ -73,12 +79,23 @@ def up(home: Path, *, scale: str | None, detach: bool, timeout: float,
         raise CliError(str(exc), code=1) from None
     except StackError as exc:
         raise _stack_error(exc) from None
+    except PortTaken as exc:
+        raise CliError(f"cannot restart the local stack in place: {exc}; stop that process and run "
+                       "`noetl-rt dev up` again, or `noetl-rt dev down` to start afresh (deletes the stack's data)",
+                       code=1) from None
     except KeyboardInterrupt:
-        raise CliError("interrupted; the stack was torn down", code=130) from None
+        outcome = "what was restarted keeps running" if healing else "the stack was torn down"
+        raise CliError(f"interrupted; {outcome}", code=130) from None
     except NoetlError as exc:
         raise CliError(f"cannot start the local stack: {exc}", code=1) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if state.healed:
+        if scale:
+            eprint("--scale does not apply to a running stack: it keeps its replicas")
+        print(_summary(state, f"local stack up (restarted in place: {', '.join(state.healed)})"), flush=True)
+        state.forget_children()
+        return 0
     print(_summary(state), flush=True)
     if detach:
         state.forget_children()
@@ -142,15 +159,44 @@ def status(home: Path, *, as_json: bool) -> int:
         print(f"local stack under {report.home}")
         print(table([
             ("  api", report.api),
-            ("  postgres", f"{report.postgres_dsn}  ({'running' if report.postgres_alive else 'DEAD'})"),
-            ("  nats", f"{report.nats_url}  ({'running' if report.nats_alive else 'DEAD'})"),
+            ("  postgres", f"{report.postgres_dsn}  ({_server_state(report.postgres_alive, report.postgres_pid)})"),
+            ("  nats", f"{report.nats_url}  ({_server_state(report.nats_alive, report.nats_pid)})"),
         ]))
         rows = [(s["instance"], role, s["pid"], s["health"], s["grpc"], s["metrics"])
                 for role, procs in report.services.items() for s in procs]
         print(table(rows, header=("INSTANCE", "ROLE", "PID", "HEALTH", "GRPC", "METRICS")))
-    if not report.postgres_alive or not report.nats_alive:
-        eprint("postgres or nats is not running")
+    dead = report.dead()
+    if dead:
+        eprint(f"not running: {', '.join(dead)}; `noetl-rt dev up` restarts {'it' if len(dead) == 1 else 'them'} "
+               "in place (data kept)")
     return 0 if report.healthy else 1
+
+
+def _server_state(alive: bool, pid: int) -> str:
+    return f"running, pid {pid}" if alive else f"DEAD, pid {pid or '?'} gone"
+
+
+def stack_trouble(home: Path, when: Collection[str] | None = None) -> str:
+    """What is wrong with the local stack recorded under ``home``, as one sentence that
+    says how to fix it: every part whose process is gone. '' when nothing is (or no
+    stack is recorded; a part without a recorded pid is not judged), and with ``when``
+    (``postgres``, ``nats``, role names) also when none of those parts is gone."""
+    state = devstack.StackState.load(home)
+    if state is None:
+        return ""
+    dead: list[tuple[str, str, int]] = [  # (role, name, pid)
+        (name, name, int(info["pid"])) for name, alive, info in (
+            ("postgres", state.postgres_alive(), state.postgres), ("nats", state.nats_alive(), state.nats))
+        if info.get("pid") and not alive]
+    dead += [(p.role, p.instance, p.pid) for p in state.processes() if p.pid and not p.alive()]
+    if not dead or (when is not None and not any(role in when for role, _, _ in dead)):
+        return ""
+    if len(dead) == 1:
+        _, name, pid = dead[0]
+        return f"the local stack's {name} is not running (pid {pid}); `noetl-rt dev up` restarts it in place (data kept)"
+    named = [f"{name} (pid {pid})" for _, name, pid in dead]
+    listed = ", ".join(named[:-1]) + f" and {named[-1]}"
+    return f"the local stack's {listed} are not running; `noetl-rt dev up` restarts them in place (data kept)"
 
 
 def migrate(home: Path, *, dsn: str | None) -> int:

@@ -7,8 +7,18 @@ Python API (used by ``noetl-rt dev`` and by the end-to-end tests)::
     state.processes("worker")        # [ServiceProcess, ...]
     state.kill("worker", 1)          # crash one replica (SIGKILL to its process group)
     state.restart("worker", 1)       # start it again (same instance name and gRPC port)
+    state.kill_postgres()            # crash Postgres (SIGKILL the postmaster); kill_nats() likewise
+    state.heal()                     # restart whatever is dead, in place (data, ports kept)
+    devstack.up(home)                # on a partly dead stack: the same heal (``noetl-rt dev up``)
     devstack.status(home).to_json()  # health of every recorded process, now
     devstack.down(home)              # stop everything, delete the throwaway data
+
+``StackState`` (stackstate.py) is the recorded stack and its controls. Postgres and NATS
+are controlled in place by ``stop_postgres``/``kill_postgres``/
+``start_postgres`` and ``stop_nats``/``kill_nats``/``start_nats`` (stackinfra.py): the same
+data directory, store and port, so the roles' DSN and URL stay valid. ``up(...,
+role_postgres_dsn=...)`` gives the role processes another way to Postgres (a fault
+proxy in tests) while ``state.postgres_dsn`` stays the direct one.
 
 Layout under ``<home>/dev``: ``state.json``, ``pg/`` (Postgres), ``nats/`` (JetStream
 store), ``run/<role>-<i>.json`` (ready files), ``logs/<role>-<i>.log``. ``down`` deletes
@@ -17,25 +27,23 @@ all of it except the logs.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
 import logging
 import os
-import shutil
-import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from noetl_common import db, natsio
-from noetl_common.errors import Conflict, InvalidInput
+from noetl_common import db
+from noetl_common.errors import Conflict, InvalidInput, NotFound
 
-from . import localstack
-from .home import dev_dir, read_state, state_path, write_state
+from . import localstack, stackinfra
+from .home import dev_dir
+from .stackstate import Progress, StackState, clean_home, quiet, teardown
 from .supervise import (
     DEAD,
     ROLES,
@@ -45,10 +53,7 @@ from .supervise import (
     ServiceProcess,
     StackError,
     default_role_command,
-    same_process,
     spawn,
-    start_ticks,
-    stop_groups,
     target_of,
     wait_ready,
     wait_serving,
@@ -56,10 +61,8 @@ from .supervise import (
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[str], None]
-
 __all__ = ["DEAD", "ROLES", "SERVING", "ServiceProcess", "StackError", "StackRunning", "StackState",
-           "StackStatus", "down", "parse_scale", "status", "up"]
+           "StackStatus", "down", "heal", "parse_scale", "status", "up"]
 
 
 class StackRunning(Conflict):
@@ -89,214 +92,36 @@ def parse_scale(spec: str | None) -> dict[str, int]:
     return scale
 
 
-def _quiet(_: str) -> None:
-    pass
-
-
-@dataclass
-class StackState:
-    """A running (or recorded) local stack. Serialised as ``<home>/dev/state.json``."""
-
-    home: Path
-    api: str = ""
-    shard_manager: str = ""
-    postgres_dsn: str = ""
-    nats_url: str = ""
-    postgres: dict[str, Any] = field(default_factory=dict)
-    nats: dict[str, Any] = field(default_factory=dict)
-    services: dict[str, list[ServiceProcess]] = field(default_factory=dict)
-    phase: str = "starting"
-    env_overrides: dict[str, str] = field(default_factory=dict)
-
-    # ------------------------------------------------------------ paths
-
-    @property
-    def dev_dir(self) -> Path:
-        return dev_dir(self.home)
-
-    @property
-    def log_dir(self) -> Path:
-        return self.dev_dir / "logs"
-
-    @property
-    def run_dir(self) -> Path:
-        return self.dev_dir / "run"
-
-    # ------------------------------------------------------------ processes
-
-    def processes(self, role: str | None = None) -> list[ServiceProcess]:
-        """Replicas of ``role`` (every role's, in start order, when None)."""
-        if role is not None:
-            return list(self.services.get(role, []))
-        return [p for r in ROLES for p in self.services.get(r, [])] + [
-            p for r, ps in self.services.items() if r not in ROLES for p in ps]
-
-    def process(self, role: str, index: int = 0) -> ServiceProcess:
-        for proc in self.services.get(role, []):
-            if proc.index == index:
-                return proc
-        raise InvalidInput(f"no replica {role}-{index} in this stack")
-
-    def kill(self, role: str, index: int = 0, sig: int = signal.SIGKILL) -> ServiceProcess:
-        """Crash one replica (SIGKILL to its process group by default)."""
-        proc = self.process(role, index)
-        proc.kill(sig)
-        return proc
-
-    def stop(self, role: str, index: int = 0, timeout: float = 10.0) -> ServiceProcess:
-        """Stop one replica the orderly way (SIGTERM, then SIGKILL after ``timeout``)."""
-        proc = self.process(role, index)
-        proc.stop(timeout)
-        return proc
-
-    def role_env(self, proc: ServiceProcess, grpc_listen: str = "127.0.0.1:0") -> dict[str, str]:
-        """os.environ (so user NOETL_* settings pass through) plus what the stack decides."""
-        env = dict(os.environ)
-        env.update(self.env_overrides)
-        env.update({
-            "NOETL_POSTGRES_DSN": self.postgres_dsn,
-            "NOETL_NATS_URL": self.nats_url,
-            "NOETL_SHARD_MANAGER_TARGET": self.shard_manager,
-            "NOETL_API_TARGET": self.api,
-            "NOETL_READY_FILE": proc.ready_file,
-            "NOETL_INSTANCE": proc.instance,
-            "NOETL_GRPC_LISTEN": grpc_listen,
-            "NOETL_METRICS_LISTEN": "127.0.0.1:0",
-            "PYTHONUNBUFFERED": "1",
-        })
-        return env
-
-    def _new_process(self, role: str, index: int, command: Sequence[str]) -> ServiceProcess:
-        instance = f"{role}-{index}"
-        return ServiceProcess(role=role, index=index, instance=instance, command=list(command),
-                              log=str(self.log_dir / f"{instance}.log"),
-                              ready_file=str(self.run_dir / f"{instance}.json"))
-
-    def restart(self, role: str, index: int = 0, *, timeout: float = 60.0, stop_timeout: float = 10.0,
-                same_port: bool = True) -> ServiceProcess:
-        """Stop the replica if it still runs, start it again and wait until it is SERVING.
-
-        The replica keeps its instance name and, with ``same_port``, its gRPC port, so the
-        multi-replica targets handed to other roles stay valid. Its log is appended to."""
-        proc = self.process(role, index)
-        if proc.alive():
-            proc.stop(stop_timeout)
-        proc.reap()
-        listen = proc.grpc if same_port and proc.grpc else "127.0.0.1:0"
-        spawn(proc, self.role_env(proc, listen), append_log=True)
-        self.save()
-        deadline = time.monotonic() + timeout
-        wait_ready([proc], deadline)
-        wait_serving([proc], deadline)
-        self.save()
-        return proc
-
-    def add_replica(self, role: str, *, timeout: float = 60.0,
-                    command: Sequence[str] | None = None) -> ServiceProcess:
-        """Start one more replica of ``role`` (not added to the api/shard-manager targets)."""
-        replicas = self.services.setdefault(role, [])
-        base = command or (replicas[0].command if replicas else default_role_command(role))
-        proc = self._new_process(role, max((p.index for p in replicas), default=-1) + 1, base)
-        replicas.append(proc)
-        spawn(proc, self.role_env(proc))
-        self.save()
-        deadline = time.monotonic() + timeout
-        wait_ready([proc], deadline)
-        wait_serving([proc], deadline)
-        self.save()
-        return proc
-
-    def alive(self) -> bool:
-        """True when any recorded process (role, NATS or Postgres) still runs."""
-        return (any(p.alive() for p in self.processes()) or _infra_alive(self.nats)
-                or _infra_alive(self.postgres))
-
-    def client_env(self) -> dict[str, str]:
-        """Environment for a client of this stack (``noetl-rt`` commands, tests)."""
-        return {"NOETL_API": self.api, "NOETL_POSTGRES_DSN": self.postgres_dsn, "NOETL_NATS_URL": self.nats_url,
-                "NOETL_HOME": str(self.home)}
-
-    def shutdown(self, *, timeout: float = 10.0, progress: Progress | None = None) -> None:
-        """Stop every process of this stack and delete its data (same as ``down(home)``)."""
-        _teardown(self, say=progress or _quiet, timeout=timeout)
-
-    def forget_children(self) -> None:
-        """Let the role processes outlive this Python process (``dev up --detach``)."""
-        for p in self.processes():
-            p.forget()
-
-    # ------------------------------------------------------------ persistence
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "home": str(self.home), "phase": self.phase, "api": self.api, "shard_manager": self.shard_manager,
-            "postgres_dsn": self.postgres_dsn, "nats_url": self.nats_url,
-            "postgres": dict(self.postgres), "nats": dict(self.nats),
-            "services": {role: [p.to_json() for p in procs] for role, procs in self.services.items()},
-            "env": dict(self.env_overrides),
-        }
-
-    def save(self) -> None:
-        write_state(self.home, self.to_json())
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any], home: str | os.PathLike[str] | None = None) -> StackState:
-        return cls(
-            home=Path(home or data.get("home") or "."), phase=str(data.get("phase", "up")),
-            api=str(data.get("api", "")), shard_manager=str(data.get("shard_manager", "")),
-            postgres_dsn=str(data.get("postgres_dsn", "")), nats_url=str(data.get("nats_url", "")),
-            postgres=dict(data.get("postgres") or {}), nats=dict(data.get("nats") or {}),
-            services={role: [ServiceProcess.from_json(role, i, p) for i, p in enumerate(procs)]
-                      for role, procs in (data.get("services") or {}).items()},
-            env_overrides={str(k): str(v) for k, v in (data.get("env") or {}).items()},
-        )
-
-    @classmethod
-    def load(cls, home: str | os.PathLike[str]) -> StackState | None:
-        data = read_state(home)
-        return cls.from_json(data, Path(home).resolve()) if data is not None else None
-
-
-def _infra_alive(info: Mapping[str, Any]) -> bool:
-    return same_process(int(info.get("pid") or 0), int(info.get("started") or 0))
-
-
 # ---------------------------------------------------------------- up
 
 
-def _run_async(fn: Callable[[], Any]) -> Any:
-    """Run a coroutine function to completion on a private loop (works under a running loop too)."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(lambda: asyncio.run(fn())).result()
-
-
-async def _ensure_streams(url: str) -> None:
-    # natsio logs a warning when the connection closes; this one closes on purpose.
-    nats_log = logging.getLogger(natsio.__name__)
-    level = nats_log.level
-    nats_log.setLevel(logging.ERROR)
-    try:
-        nc = await natsio.connect(url, name="noetl-rt-dev")
-        try:
-            await natsio.ensure_streams(nc.jetstream())
-        finally:
-            await nc.drain()
-    finally:
-        nats_log.setLevel(level)
+RolePostgresDsn = str | Callable[[str], str]
 
 
 def up(home: str | os.PathLike[str], scale: Mapping[str, int] | None = None, *, timeout: float = 90.0,
        roles: Sequence[str] = ROLES, role_command: RoleCommand | None = None,
-       env: Mapping[str, str] | None = None, progress: Progress | None = None) -> StackState:
+       env: Mapping[str, str] | None = None, progress: Progress | None = None,
+       role_postgres_dsn: RolePostgresDsn | None = None, synchronous_commit: bool | None = None) -> StackState:
     """Start Postgres, NATS and every role in ``roles`` (``scale[role]`` replicas each,
     default 1) as separate processes; return once every process answers SERVING.
 
     ``role_command(role)`` gives the argv of a role process (default ``python -m
-    noetl_<role>``); ``env`` adds environment variables for the role processes. On any
-    failure everything started so far is torn down and the error (a ``StackError``
-    naming the failing replica, with its log tail) is raised. Raises ``StackRunning``
-    when a stack recorded under ``home`` still runs."""
-    say = progress or _quiet
+    noetl_<role>``); ``env`` adds environment variables for the role processes.
+    ``role_postgres_dsn`` is the roles' NOETL_POSTGRES_DSN when it is not the direct one:
+    a DSN, or a function of the direct DSN called once Postgres is up (a test's fault
+    proxy: ``role_postgres_dsn=proxy.dsn_via``); ``state.postgres_dsn`` (migrations,
+    clients, tests) stays direct. ``synchronous_commit=True`` starts Postgres so that a
+    commit it acknowledged survives a crash of Postgres (tests that SIGKILL it need that;
+    the default, off like fsync, loses the last fraction of a second of commits then:
+    ``localstack.start_postgres``). On any failure everything started so far is torn down
+    and the error (a ``StackError`` naming the failing replica, with its log tail) is
+    raised.
+
+    When a stack recorded under ``home`` is partly alive (Postgres, NATS or some replicas
+    died), it is healed in place instead (``StackState.heal``: data, ports and live
+    processes kept; the arguments above do not apply) and returned with ``healed``
+    naming what was restarted. Raises ``StackRunning`` when it runs whole."""
+    say = progress or quiet
     home = Path(home).resolve()
     unknown = [r for r in [*roles, *(scale or {})] if r not in ROLES]
     if unknown:
@@ -309,10 +134,29 @@ def up(home: str | os.PathLike[str], scale: Mapping[str, int] | None = None, *, 
     with _start_lock(home):
         existing = StackState.load(home)
         if existing is not None and existing.alive():
-            raise StackRunning(f"a local stack is already running under {home} (api {existing.api or '?'}); "
-                               "stop it with `noetl-rt dev down`")
-        _clean(home, say=_quiet)
-        return _start(StackState(home=home, env_overrides=dict(env or {})), replicas, command, timeout, say)
+            dead = existing.dead_parts()
+            if not dead or existing.phase != "up":
+                raise StackRunning(f"a local stack is already running under {home} (api {existing.api or '?'}); "
+                                   "stop it with `noetl-rt dev down`")
+            say(f"not running: {', '.join(dead)}; restarting in place")
+            existing.heal(timeout=timeout, progress=say)
+            return existing
+        clean_home(home, say=quiet)
+        state = StackState(home=home, env_overrides=dict(env or {}))
+        return _start(state, replicas, command, timeout, say, role_postgres_dsn, synchronous_commit)
+
+
+def heal(home: str | os.PathLike[str], *, timeout: float = 90.0, progress: Progress | None = None) -> StackState:
+    """Restart in place whatever part of the stack recorded under ``home`` is dead
+    (``StackState.heal``); returns the stack once every role is SERVING, with
+    ``healed`` naming what was restarted. Raises ``NotFound`` when no stack is recorded."""
+    home = Path(home).resolve()
+    with _start_lock(home):
+        state = StackState.load(home)
+        if state is None:
+            raise NotFound(f"no local stack recorded under {home} (start one with `noetl-rt dev up`)")
+        state.heal(timeout=timeout, progress=progress)
+        return state
 
 
 @contextlib.contextmanager
@@ -332,24 +176,28 @@ def _start_lock(home: Path) -> Iterator[None]:
 
 
 def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand, timeout: float,
-           say: Progress) -> StackState:
+           say: Progress, role_postgres_dsn: RolePostgresDsn | None = None,
+           synchronous_commit: bool | None = None) -> StackState:
     state.log_dir.mkdir(parents=True, exist_ok=True)
     state.run_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout
     try:
-        pg = localstack.start_postgres(state.dev_dir / "pg")
-        state.postgres = {**pg.to_json(), "started": start_ticks(pg.pid)}
+        pg = localstack.start_postgres(state.dev_dir / "pg", synchronous_commit=synchronous_commit)
+        state.postgres = stackinfra.record(pg)
         state.postgres_dsn = pg.dsn
+        if role_postgres_dsn is not None:
+            dsn = role_postgres_dsn(pg.dsn) if callable(role_postgres_dsn) else role_postgres_dsn
+            state.role_postgres_dsn = "" if dsn == pg.dsn else dsn
         state.save()
         say(f"postgres ready (port {pg.port})")
         nats = localstack.start_nats(state.dev_dir / "nats")
-        state.nats = {**nats.to_json(), "started": start_ticks(nats.pid)}
+        state.nats = stackinfra.record(nats)
         state.nats_url = nats.url
         state.save()
         say(f"nats ready (port {nats.port})")
         applied = db.migrate(state.postgres_dsn)
         say(f"database migrated ({'applied ' + ', '.join(map(str, applied)) if applied else 'up to date'})")
-        _run_async(lambda: _ensure_streams(state.nats_url))
+        stackinfra.ensure_streams(state.nats_url)
         say("nats streams ready")
 
         for stage in STAGES:
@@ -377,72 +225,25 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
         state.phase = "up"
         state.save()
         return state
-    except BaseException:
+    except BaseException as exc:
         say("start failed; tearing the stack down")
-        _teardown(state, say=_quiet)
+        teardown(state, say=quiet)
+        if isinstance(exc, StackError):
+            exc.torn_down = True
         raise
 
 
 # ---------------------------------------------------------------- down
 
 
-def _stop_postgres(info: Mapping[str, Any], say: Progress) -> None:
-    if not info.get("datadir"):
-        return
-    server = localstack.PostgresServer(datadir=str(info["datadir"]), port=int(info.get("port") or 0),
-                                       bindir=str(info.get("bindir") or ""), pid=int(info.get("pid") or 0))
-    if server.bindir:
-        server.stop("fast")
-    if server.pid and _infra_alive(info):
-        localstack.stop_pid(server.pid, 10, group=False)
-    say("postgres stopped")
-
-
-def _teardown(state: StackState, *, say: Progress, timeout: float = 10.0) -> None:
-    """Stop role processes (last stage first), then NATS, then Postgres; delete the data."""
-    staged = [[p for r in stage for p in state.processes(r)] for stage in reversed(STAGES)]
-    staged.insert(0, [p for r, ps in state.services.items() if r not in ROLES for p in ps])
-    for procs in staged:
-        if not procs:
-            continue
-
-        def reap(procs: list[ServiceProcess] = procs) -> None:
-            for p in procs:
-                p.reap()
-
-        stop_groups([p.group_id() for p in procs], timeout, reap=reap)
-        for p in procs:
-            say(f"{p.instance} stopped")
-    if _infra_alive(state.nats):
-        localstack.stop_pid(int(state.nats["pid"]), timeout)
-        say("nats stopped")
-    _stop_postgres(state.postgres, say)
-    _clean(state.home, say=say)
-
-
-def _clean(home: Path, *, say: Progress) -> None:
-    """Delete the throwaway data (stopping a Postgres left running in it) and the state file."""
-    dev = dev_dir(home)
-    pgdata = dev / "pg" / "pgdata"
-    if (pgdata / "postmaster.pid").exists():
-        try:
-            bindir = str(localstack._pg_bindir())
-        except Exception:
-            bindir = ""
-        _stop_postgres({"datadir": str(pgdata), "bindir": bindir}, _quiet)
-    for sub in ("pg", "nats", "run"):
-        shutil.rmtree(dev / sub, ignore_errors=True)
-    state_path(home).unlink(missing_ok=True)
-
-
 def down(home: str | os.PathLike[str], *, timeout: float = 10.0, progress: Progress | None = None) -> bool:
     """Stop the stack recorded under ``home`` and delete its data. Idempotent: returns
     False when nothing was recorded."""
-    say = progress or _quiet
+    say = progress or quiet
     home = Path(home).resolve()
     state = StackState.load(home)
     if state is None:
-        _clean(home, say=_quiet)
+        clean_home(home, say=quiet)
         return False
     state.shutdown(timeout=timeout, progress=say)
     return True
@@ -462,16 +263,36 @@ class StackStatus:
     postgres_alive: bool
     nats_alive: bool
     home: str = ""
+    postgres_pid: int = 0
+    postgres_port: int = 0
+    nats_pid: int = 0
+    nats_port: int = 0
 
     @property
     def healthy(self) -> bool:
         every = [s["health"] for procs in self.services.values() for s in procs]
         return self.postgres_alive and self.nats_alive and all(h == SERVING for h in every)
 
+    def dead(self) -> list[str]:
+        """``postgres``, ``nats`` and the role instances whose process is gone."""
+        infra = [n for n, up in (("postgres", self.postgres_alive), ("nats", self.nats_alive)) if not up]
+        return infra + [s["instance"] for procs in self.services.values() for s in procs if s["health"] == DEAD]
+
     def to_json(self) -> dict[str, Any]:
-        """The ``dev status --json`` document."""
+        """The ``dev status --json`` document. ``postgres``/``nats``: ``status`` is
+        ``running`` or ``DEAD``; each service's ``health`` is what its grpc.health.v1
+        answered (SERVING, NOT_SERVING, ...), UNREACHABLE when it did not answer, DEAD
+        when its process is gone."""
         return {"api": self.api, "postgres_dsn": self.postgres_dsn, "nats_url": self.nats_url,
-                "services": self.services}
+                "services": self.services,
+                "postgres": {"status": _running(self.postgres_alive), "pid": self.postgres_pid,
+                             "port": self.postgres_port},
+                "nats": {"status": _running(self.nats_alive), "pid": self.nats_pid, "port": self.nats_port},
+                "healthy": self.healthy}
+
+
+def _running(alive: bool) -> str:
+    return "running" if alive else DEAD
 
 
 def status(home: str | os.PathLike[str], *, timeout: float = 1.0) -> StackStatus | None:
@@ -488,7 +309,8 @@ def status(home: str | os.PathLike[str], *, timeout: float = 1.0) -> StackStatus
                                                 "grpc": p.grpc, "instance": p.instance})
     return StackStatus(
         api=state.api, postgres_dsn=state.postgres_dsn, nats_url=state.nats_url, services=services,
-        postgres_alive=_infra_alive(state.postgres), nats_alive=_infra_alive(state.nats),
-        home=str(state.home),
+        postgres_alive=state.postgres_alive(), nats_alive=state.nats_alive(), home=str(state.home),
+        postgres_pid=int(state.postgres.get("pid") or 0), postgres_port=int(state.postgres.get("port") or 0),
+        nats_pid=int(state.nats.get("pid") or 0), nats_port=int(state.nats.get("port") or 0),
     )
 

@@ -63,10 +63,12 @@ def write_state(home: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class Resolved:
-    """A resolved setting and where it came from (for error messages)."""
+    """A resolved setting and where it came from (for error messages); ``local``: from
+    the local stack's state file."""
 
     value: str
     source: str
+    local: bool = False
 
 
 def _resolve(flag: str | None, home: str | os.PathLike[str], environ: Mapping[str, str] | None, *,
@@ -79,7 +81,7 @@ def _resolve(flag: str | None, home: str | os.PathLike[str], environ: Mapping[st
         return Resolved(env[env_name], env_name)
     state = read_state(home)
     if state and state.get(state_key):
-        return Resolved(str(state[state_key]), f"the local stack ({state_path(home)})")
+        return Resolved(str(state[state_key]), f"the local stack ({state_path(home)})", local=True)
     raise CliError(f"{missing}: pass {option} {'DSN' if option == '--dsn' else 'HOST:PORT'}, set {env_name}, or start "
                    f"a local stack with `noetl-rt dev up` (looked for {state_path(home)})", code=2)
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from noetl_common.errors import NoetlError, Unavailable
 
+from .ports import check_port_free
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -76,14 +78,18 @@ class PostgresServer:
     user: str = "noetl"
     database: str = "noetl"
     pid: int = 0
+    fsync: bool = False
+    synchronous_commit: bool = False
 
     @property
     def dsn(self) -> str:
         return f"host=127.0.0.1 port={self.port} user={self.user} dbname={self.database}"
 
     def stop(self, mode: str = "fast") -> None:
+        """``pg_ctl stop -m MODE`` when a postmaster runs in the data directory (not when
+        one died and left its postmaster.pid: pg_ctl would wait on a zombie's pid)."""
         pg_ctl = str(Path(self.bindir) / "pg_ctl")
-        if Path(self.datadir, "postmaster.pid").exists():
+        if is_postgres(postmaster_pid(self.datadir)):
             subprocess.run([pg_ctl, "-D", self.datadir, "-m", mode, "-w", "-t", "30", "stop"],
                            capture_output=True, check=False, **_run_as())  # type: ignore[call-overload]
 
@@ -91,8 +97,19 @@ class PostgresServer:
         return asdict(self)
 
 
-def start_postgres(root: str | Path, *, fsync: bool = False, port: int | None = None) -> PostgresServer:
-    """initdb (once) and start a Postgres under ``root``; returns when it accepts connections."""
+def start_postgres(root: str | Path, *, fsync: bool = False, port: int | None = None,
+                   synchronous_commit: bool | None = None) -> PostgresServer:
+    """initdb (once) and start a Postgres under ``root``; returns when it accepts connections.
+
+    ``fsync`` off (the default): commits reach the OS page cache, not the disk.
+    ``synchronous_commit`` (default: as ``fsync``) off: a commit is acknowledged before
+    its WAL is even written, so a crash of Postgres itself (its postmaster SIGKILLed)
+    loses the last fraction of a second of acknowledged commits; on (with fsync off) they
+    survive a crash of Postgres, not of the machine, for one write() per commit.
+
+    An existing data directory is started as is (its data kept); one whose postmaster died
+    (SIGKILL, OOM) is made startable first (``clear_after_crash``). With ``port`` given
+    and taken by another process, raises ``PortTaken`` naming that process."""
     root = Path(root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     bindir = _pg_bindir()
@@ -117,9 +134,13 @@ def start_postgres(root: str | Path, *, fsync: bool = False, port: int | None = 
         if proc.returncode != 0:
             raise Unavailable(f"initdb failed: {proc.stderr.strip() or proc.stdout.strip()}")
     _chown_tree(sockdir)
+    clear_after_crash(datadir, sockdir)
+    if port:
+        check_port_free(port, "postgres")
     port = port or free_port()
+    sync = fsync if synchronous_commit is None else synchronous_commit
     opts = (f"-p {port} -c listen_addresses=127.0.0.1 -k {sockdir} -c max_connections=300 "
-            f"-c fsync={'on' if fsync else 'off'} -c synchronous_commit={'on' if fsync else 'off'} "
+            f"-c fsync={'on' if fsync else 'off'} -c synchronous_commit={'on' if sync else 'off'} "
             "-c full_page_writes=off -c shared_buffers=128MB")
     log = root / "postgres.log"
     if not log.exists():
@@ -132,7 +153,7 @@ def start_postgres(root: str | Path, *, fsync: bool = False, port: int | None = 
     if proc.returncode != 0:
         tail = log.read_text()[-2000:] if log.exists() else ""
         raise Unavailable(f"postgres failed to start: {proc.stderr.strip()} {tail}")
-    server = PostgresServer(str(datadir), port, str(bindir))
+    server = PostgresServer(str(datadir), port, str(bindir), fsync=fsync, synchronous_commit=sync)
     pidfile = datadir / "postmaster.pid"
     with contextlib.suppress(OSError, ValueError):
         server.pid = int(pidfile.read_text().splitlines()[0])
@@ -157,6 +178,60 @@ def _ensure_database(server: PostgresServer) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def postmaster_pid(datadir: str | Path) -> int:
+    """The pid recorded in ``datadir/postmaster.pid`` (0 when there is none)."""
+    try:
+        return int(Path(datadir, "postmaster.pid").read_text().splitlines()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def is_postgres(pid: int) -> bool:
+    """``pid`` is a live (not zombie) postgres process, not a reused pid."""
+    if not pid_alive(pid):
+        return False
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() in ("postgres", "postmaster")
+    except OSError:
+        return False
+
+
+def clear_after_crash(datadir: str | Path, sockdir: str | Path, timeout: float = 10.0) -> None:
+    """Make a data directory whose postmaster died (SIGKILL, OOM kill) startable again.
+
+    The dead postmaster's children notice its death and exit on their own; they hold
+    its shared memory, which a new postmaster refuses to share, so wait for them (and
+    SIGKILL what is left after ``timeout``). Then delete the lock files it left: a
+    postmaster.pid naming a pid that still exists (a zombie nobody reaps, as under a
+    container init that does not reap) makes a new postmaster believe it still runs.
+    No-op when no postmaster.pid was left; raises ``Unavailable`` when that postmaster
+    is alive."""
+    datadir, sockdir = Path(datadir), Path(sockdir)
+    pid = postmaster_pid(datadir)
+    if not pid:
+        return
+    if is_postgres(pid):
+        raise Unavailable(f"a postgres (pid {pid}) still runs in {datadir}")
+    deadline = time.monotonic() + timeout
+    while group_members(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if group_members(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        end = time.monotonic() + 5
+        while group_members(pid) and time.monotonic() < end:
+            time.sleep(0.02)
+    Path(datadir, "postmaster.pid").unlink(missing_ok=True)
+    for lock in sockdir.glob(".s.PGSQL.*.lock"):
+        try:
+            owner = int(lock.read_text().splitlines()[0])
+        except (OSError, ValueError, IndexError):
+            owner = 0
+        if not is_postgres(owner):
+            lock.unlink(missing_ok=True)
+            Path(str(lock).removesuffix(".lock")).unlink(missing_ok=True)
 
 
 def nats_server_binary() -> str:
@@ -185,13 +260,17 @@ class NatsServer:
 
 
 def start_nats(root: str | Path, *, port: int | None = None) -> NatsServer:
-    """Start ``nats-server -js`` with its store under ``root``; returns once it accepts clients."""
+    """Start ``nats-server -js`` with its store under ``root`` (an existing store is kept:
+    streams and messages survive a restart); returns once it accepts clients. With
+    ``port`` given and taken by another process, raises ``PortTaken`` naming it."""
     root = Path(root).resolve()
     store = root / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
     ports_dir = root / "ports"
     ports_dir.mkdir(exist_ok=True)
     log = root / "nats.log"
+    if port:
+        check_port_free(port, "nats")
     port = port or free_port()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -356,6 +435,23 @@ def pid_alive(pid: int) -> bool:
                 os.waitpid(pid, os.WNOHANG)
             return False
     return True
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes in process group ``pgid``."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        # fields: state ppid pgrp ...
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
 
 
 def stop_pid(pid: int, timeout: float = 10.0, *, group: bool = True) -> None:

@@ -1,8 +1,9 @@
 """``noetl-rt``: argument parsing and dispatch; expected errors become a message and an exit code.
 
-Exit codes: 0 success, 1 failure (execution failed, server unreachable, stack not
-healthy), 2 bad input (arguments, payload, playbook rejected by the server), 3 no local
-stack recorded (``dev status``), 130 interrupted.
+Exit codes: 0 success, 1 failure (execution failed, server unreachable or unable to
+serve, a part of the local stack not running, stack not healthy), 2 bad input
+(arguments, payload, playbook rejected by the server), 3 no local stack recorded
+(``dev status``), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from noetl_common.errors import InvalidInput, NoetlError
+from noetl_common.errors import InvalidInput, NoetlError, Overloaded, Unavailable
 
 from . import client, devcmd
-from .home import resolve_api, resolve_home, resolve_shard_manager
+from .home import Resolved, resolve_api, resolve_home, resolve_shard_manager
 from .output import CliError, eprint
 
 Handler = Callable[[argparse.Namespace], int]
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.add_argument("--timeout", type=_positive, metavar="S", help="stop waiting after S seconds (exit 1)")
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.watch(
-        api, client.parse_execution_id(a.execution_id), as_json=a.json, timeout=a.timeout)))
+        api, client.parse_execution_id(a.execution_id), as_json=a.json, timeout=a.timeout),
+        needs=("postgres", "nats")))
 
     p = sub.add_parser("list", parents=[with_api], help="list executions, newest first")
     p.add_argument("--status", help="only executions in this state (pending, running, completed, failed, "
@@ -192,10 +194,30 @@ def _home(args: argparse.Namespace) -> Path:
     return resolve_home(getattr(args, "home", None))
 
 
-def _with_api(args: argparse.Namespace, fn: Callable[[client.Api], int]) -> int:
-    resolved = resolve_api(getattr(args, "api", None), _home(args))
-    with client.Api(resolved.value, resolved.source) as api:
-        return fn(api)
+def _with_api(args: argparse.Namespace, fn: Callable[[client.Api], int],
+              needs: tuple[str, ...] = ("postgres",)) -> int:
+    home = _home(args)
+    resolved = resolve_api(getattr(args, "api", None), home)
+    return _against(home, resolved, fn, needs)
+
+
+def _against(home: Path, resolved: Resolved, fn: Callable[[client.Api], int], needs: tuple[str, ...],
+             what: str = "api") -> int:
+    """Run ``fn`` with a channel to ``resolved``. When that is the local stack, a dead
+    server it ``needs`` fails at once, and a failure to reach or be served says which
+    part of the stack is down and how to restart it."""
+    if resolved.local:
+        trouble = devcmd.stack_trouble(home, needs)
+        if trouble:
+            raise CliError(trouble, code=1)
+    try:
+        with client.Api(resolved.value, resolved.source, what=what) as api:
+            return fn(api)
+    except (Unavailable, Overloaded) as exc:
+        trouble = devcmd.stack_trouble(home) if resolved.local else ""
+        if not trouble:
+            raise
+        raise CliError(str(exc), code=1, detail=trouble) from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -207,13 +229,14 @@ def _run(args: argparse.Namespace) -> int:
     content = client.read_file(args.file) if args.file is not None else ""
     return _with_api(args, lambda api: client.run(
         api, content, ref=ref, payload_json=payload_json, as_json=args.json, timeout=args.timeout,
-        idempotency_key=args.idempotency_key, detach=args.detach))
+        idempotency_key=args.idempotency_key, detach=args.detach), needs=("postgres", "nats"))
 
 
 def _cluster(args: argparse.Namespace) -> int:
-    resolved = resolve_shard_manager(args.shard_manager, _home(args))
-    with client.Api(resolved.value, resolved.source, what="shard-manager") as api:
-        return client.cluster(api, role=args.role, as_json=args.json)
+    home = _home(args)
+    resolved = resolve_shard_manager(args.shard_manager, home)
+    return _against(home, resolved, lambda api: client.cluster(api, role=args.role, as_json=args.json),
+                    ("postgres",), what="shard-manager")
 
 
 def _report(exc: BaseException) -> int:

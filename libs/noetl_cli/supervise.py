@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from noetl_common.errors import NoetlError
 
-from .localstack import pid_alive
+from .localstack import group_members, pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
 SERVING = "SERVING"
 NOT_SERVING = "NOT_SERVING"
 UNKNOWN = "UNKNOWN"
+UNREACHABLE = "UNREACHABLE"  # the process runs but its health service did not answer
 DEAD = "DEAD"
 
 RoleCommand = Callable[[str], Sequence[str]]
@@ -57,6 +58,7 @@ class StackError(NoetlError):
 
     def __init__(self, message: str, *, role: str = "", instance: str = "", log: str = "",
                  log_tail: str = "") -> None:
+        self.torn_down = False  # set when the stack it was starting was torn down
         self.role = role
         self.instance = instance
         self.log = log
@@ -78,7 +80,8 @@ def log_tail(path: str | Path, lines: int = 40, max_bytes: int = 64 * 1024) -> s
 
 
 def health_check(address: str, timeout: float = 1.0) -> str:
-    """Ask ``grpc.health.v1`` at ``address`` about the server as a whole."""
+    """Ask ``grpc.health.v1`` at ``address`` about the server as a whole: the status it
+    answers (SERVING, NOT_SERVING, UNKNOWN, SERVICE_UNKNOWN), UNREACHABLE when it does not."""
     if not address:
         return UNKNOWN
     try:
@@ -86,12 +89,11 @@ def health_check(address: str, timeout: float = 1.0) -> str:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                          timeout=timeout)
     except grpc.RpcError:
-        return UNKNOWN
-    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-        return SERVING
-    if resp.status == health_pb2.HealthCheckResponse.NOT_SERVING:
-        return NOT_SERVING
-    return UNKNOWN
+        return UNREACHABLE
+    try:
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+    except ValueError:
+        return f"STATUS_{resp.status}"
 
 
 def target_of(addresses: Sequence[str]) -> str:
@@ -120,23 +122,6 @@ def same_process(pid: int, started: int = 0) -> bool:
     if not pid_alive(pid):
         return False
     return not started or start_ticks(pid) in (0, started)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Pids of the live (non-zombie) processes in process group ``pgid``."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        # fields: state ppid pgrp ...
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -215,7 +200,7 @@ class ServiceProcess:
         return self.pid
 
     def health(self, timeout: float = 1.0) -> str:
-        """SERVING / NOT_SERVING / UNKNOWN from grpc.health.v1, DEAD when the process is gone."""
+        """What grpc.health.v1 answers (``health_check``), DEAD when the process is gone."""
         if not self.alive():
             return DEAD
         return health_check(self.grpc, timeout)

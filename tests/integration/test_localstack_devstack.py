@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fakerole import command_for, write_fake_role
 
 from noetl_cli import devstack
 from noetl_cli.localstack import pid_alive
@@ -24,55 +25,10 @@ from noetl_cli.supervise import group_members
 
 pytestmark = pytest.mark.integration
 
-FAKE_ROLE = r'''
-import json, os, signal, subprocess, sys, threading
-from concurrent import futures
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-role = sys.argv[1]
-env = os.environ
-if env.get("FAKE_FAIL_ROLE") == role:
-    print(f"{role}: cannot start: FAKE_FAIL_ROLE says so", flush=True)
-    sys.exit(3)
-stop = threading.Event()
-if env.get("FAKE_IGNORE_TERM_ROLE") == role:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-else:
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
-if env.get("FAKE_HANG_ROLE") == role:
-    print(f"{role}: hanging", flush=True)
-    stop.wait()
-    sys.exit(0)
-server = grpc.server(futures.ThreadPoolExecutor(2))
-servicer = health.HealthServicer()
-health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-port = server.add_insecure_port(env["NOETL_GRPC_LISTEN"])
-server.start()
-servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-child = subprocess.Popen(["sleep", "600"]) if env.get("FAKE_CHILD") else None
-ready = env["NOETL_READY_FILE"]
-data = {"role": role, "pid": os.getpid(), "grpc": f"127.0.0.1:{port}", "metrics": f"127.0.0.1:{port + 1}",
-        "runtime_id": os.getpid(), "instance": env["NOETL_INSTANCE"], "child": child.pid if child else 0,
-        "env": {k: v for k, v in env.items() if k.startswith("NOETL_")}}
-with open(ready + ".tmp", "w") as fh:
-    json.dump(data, fh)
-os.replace(ready + ".tmp", ready)
-print(f"{role} serving on {port}", flush=True)
-stop.wait()
-server.stop(0.2).wait()
-'''
-
 
 @pytest.fixture(scope="module")
 def fake_role(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("fake") / "fake_role.py"
-    path.write_text(FAKE_ROLE)
-    return path
-
-
-def command_for(fake: Path):  # type: ignore[no-untyped-def]
-    return lambda role: [sys.executable, str(fake), role]
+    return write_fake_role(tmp_path_factory.mktemp("fake"))
 
 
 def ready_data(proc: devstack.ServiceProcess) -> dict:  # type: ignore[type-arg]
@@ -141,9 +97,12 @@ def test_stack_is_up_and_wired(stack: devstack.StackState) -> None:
 def test_status_json(stack: devstack.StackState, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["dev", "status", "--json", "--home", str(stack.home)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert list(doc) == ["api", "postgres_dsn", "nats_url", "services"]
+    assert list(doc) == ["api", "postgres_dsn", "nats_url", "services", "postgres", "nats", "healthy"]
     assert doc["api"] == stack.api and doc["postgres_dsn"] == stack.postgres_dsn
     assert doc["nats_url"] == stack.nats_url
+    assert doc["postgres"] == {"status": "running", "pid": stack.postgres["pid"], "port": stack.postgres["port"]}
+    assert doc["nats"] == {"status": "running", "pid": stack.nats["pid"], "port": stack.nats["port"]}
+    assert doc["healthy"] is True
     assert list(doc["services"]) == list(devstack.ROLES)
     for role, entries in doc["services"].items():
         assert len(entries) == (2 if role in ("api", "worker") else 1)

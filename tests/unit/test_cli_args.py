@@ -249,7 +249,7 @@ def test_role_command_template() -> None:
 
 def test_public_exports() -> None:
     assert sorted(noetl_cli.__all__) == sorted([
-        "ROLES", "ServiceProcess", "StackError", "StackRunning", "StackState", "StackStatus", "down",
+        "ROLES", "ServiceProcess", "StackError", "StackRunning", "StackState", "StackStatus", "down", "heal",
         "parse_scale", "status", "up"])
     assert noetl_cli.ROLES == ("shard-manager", "api", "projector", "checkpointer", "compactor", "reaper",
                                "worker")

@@ -1,0 +1,150 @@
+"""The CLI's blocking channel to the api (or the shard-manager), and the one place its
+gRPC errors become project errors with a message that says what is wrong.
+
+Three failures look alike on the wire and are told apart here:
+
+- the api cannot be reached (nothing listens, every replica refuses, or it accepts TCP
+  but never answers: a stopped process, a partition): ``Unavailable("cannot reach the
+  api at X ...")``, at once when refused and after ``CONNECT_TIMEOUT`` when it hangs,
+  not after the call's 30 s deadline;
+- the api answered but cannot serve the request (UNAVAILABLE such as ``postgres
+  unavailable: ...``, RESOURCE_EXHAUSTED, a DEADLINE_EXCEEDED of its own):
+  ``CannotServe`` / ``Overloaded`` with the server's message, "the api cannot serve the
+  request: ...";
+- the api did not answer within the call's deadline: ``Unavailable("the api at X did
+  not answer within 30s")``.
+
+Which side an UNAVAILABLE came from is decided by asking the server's grpc.health.v1
+right after: a server that answers it is up, so the UNAVAILABLE was its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from noetl_common import grpcutil
+from noetl_common.errors import NoetlError, Overloaded, Unavailable
+from noetl_proto.v1 import catalog_pb2_grpc, execution_pb2_grpc, shard_manager_pb2_grpc
+
+T = TypeVar("T")
+
+# Same policy as noetl_common.grpcutil.channel (round robin over replicas, transparent
+# retries on UNAVAILABLE), for the blocking client.
+_SERVICE_CONFIG = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [{
+        "name": [{}],
+        "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }],
+})
+RPC_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 5.0
+_GRPC_DEADLINE_TEXT = "Deadline Exceeded"  # what gRPC says when the client's own deadline passed
+
+
+class CannotServe(Unavailable):
+    """The api (or shard-manager) answered, but a dependency of it is down (e.g. Postgres)."""
+
+
+def describe_failure(code: grpc.StatusCode | None, details: str, *, answered: bool, what: str = "api",
+                     target: str = "", source: str = "", timeout: float = RPC_TIMEOUT) -> NoetlError | None:
+    """The project error for a failed call when its status is about reachability or
+    capacity (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED); None for any other
+    status (``grpcutil.translate`` maps those). ``answered``: the connection to the
+    server was up when the call failed (the status came from the server)."""
+    where = f" (from {source})" if source else ""
+    details = details or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if answered:
+            return CannotServe(f"the {what} cannot serve the request: {details or 'unavailable'}")
+        return Unavailable(f"cannot reach the {what} at {target}{where}: {details or 'unavailable'}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if answered and details and details != _GRPC_DEADLINE_TEXT:
+            return CannotServe(f"the {what} cannot serve the request: {details}")
+        return Unavailable(f"the {what} at {target}{where} did not answer within {timeout:g}s")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(f"the {what} cannot serve the request: {details or 'overloaded'}")
+    return None
+
+
+class Api:
+    """Stubs of the services over one channel to ``target`` (the api's, or with
+    ``what="shard-manager"`` the shard-manager's). The first call first asks the
+    server's grpc.health.v1 (every role serves it), for at most ``connect_timeout``."""
+
+    def __init__(self, target: str, source: str = "", what: str = "api",
+                 connect_timeout: float | None = None) -> None:
+        self.target = target
+        self.source = source
+        self.what = what
+        self.connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
+        self.channel = grpc.insecure_channel(target, options=[
+            ("grpc.service_config", _SERVICE_CONFIG),
+            ("grpc.enable_retries", 1),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ])
+        self._connected = False
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.executions = execution_pb2_grpc.ExecutionServiceStub(self.channel)
+        self.catalog = catalog_pb2_grpc.CatalogServiceStub(self.channel)
+        self.credentials = catalog_pb2_grpc.CredentialServiceStub(self.channel)
+        self.shard_manager = shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Api:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _where(self) -> str:
+        return f" (from {self.source})" if self.source else ""
+
+    def answers(self, timeout: float) -> grpc.StatusCode | None:
+        """Ask the server's health service: None when it answered (whatever its status
+        or the RPC's outcome), else the status code of the failure (UNAVAILABLE: refused
+        or lost; DEADLINE_EXCEEDED: it did not answer in ``timeout``)."""
+        try:
+            self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code()  # type: ignore[attr-defined]
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return code  # type: ignore[no-any-return]
+        return None
+
+    def connect(self) -> None:
+        """Once per channel, before the first call: fail fast when the server cannot be
+        reached (refused at once; accepting connections but not answering within
+        ``connect_timeout``) instead of after the call's own deadline. A refusal is left
+        to the call that follows, which reports gRPC's reason."""
+        if self._connected:
+            return
+        if self.answers(self.connect_timeout) == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise Unavailable(f"cannot reach the {self.what} at {self.target}{self._where()}: no answer within "
+                              f"{self.connect_timeout:g}s (a stopped or overloaded process, or the network)")
+        self._connected = True
+
+    def error(self, exc: grpc.RpcError, timeout: float = RPC_TIMEOUT) -> NoetlError:
+        """The project error for an RpcError (see the module docstring). For UNAVAILABLE
+        the health service is asked (briefly) whether the server itself is reachable."""
+        code = exc.code()  # type: ignore[attr-defined]
+        answered = code != grpc.StatusCode.UNAVAILABLE or self.answers(min(2.0, self.connect_timeout)) is None
+        described = describe_failure(code, exc.details(), answered=answered,  # type: ignore[attr-defined]
+                                     what=self.what, target=self.target, source=self.source, timeout=timeout)
+        return described if described is not None else grpcutil.translate(exc)
+
+    def call(self, fn: Callable[..., T], request: Any, timeout: float = RPC_TIMEOUT) -> T:
+        self.connect()
+        try:
+            return fn(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self.error(exc, timeout) from exc
