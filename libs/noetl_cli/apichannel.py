@@ -87,6 +87,8 @@ class Api:
         self.channel = grpc.insecure_channel(target, options=[
             ("grpc.service_config", _SERVICE_CONFIG),
             ("grpc.enable_retries", 1),
+            # a replica that froze is dropped within seconds, and the call goes to another
+            *grpcutil.CLIENT_KEEPALIVE_OPTIONS,
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ])
