@@ -202,6 +202,11 @@ CLIENT_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
+    # One ping is outstanding at a time: any ping (a BDP probe right after a call too) must
+    # time out as fast as a keepalive ping, or it holds the keepalive back for its default
+    # minute (measured: a frozen replica held every call routed to it for the call's
+    # whole deadline).
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 ]
 # Servers accept those pings (the default policy answers a ping more often than every
 # 5 minutes without data with GOAWAY "too_many_pings").

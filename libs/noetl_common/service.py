@@ -40,7 +40,7 @@ SHARD_OWNER = Gauge("noetl_shard_owner", "1 for each shard this instance holds",
 DEPENDENCY_UP = Gauge("noetl_dependency_up", "1 while this process reaches the dependency (health check)",
                       ["dependency"])
 SERVING = Gauge("noetl_serving", "1 while this process reports SERVING (its loops alive, its dependencies reachable)")
-HEALTH_INTERVAL_SEC = 1.0
+HEALTH_INTERVAL_SEC = 0.5
 # The health "service" a liveness probe asks: SERVING for as long as the process answers at
 # all. Readiness asks "" (and each gRPC service name), NOT_SERVING while a dependency is
 # unreachable or a shard loop keeps crashing: an outage of Postgres must take replicas out

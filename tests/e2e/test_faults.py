@@ -236,7 +236,7 @@ def test_postgres_unreachable_for_20_seconds(runner: Runner, db: Db, proxy: Faul
     eid, expected = start_loop(runner, db, 500)
     proxy.set_mode("refuse")
     try:
-        wait_for(lambda: "NOT_SERVING" in health_of(state, "api"), 30, "the api NOT_SERVING while unreachable")
+        wait_for(lambda: health_of(state, "api") == {"NOT_SERVING"}, 30, "every api NOT_SERVING while unreachable")
         # a client is told what is wrong at once, not after a timeout
         started = time.monotonic()
         with pytest.raises(Exception, match="postgres unavailable"):
@@ -326,11 +326,13 @@ def test_an_api_replica_frozen_for_two_minutes(runner: Runner, db: Db) -> None:
     try:
         # the frozen replica's shard moves and the loop goes on there
         wait_for(lambda: moved(db, "api", shard, before), LEASE_SEC + 10, f"a new owner of shard {shard}")
+        TIMINGS["api SIGSTOP: shard moved (s)"] = round(time.monotonic() - frozen_at, 2)
         at_move = accepted(db, eid)
         wait_for(lambda: accepted(db, eid) > at_move, 30, "the loop progressing on its new owner")
         resumed = time.monotonic() - frozen_at
         TIMINGS["api SIGSTOP: loop resumed on the other replica (s)"] = round(resumed, 2)
-        assert resumed <= LEASE_SEC + 5, f"resumed {resumed:.1f}s after the freeze (lease {LEASE_SEC}s + 5s)"
+        assert resumed <= LEASE_SEC + 5, (f"resumed {resumed:.1f}s after the freeze (lease {LEASE_SEC}s + 5s):"
+                                          f" {TIMINGS}")
         # the other replica's executions never stall: progress in every 5 s window
         stalls = []
         window_start, last = time.monotonic(), accepted(db, other)

@@ -69,8 +69,10 @@ class ApiService(Service):
         self.engines: ShardTasks | None = None
 
     def max_receive_bytes(self) -> int:
-        # a playbook and a payload at their limits, with room for the rest of the message
-        return self.limits.playbook_bytes + self.limits.payload_bytes + 1024 * 1024
+        # Twice a playbook and a payload at their limits: a request somewhat over a limit
+        # gets the limit's own message (INVALID_ARGUMENT naming the setting); one far
+        # beyond is refused by gRPC before it is read (RESOURCE_EXHAUSTED).
+        return 2 * (self.limits.playbook_bytes + self.limits.payload_bytes) + 4 * 1024 * 1024
 
     def pool_size(self) -> int:
         return 24
