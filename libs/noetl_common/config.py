@@ -114,8 +114,10 @@ class LimitSettings(BaseSettings):
     playbook_steps: int = Field(default=10_000, ge=1)
     # YAML nodes after alias expansion (a billion-laughs document is refused, not expanded).
     yaml_nodes: int = Field(default=200_000, ge=100)
-    # Nesting depth of a playbook, a payload or a result (mappings and sequences).
-    nesting_depth: int = Field(default=100, ge=8, le=10_000)
+    # Nesting depth of a playbook, a payload or a result (mappings and sequences). At most
+    # 256: deeper values break Python's recursive consumers (copy.deepcopy, pydantic) at
+    # its default recursion limit of 1000 frames.
+    nesting_depth: int = Field(default=100, ge=8, le=256)
     # A submission's payload (JSON text), in bytes.
     payload_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # A workload larger than this travels to workers by reference, not inside each claim.
