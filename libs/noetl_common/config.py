@@ -130,8 +130,13 @@ class LimitSettings(BaseSettings):
     subplaybook_depth: int = Field(default=16, ge=1, le=1000)
     # A string or sequence a template operator (`*`, `%`, `~`, `+`, filters) may build, in items/characters.
     template_value_size: int = Field(default=10 * 1024 * 1024, ge=1024)
-    # Bits of an integer a template may compute (`**`, `*`, `<<`).
+    # Bits of an integer a template may compute (`**`, `*`).
     template_int_bits: int = Field(default=65_536, ge=64)
+    # Loop iterations in one template render, nested loops included (also the longest `range`).
+    template_iterations: int = Field(default=100_000, ge=1000)
+    # Everything one template render builds, added up (values, output, text a loop repeats),
+    # in items/characters: bounds the work of a loop that builds values, not only its memory.
+    template_render_size: int = Field(default=64 * 1024 * 1024, ge=1024)
 
 
 class ProjectionSettings(BaseSettings):
