@@ -115,6 +115,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     # ------------------------------------------------------------ methods
 
     def call(self, context: Context, obj: Any, /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if isinstance(obj, jinja2.Undefined):  # fails as it always did, naming what is undefined
+            return super().call(context, obj, *args, **kwargs)
         owner = getattr(obj, "__self__", None)
         name = getattr(obj, "__name__", "")
         if isinstance(owner, str | bytes | bytearray) and name in _TEXT_METHODS:
