@@ -116,8 +116,10 @@ class LimitSettings(BaseSettings):
     playbook_steps: int = Field(default=10_000, ge=1)
     # YAML nodes after alias expansion (a billion-laughs document is refused, not expanded).
     yaml_nodes: int = Field(default=200_000, ge=100)
-    # Nesting depth of a playbook, a payload or a result (mappings and sequences).
-    nesting_depth: int = Field(default=100, ge=8, le=10_000)
+    # Nesting depth of a playbook, a payload or a result (mappings and sequences). At most
+    # 256: deeper values break Python's recursive consumers (copy.deepcopy, pydantic) at
+    # its default recursion limit of 1000 frames.
+    nesting_depth: int = Field(default=100, ge=8, le=256)
     # A submission's payload (JSON text), in bytes.
     payload_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # A workload larger than this travels to workers by reference, not inside each claim.
@@ -130,8 +132,13 @@ class LimitSettings(BaseSettings):
     subplaybook_depth: int = Field(default=16, ge=1, le=1000)
     # A string or sequence a template operator (`*`, `%`, `~`, `+`, filters) may build, in items/characters.
     template_value_size: int = Field(default=10 * 1024 * 1024, ge=1024)
-    # Bits of an integer a template may compute (`**`, `*`, `<<`).
+    # Bits of an integer a template may compute (`**`, `*`).
     template_int_bits: int = Field(default=65_536, ge=64)
+    # Loop iterations in one template render, nested loops included (also the longest `range`).
+    template_iterations: int = Field(default=100_000, ge=1000)
+    # Everything one template render builds, added up (values, output, text a loop repeats),
+    # in items/characters: bounds the work of a loop that builds values, not only its memory.
+    template_render_size: int = Field(default=64 * 1024 * 1024, ge=1024)
 
 
 class NatsSettings(BaseSettings):

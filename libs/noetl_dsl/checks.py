@@ -87,7 +87,7 @@ def check_templates(value: Any, path: str, problems: Problems) -> None:
     if isinstance(value, str):
         if templates.is_template(value):
             try:
-                templates._parse(value)
+                templates.check_syntax(value)
             except templates.TemplateError as exc:
                 problems.add(path, f"invalid template: {exc.message}")
     elif isinstance(value, dict):

@@ -275,13 +275,19 @@ class Playbook(_Model):
     def has_step(self, name: str) -> bool:
         return name in self._steps_by_name
 
+    @cached_property
+    def _workbook_by_name(self) -> dict[Any, dict[str, Any]]:
+        entries: dict[Any, dict[str, Any]] = {}
+        for entry in self.workbook:
+            if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+                entries.setdefault(entry["name"], entry)
+        return entries
+
     def workbook_task(self, name: str) -> dict[str, Any] | None:
         """The task mapping of workbook entry ``name`` (its ``tool``; for entries written
         without ``tool``, the entry itself minus ``name``), or None."""
-        for entry in self.workbook:
-            if isinstance(entry, dict) and entry.get("name") == name:
-                return workbook_entry_task(entry)
-        return None
+        entry = self._workbook_by_name.get(name)
+        return None if entry is None else workbook_entry_task(entry)
 
 
 def workbook_entry_task(entry: dict[str, Any]) -> dict[str, Any] | None:

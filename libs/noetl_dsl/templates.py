@@ -11,32 +11,42 @@
   undefined, a whole-value expression renders to None and text renders it empty,
   ``| default(...)`` and ``is defined`` work; comparing or computing with an undefined
   value is an error naming the template.
-* Compiled templates are cached (bounded LRU).
+* Compiled templates are cached (bounded LRU); checking a template's syntax or the
+  names it reads parses it without compiling it.
+* Operations that could explode are bounded (``sandbox.py``) by the limits given to
+  :func:`configure` (each role calls it once at start; the defaults otherwise): a
+  refused one is a TemplateError naming the setting, its value and what was asked.
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from typing import Any
 
 import jinja2
 from jinja2 import meta, nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import missing
 
+from noetl_common.config import LimitSettings
 from noetl_common.errors import NoetlError
+from noetl_common.limits import LimitExceeded
+
+from . import sizes
+from .sandbox import BoundedSandbox, bounded_fromjson, bounded_tojson
 
 _MARKERS = ("{{", "{%", "{#")
 
 
 class TemplateError(NoetlError):
-    """A template failed to render. ``template`` is its source text."""
+    """A template failed to render. ``template`` is its source text; ``limit`` the
+    broken limit when one refused it."""
 
-    def __init__(self, template: str, message: str) -> None:
+    def __init__(self, template: str, message: str, limit: LimitExceeded | None = None) -> None:
         self.template = template
         self.message = message
+        self.limit = limit
         short = template if len(template) <= 200 else template[:197] + "..."
         super().__init__(f"template {short!r}: {message}")
 
@@ -91,11 +101,7 @@ class _Undefined(jinja2.ChainableUndefined):
     __lt__ = __le__ = __gt__ = __ge__ = jinja2.StrictUndefined.__lt__  # type: ignore[assignment]
 
 
-def _tojson(value: Any) -> str:
-    return json.dumps(value, default=str)
-
-
-class _Env(ImmutableSandboxedEnvironment):
+class _Env(BoundedSandbox):
     """``{{ result.items }}`` means the key ``items`` when a mapping has it (playbooks
     read result fields that shadow dict methods); attributes are the fallback."""
 
@@ -110,10 +116,10 @@ class _Env(ImmutableSandboxedEnvironment):
 
 def _make_env() -> jinja2.Environment:
     env = _Env(undefined=_Undefined, autoescape=False, keep_trailing_newline=True)
-    env.filters["tojson"] = _tojson
-    env.filters["to_json"] = _tojson
-    env.filters["fromjson"] = json.loads
-    env.filters["from_json"] = json.loads
+    env.filters["tojson"] = bounded_tojson
+    env.filters["to_json"] = bounded_tojson
+    env.filters["fromjson"] = bounded_fromjson
+    env.filters["from_json"] = bounded_fromjson
     env.globals["now"] = _now
     return env
 
@@ -127,26 +133,64 @@ def _now() -> str:
 _ENV = _make_env()
 
 
+def configure(limits: LimitSettings | None = None) -> None:
+    """Set the limits every later render of this process checks (``NOETL_LIMIT_TEMPLATE_*``
+    and ``nesting_depth`` for ``fromjson``; None: the defaults). Called once at a role's
+    start, before it renders anything."""
+    sizes.configure(limits)
+
+
 def is_template(value: Any) -> bool:
     return isinstance(value, str) and any(m in value for m in _MARKERS)
+
+
+# Nodes whose compilation can fail on a template that parses (an unknown filter or
+# test, a macro's ``caller`` argument, assigning to ``loop``).
+_COMPILE_CHECKED = (nodes.Filter, nodes.Test, nodes.Macro, nodes.CallBlock, nodes.For)
+
+
+@lru_cache(maxsize=4096)
+def _syntax(source: str) -> tuple[frozenset[str], bool, bool]:
+    """(undeclared names, whether the source is exactly one ``{{ expression }}``,
+    whether compiling it can still fail), from parsing alone; TemplateError when it
+    does not parse."""
+    try:
+        ast = _ENV.parse(source)
+        names = frozenset(meta.find_undeclared_variables(ast))
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateError(source, f"syntax error: {exc.message} (line {exc.lineno})") from exc
+    except RecursionError as exc:
+        raise TemplateError(source, "syntax error: the template nests too deeply to be parsed") from exc
+    except Exception as exc:  # e.g. an integer literal beyond Python's digit limit
+        raise TemplateError(source, f"syntax error: {type(exc).__name__}: {exc}") from exc
+    body = ast.body
+    single = len(body) == 1 and isinstance(body[0], nodes.Output) and len(body[0].nodes) == 1 \
+        and not isinstance(body[0].nodes[0], nodes.TemplateData)
+    stripped = source.strip()
+    single = single and stripped.startswith("{{") and stripped.endswith("}}") and stripped.count("{{") == 1
+    return names, single, next(ast.find_all(_COMPILE_CHECKED), None) is not None
+
+
+def check_syntax(source: str) -> None:
+    """TemplateError when ``source`` is not a valid template. Compiles it only when
+    that can still fail (parsing is ~10x cheaper than compiling)."""
+    if _syntax(source)[2]:
+        _parse(source)
 
 
 @lru_cache(maxsize=4096)
 def _parse(source: str) -> tuple[jinja2.Template | None, Any, frozenset[str]]:
     """(full template, compiled single expression or None, undeclared names)."""
+    names, single, _ = _syntax(source)
     try:
-        ast = _ENV.parse(source)
+        expr = None
+        if single:
+            expr = _ENV.compile_expression(source.strip()[2:-2].strip(), undefined_to_none=False)
+        return _ENV.from_string(source), expr, names
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(source, f"syntax error: {exc.message} (line {exc.lineno})") from exc
-    names = frozenset(meta.find_undeclared_variables(ast))
-    expr = None
-    body = ast.body
-    if len(body) == 1 and isinstance(body[0], nodes.Output) and len(body[0].nodes) == 1 \
-            and not isinstance(body[0].nodes[0], nodes.TemplateData):
-        stripped = source.strip()
-        if stripped.startswith("{{") and stripped.endswith("}}") and stripped.count("{{") == 1:
-            expr = _ENV.compile_expression(stripped[2:-2].strip(), undefined_to_none=False)
-    return _ENV.from_string(ast), expr, names
+    except (RecursionError, MemoryError, SyntaxError) as exc:
+        raise TemplateError(source, f"cannot compile: {type(exc).__name__}: {exc}") from exc
 
 
 def referenced_names(value: Any) -> set[str]:
@@ -154,7 +198,7 @@ def referenced_names(value: Any) -> set[str]:
     found: set[str] = set()
     for text in _strings(value):
         if is_template(text):
-            found |= _parse(text)[2]
+            found |= _syntax(text)[0]
     return found
 
 
@@ -201,19 +245,25 @@ def render(value: Any, ctx: Mapping[str, Any]) -> Any:
 def render_str(source: str, ctx: Mapping[str, Any]) -> Any:
     template, expr, names = _parse(source)
     scope = ctx.for_template(names) if isinstance(ctx, RenderContext) else {n: ctx[n] for n in names if n in ctx}
+    guard = sizes.Guard(sizes.configured())
+    token = sizes.activate(guard)
     try:
         if expr is not None:
             return _plain(expr(**scope))
         assert template is not None
-        return template.render(**scope)
+        return _generate(template, scope, guard)
     except jinja2.UndefinedError as exc:
         raise TemplateError(source, f"undefined: {exc.message}") from exc
+    except sizes.Refused as exc:
+        raise TemplateError(source, str(exc), exc.error) from exc
     except jinja2.TemplateError as exc:
         raise TemplateError(source, str(exc)) from exc
     except TemplateError:
         raise
     except Exception as exc:
         raise TemplateError(source, f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        sizes.deactivate(token)
 
 
 def render_text(source: str, ctx: Mapping[str, Any]) -> str:
@@ -222,13 +272,43 @@ def render_text(source: str, ctx: Mapping[str, Any]) -> str:
         return source
     template, _expr, names = _parse(source)
     scope = ctx.for_template(names) if isinstance(ctx, RenderContext) else {n: ctx[n] for n in names if n in ctx}
+    guard = sizes.Guard(sizes.configured())
+    token = sizes.activate(guard)
     try:
         assert template is not None
-        return template.render(**scope)
+        return _generate(template, scope, guard)
     except jinja2.UndefinedError as exc:
         raise TemplateError(source, f"undefined: {exc.message}") from exc
+    except sizes.Refused as exc:
+        raise TemplateError(source, str(exc), exc.error) from exc
     except jinja2.TemplateError as exc:
         raise TemplateError(source, str(exc)) from exc
+    except Exception as exc:
+        raise TemplateError(source, f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        sizes.deactivate(token)
+
+
+def _generate(template: jinja2.Template, scope: dict[str, Any], guard: sizes.Guard) -> str:
+    """The template's text (``Template.render``), refused as soon as it grows beyond
+    the value limit."""
+    parts: list[str] = []
+    size = 0
+    limit = guard.value_size
+    try:
+        chunks = template.root_render_func(template.new_context(scope))
+        # Counted a few chunks at a time (per chunk costs ~10% of a render): each chunk
+        # was already checked and charged when it was made.
+        while batch := list(itertools.islice(chunks, 32)):
+            size += sum(map(len, batch))
+            if size > limit:
+                raise guard.refuse("template output", size, "template_value_size", unit="characters", at_least=True)
+            parts.extend(batch)
+    except sizes.Refused:
+        raise
+    except Exception:
+        template.environment.handle_exception()  # re-raises with the template's lines in the traceback
+    return "".join(parts)
 
 
 def truthy(value: Any) -> bool:

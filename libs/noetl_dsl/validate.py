@@ -15,7 +15,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from noetl_common.config import LimitSettings
 from noetl_common.errors import PlaybookInvalid
+from noetl_common.limits import check, check_depth, defaults, env_name
 
 from . import templates
 from .checks import (
@@ -28,54 +30,70 @@ from .checks import (
     validate_part,
 )
 from .model import Playbook, Step, workbook_entry_task
+from .yamlload import load_yaml
 
 __all__ = ["TOOL_KINDS", "load_playbook", "load_yaml", "merged_workload", "parse_playbook", "static_auth_refs"]
 
-# libyaml's parser when PyYAML was built with it (the wheels are): ~10x faster than the
-# pure-Python one, same safe constructors.
-_SafeLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-def load_yaml(text: str) -> Any:
-    """``yaml.safe_load`` with the C parser when available."""
-    return yaml.load(text, Loader=_SafeLoader)
-
-
-def parse_playbook(text: str, *, supported_kinds: frozenset[str] | None = None) -> Playbook:
-    """Parse YAML text into a validated :class:`Playbook`; PlaybookInvalid otherwise."""
+def parse_playbook(text: str, *, supported_kinds: frozenset[str] | None = None,
+                   limits: LimitSettings | None = None) -> Playbook:
+    """Parse YAML text into a validated :class:`Playbook`; PlaybookInvalid otherwise
+    (a ``PlaybookLimitExceeded`` when it is beyond ``limits``, the defaults when None:
+    size, YAML nodes after alias expansion, nesting depth, steps)."""
+    limits = limits or defaults()
     try:
-        doc = load_yaml(text)
-    except yaml.MarkedYAMLError as exc:
-        raise PlaybookInvalid("", f"malformed YAML: {_yaml_problem(exc)}") from exc
-    except yaml.YAMLError as exc:
-        raise PlaybookInvalid("", f"malformed YAML: {exc}") from exc
-    return load_playbook(doc, supported_kinds=supported_kinds)
+        try:
+            doc = load_yaml(text, limits)
+        except yaml.MarkedYAMLError as exc:
+            raise PlaybookInvalid("", f"malformed YAML: {_yaml_problem(exc)}") from exc
+        except yaml.YAMLError as exc:
+            raise PlaybookInvalid("", f"malformed YAML: {exc}") from exc
+        return load_playbook(doc, supported_kinds=supported_kinds, limits=limits)
+    except RecursionError as exc:
+        raise _too_deep(limits) from exc
+
+
+def _too_deep(limits: LimitSettings) -> PlaybookInvalid:
+    return PlaybookInvalid("", "playbook nests too deeply to be parsed (Python's recursion limit was reached within"
+                               f" {env_name('nesting_depth')}={limits.nesting_depth}: lower it)")
 
 
 def _yaml_problem(exc: yaml.MarkedYAMLError) -> str:
-    problem = exc.problem or exc.context or "cannot parse"
-    mark = exc.problem_mark or exc.context_mark
-    if mark is None:
-        return problem
-    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    """``context (line, column): problem (line, column)``, each part when PyYAML gave it."""
+    parts = [f"{text}{_at(mark)}" for text, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark))
+             if text]
+    return ": ".join(parts) or f"cannot parse{_at(exc.problem_mark or exc.context_mark)}"
 
 
-def load_playbook(doc: Any, *, supported_kinds: frozenset[str] | None = None) -> Playbook:
-    """Validate an already-parsed document (a mapping) into a :class:`Playbook`."""
+def _at(mark: Any) -> str:
+    return "" if mark is None else f" (line {mark.line + 1}, column {mark.column + 1})"
+
+
+def load_playbook(doc: Any, *, supported_kinds: frozenset[str] | None = None,
+                  limits: LimitSettings | None = None) -> Playbook:
+    """Validate an already-parsed document (a mapping) into a :class:`Playbook`, within
+    ``limits`` (nesting depth, steps; the defaults when None)."""
     if not isinstance(doc, dict):
         got = "an empty document" if doc is None else type(doc).__name__
         raise PlaybookInvalid("", f"a playbook must be a mapping (got {got})")
-    problems = Problems()
-    _check_header(doc, problems)
-    workbook_names = _check_workbook(doc.get("workbook"), problems, supported_kinds)
-    _check_workflow(doc.get("workflow"), problems, workbook_names, supported_kinds)
-    problems.raise_if_any()
+    limits = limits or defaults()
+    check_depth(doc, limits, what="playbook", path="")
+    workflow = doc.get("workflow")
+    if isinstance(workflow, list):
+        check(len(workflow), "playbook_steps", limits, "workflow", unit="steps", path="workflow")
     try:
-        return Playbook.model_validate({**doc, "raw": doc})
-    except ValidationError as exc:  # every rule above should have caught it first
-        add_pydantic_errors(problems, "", exc)
+        problems = Problems()
+        _check_header(doc, problems)
+        workbook_names = _check_workbook(doc.get("workbook"), problems, supported_kinds)
+        _check_workflow(workflow, problems, workbook_names, supported_kinds)
         problems.raise_if_any()
-        raise  # pragma: no cover
+        try:
+            return Playbook.model_validate({**doc, "raw": doc})
+        except ValidationError as exc:  # every rule above should have caught it first
+            add_pydantic_errors(problems, "", exc)
+            problems.raise_if_any()
+            raise  # pragma: no cover
+    except RecursionError as exc:
+        raise _too_deep(limits) from exc
 
 
 def _check_header(doc: dict[str, Any], problems: Problems) -> None:
@@ -155,6 +173,7 @@ def _check_workflow(workflow: Any, problems: Problems, wb_names: set[str],
     for i, item in enumerate(workflow):
         if isinstance(item, dict) and isinstance(item.get("step"), str) and item["step"].strip():
             names.setdefault(item["step"], i)
+    step_names = set(names)
     for i, item in enumerate(workflow):
         base = f"workflow[{i}]"
         if not isinstance(item, dict):
@@ -169,7 +188,7 @@ def _check_workflow(workflow: Any, problems: Problems, wb_names: set[str],
         elif isinstance(name, str) and names.get(name, i) != i:
             problems.add(f"{base}.step", f"duplicate step name '{name}' (also workflow[{names[name]}])")
         problems.items.extend(typed.items)
-        check_step(item, base, problems, set(names), wb_names, supported)
+        check_step(item, base, problems, step_names, wb_names, supported)
         check_templates(item, base, problems)
 
 

@@ -159,7 +159,7 @@ def finish(t: Transition, step_name: str, run: StepRun) -> bool:
         count = lr.rows_failed if what == "row(s)" else lr.failed
         total = stats["total"] if what == "row(s)" else lr.total
         envelope["error"] = {"code": "LOOP_FAILED", "message": f"{count} of {total} {what} failed"}
-    run.result = envelope
+    t.set_result(run, envelope)
     t.loop_refs.append((lr.instance, step_name, envelope))
     t.emit(EV_LOOP_DONE, step=step_name, result=envelope,
            meta={"loop_instance": lr.instance, **stats})

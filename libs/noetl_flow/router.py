@@ -26,11 +26,12 @@ Rules (NoETL canonical DSL):
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from noetl_dsl import Playbook, Step, predecessors, reachable_from
+from noetl_dsl import Playbook, Step, predecessors, successors
 from noetl_dsl.templates import (
     RenderContext,
     TemplateError,
@@ -41,6 +42,7 @@ from noetl_dsl.templates import (
 )
 
 from . import loops
+from .reach import Reachability
 from .state import (
     CANCELLED,
     COMPLETED,
@@ -90,12 +92,13 @@ class Flow:
         self.max_loop_items = max_loop_items
         preds = predecessors(playbook)
         self.joins = {name for name, p in preds.items() if len(p) >= 2}
-        self.reach = {name: reachable_from(playbook, name) for name in playbook.step_names}
+        self.reach = Reachability(successors(playbook))
         self.step_names = list(playbook.step_names)
+        self._names = frozenset(self.step_names)
         # Names read by loop collection/cursor templates: they are rendered when a loop
         # step is entered, which may happen while routing any step.
         self._loop_names = frozenset(n for s in playbook.workflow if s.loop is not None
-                                     for n in loops.template_names(s) if n in self.reach)
+                                     for n in loops.template_names(s) if n in self._names)
         self._needs_cache: dict[str, frozenset[str]] = {}
 
     # ------------------------------------------------------------ inputs
@@ -166,7 +169,7 @@ class Flow:
                 if finished is not None:
                     self._complete(t, step_name, finished, io, loop_done=True)
             else:
-                run.result = res.envelope
+                t.set_result(run, res.envelope)
                 self._complete(t, step_name, ok, io)
         except TemplateError as exc:
             self._fail(t, f"step '{step_name}': {exc}")
@@ -264,7 +267,7 @@ class Flow:
     def _arcs(self, step: Step) -> list[Any]:
         if step.arcs:
             return list(step.arcs)
-        if step.step != "end" and "end" in self.reach:
+        if step.step != "end" and "end" in self._names:
             return [_ImplicitArc("end")]
         return []
 
@@ -282,7 +285,7 @@ class Flow:
         run.visits += 1
         run.status = STEP_RUNNING
         run.attempt = 1
-        run.result = None
+        t.set_result(run, None)
         run.error = None
         run.loop = None
         if step.loop is not None:
@@ -303,9 +306,11 @@ class Flow:
         """Insert a command (and its pending entry) with a snapshot of the render context."""
         st = t.state
         st.pending[command_id] = Pending(step=step, attempt=1, index=index)
+        if t.steps_snapshot is None:
+            t.steps_snapshot = {n: r.result for n, r in st.steps.items() if r.result is not None}
         context: dict[str, Any] = {
             "ctx": copy.deepcopy(st.ctx),
-            "steps": {n: r.result for n, r in st.steps.items() if r.result is not None},
+            "steps": t.steps_snapshot,
             "event": {"name": event.get("name"), "step": event.get("step")},
             "iter": None,
         }
@@ -321,9 +326,13 @@ class Flow:
         progressed = True
         while progressed and st.armed and not st.terminal:
             progressed = False
-            active = st.active_steps()
+            # The steps running when this pass began: entering a target below only appends
+            # to ``pending``, so its first ``running`` entries are that set, read lazily
+            # (the first one that can reach a target answers, O(1) for a typical fan-in).
+            running = len(st.pending)
             for target in list(st.armed):
-                if not any(target in self.reach.get(a, ()) for a in active if a != target):
+                active = (p.step for p in itertools.islice(st.pending.values(), running))
+                if not self.reach.any_reaches(active, target):
                     st.armed.remove(target)
                     try:
                         self._enter(t, target, {"name": "fanin", "step": target}, io)
@@ -363,7 +372,7 @@ class Flow:
         data: dict[str, Any] = dict(io.workload)
         data.update(io.values)
         data.update(workload=dict(io.workload), ctx=st.ctx, execution_id=st.execution_id, event=event)
-        return RenderContext(data, known=self.step_names)
+        return RenderContext(data, known=self._names)
 
     def _template_names(self, step_name: str) -> frozenset[str]:
         cached = self._needs_cache.get(step_name)
@@ -372,7 +381,7 @@ class Flow:
             names = referenced_names(step.set or {})
             for arc in step.arcs:
                 names |= referenced_names(arc.when) | referenced_names(arc.set or {})
-            cached = frozenset(n for n in names if n in self.reach) | self._loop_names
+            cached = frozenset(n for n in names if n in self._names) | self._loop_names
             self._needs_cache[step_name] = cached
         return cached
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .state import ExecState
+from .state import ExecState, StepRun
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,16 @@ class Transition:
     loop_results: list[tuple[str, int, str, int | None]] = field(default_factory=list)
     # loop.done envelopes whose reference needs a result_ref row (the engine fills ref_id).
     loop_refs: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+    # The results of completed steps as the commands of this transition snapshot them
+    # (built once, shared until a step's result changes: a fan-out to n steps would
+    # otherwise rebuild it n times, quadratic in one routing step).
+    steps_snapshot: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def set_result(self, run: StepRun, envelope: dict[str, Any] | None) -> None:
+        """Record a step's accepted result (or clear it when the step runs again)."""
+        if run.result is not envelope:
+            run.result = envelope
+            self.steps_snapshot = None
 
     def emit(self, event_type: str, **kw: Any) -> NewEvent:
         ev = NewEvent(event_type, **kw)
