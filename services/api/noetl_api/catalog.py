@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from noetl_common.config import LimitSettings
 from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import NotFound
-from noetl_dsl import Playbook, load_playbook, load_yaml, parse_playbook
+from noetl_dsl import Playbook, load_playbook, parse_playbook
 from noetl_flow import Flow
 
 logger = logging.getLogger(__name__)
@@ -42,20 +43,22 @@ class Compiled:
     flow: Flow
 
 
-def parse(content: str) -> Playbook:
-    return parse_playbook(content, supported_kinds=SUPPORTED_KINDS)
+def parse(content: str, limits: LimitSettings | None = None) -> Playbook:
+    """Parse and validate a playbook within ``limits`` (size, YAML nodes, depth, steps)."""
+    return parse_playbook(content, supported_kinds=SUPPORTED_KINDS, limits=limits)
 
 
 class Catalog:
-    def __init__(self, pool: Pool, cache_size: int = 256, *, max_loop_items: int = 500_000) -> None:
+    def __init__(self, pool: Pool, cache_size: int = 256, *, limits: LimitSettings | None = None) -> None:
         self._pool = pool
-        self._max_loop_items = max_loop_items
+        self.limits = limits or LimitSettings.model_construct()
         self._cache: OrderedDict[int, Compiled] = OrderedDict()
         self._cache_size = cache_size
 
     async def register(self, content: str, playbook: Playbook | None = None) -> tuple[CatalogEntry, bool]:
         """Store a new version of the playbook's path unless the latest version is identical."""
-        playbook = playbook or parse(content)
+        if playbook is None:  # parsed off the event loop, within the limits
+            playbook = await asyncio.to_thread(parse, content, self.limits)
         sha = hashlib.sha256(content.encode()).hexdigest()
         path = playbook.path
         # The usual case, the same text as the latest version, in one read (no lock).
@@ -69,7 +72,7 @@ class Catalog:
             if latest is not None and latest["content_sha256"] == sha:
                 return _entry(latest), False
             version = (latest["version"] if latest else 0) + 1
-            doc = load_yaml(content)
+            doc = playbook.raw
             cur = await conn.execute(
                 "INSERT INTO noetl.catalog (path, version, kind, name, content, content_sha256, doc)"
                 " VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING *",
@@ -103,8 +106,8 @@ class Catalog:
             return [_entry(r) for r in await cur.fetchall()]
 
     def _compile(self, doc: Any) -> tuple[Playbook, Flow]:
-        playbook = load_playbook(doc)
-        return playbook, Flow(playbook, copy_state=False, max_loop_items=self._max_loop_items)
+        playbook = load_playbook(doc, limits=self.limits)
+        return playbook, Flow(playbook, copy_state=False, max_loop_items=self.limits.loop_items)
 
     async def compiled(self, catalog_id: int) -> Compiled:
         hit = self._cache.get(catalog_id)

@@ -20,6 +20,7 @@ from noetl_common.config import (
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.service import Service
 from noetl_common.shardtasks import ShardTasks, shard_health
+from noetl_dsl import templates
 from noetl_proto.v1 import (
     catalog_pb2,
     catalog_pb2_grpc,
@@ -79,11 +80,12 @@ class ApiService(Service):
 
     async def on_start(self) -> None:
         assert self.pool is not None
+        templates.configure(self.limits)  # the engine renders `when` / `set` / loop collections
         self.nc = await natsio.connect(self.core.nats_url, name=self.core.instance, reconnects=self.reconnects)
         self.js = self.nc.jetstream()
         await natsio.ensure_streams(self.js, command_ack_wait_sec=max(5.0, self.commands.lease_sec),
                                     replicas=self.nats_cfg.stream_replicas)
-        self.catalog = Catalog(self.pool, max_loop_items=self.limits.loop_items)
+        self.catalog = Catalog(self.pool, limits=self.limits)
         # The api reads every tier (engine templates, GetExecution with results).
         self.results = CachedResultStore(await make_result_store(self.results_cfg, self.pool, self.js),
                                          max_items=RESULT_CACHE_ITEMS)

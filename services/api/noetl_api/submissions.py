@@ -19,6 +19,7 @@ from noetl_common.config import LimitSettings
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NoetlError, NotFound, PlaybookInvalid
 from noetl_common.ids import SnowflakeGenerator, shard_for
+from noetl_common.limits import check, check_json_depth, exceeded
 from noetl_dsl import Playbook, merged_workload
 from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, encode_json
@@ -38,9 +39,12 @@ class Submission:
     deduplicated: bool
 
 
-def parse_payload(text: str) -> dict[str, Any]:
+def parse_payload(text: str, limits: LimitSettings | None = None) -> dict[str, Any]:
+    """A submission's payload: a JSON object within NOETL_LIMIT_PAYLOAD_BYTES and
+    NOETL_LIMIT_NESTING_DEPTH (the depth measured on the text, before decoding)."""
     if not text.strip():
         return {}
+    check_json_depth(text, limits, what="payload")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -59,7 +63,7 @@ def _prepare(playbook_yaml: str, playbook: Playbook | None, payload: dict[str, A
     """The CPU part of a submission (parse, merge, compile every template), run off the
     event loop: (playbook, workload, the workload encoded)."""
     if playbook is None:
-        playbook = parse(playbook_yaml)
+        playbook = parse(playbook_yaml, limits)
     workload = merged_workload(playbook, payload)
     check_templates(playbook, workload)
     return playbook, workload, encode_json(workload)
@@ -84,10 +88,9 @@ class Submitter:
                      idempotency_key: str = "", timeout_sec: float = 0.0, parent_execution_id: int = 0,
                      parent_step: str = "") -> Submission:
         size = len(payload_json.encode())
-        if size > self._limits.payload_bytes:
-            raise InvalidInput(f"payload is {size} bytes; limit NOETL_LIMIT_PAYLOAD_BYTES={self._limits.payload_bytes}")
-        payload = await asyncio.to_thread(parse_payload, payload_json) if size > 64 * 1024 else parse_payload(
-            payload_json)
+        check(size, "payload_bytes", self._limits, "payload", unit="bytes")
+        payload = (await asyncio.to_thread(parse_payload, payload_json, self._limits) if size > 64 * 1024
+                   else parse_payload(payload_json, self._limits))
         if timeout_sec < 0:
             raise InvalidInput("timeout_seconds must not be negative")
         if idempotency_key:
@@ -150,10 +153,8 @@ class Submitter:
         if row is None:
             raise NotFound(f"parent execution {parent_execution_id} not found")
         depth = int(row["depth"]) + 1
-        limit = self._limits.subplaybook_depth
-        if depth > limit:
-            raise InvalidInput(f"sub-playbook nesting depth would be {depth}; limit "
-                               f"NOETL_LIMIT_SUBPLAYBOOK_DEPTH={limit}")
+        if depth > self._limits.subplaybook_depth:
+            raise exceeded("sub-playbook nesting depth", depth, "subplaybook_depth", self._limits.subplaybook_depth)
         return depth
 
     async def _workload_reference(self, execution_id: int, workload: dict[str, Any], encoded: bytes) -> int | None:

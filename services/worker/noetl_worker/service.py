@@ -66,6 +66,7 @@ from noetl_common.config import (
 )
 from noetl_common.errors import NoetlError, Unavailable
 from noetl_common.service import Service
+from noetl_dsl import templates
 from noetl_proto.v1 import execution_pb2_grpc, messages_pb2, worker_pb2, worker_pb2_grpc
 from noetl_store import ResultStore, encode_json, envelope_from_proto, make_result_store
 
@@ -181,6 +182,7 @@ class WorkerService(Service):
 
     async def on_start(self) -> None:
         self.core.require("postgres_dsn", "nats_url", "api_target")
+        templates.configure(self.limits)  # every template a task renders is bounded
         assert self.pool is not None
         self.nc = await natsio.connect(self.core.nats_url, name=f"noetl-worker-{self.worker_id}",
                                        reconnects=self.reconnects)
