@@ -665,8 +665,9 @@ class Doc:
         fsync = bool(self.sc.get("_stacks", {}).get("main", {}).get("fsync"))
         self.w("## Durability and settings", "",
                f"- **This runtime's local stack** (`noetl-rt dev up`, `libs/noetl_cli/localstack.py`) starts Postgres "
-               f"with `fsync=off`, `synchronous_commit=off`, `full_page_writes=off`: commits reach the OS page cache, "
-               f"not the disk (they survive a process crash, not a power loss). The main figures here ran "
+               f"with `fsync=off`, `full_page_writes=off` and `synchronous_commit=on` (off in runs before "
+               f"2026-11-24): a commit's WAL reaches the OS page cache before it is acknowledged, not the disk (it "
+               f"survives a crash of Postgres, not a power loss). The main figures here ran "
                f"{'with fsync **on** (--fsync)' if fsync else 'that way'}"
                + ("; the rows marked *fsync on* ran a stack whose Postgres had `fsync=on` and "
                   "`synchronous_commit=on`." if self.sc.get("durable") else ".")
@@ -682,6 +683,13 @@ class Doc:
                "ticks) were measured for 3 s after start and subtracted from each window: "
                + ", ".join(f"{k} {v['background_write_txns_per_s']}/s"
                            for k, v in self.sc.get("_stacks", {}).items()) + ".", "")
+
+    def faults(self) -> None:
+        """Recovery and limit figures measured by the fault tests and scripts (not by this
+        run): kept in bench/FAULTS.md and copied in as they are."""
+        notes = Path(__file__).resolve().parent / "FAULTS.md"
+        if notes.exists():
+            self.w(notes.read_text().rstrip(), "")
 
     def checks(self) -> None:
         self.w("## What each scenario checked before reporting", "")
@@ -774,6 +782,7 @@ class Doc:
         self.peers_section()
         self.plots_section()
         self.durability()
+        self.faults()
         self.checks()
         self.run_time()
         self.how()

@@ -57,11 +57,12 @@ def chain(name: str, steps: int, sleep: float) -> str:
 
 
 @contextlib.contextmanager
-def stack_for(prefix: str, scale: dict[str, int], env: dict[str, str] | None = None) -> Iterator[Runner]:
-    """A stack of its own for one test module (torn down afterwards)."""
+def stack_for(prefix: str, scale: dict[str, int], env: dict[str, str] | None = None, **up: Any) -> Iterator[Runner]:
+    """A stack of its own for one test module (torn down afterwards); ``up`` passes on to
+    ``devstack.up`` (e.g. ``role_postgres_dsn=proxy.dsn_via``)."""
     home = Path(tempfile.mkdtemp(prefix=f"noetl-{prefix}-"))
     os.chmod(home, 0o755)
-    state = start_stack(home, scale, {**CHAOS_ENV, **(env or {})})
+    state = start_stack(home, scale, {**CHAOS_ENV, **(env or {})}, **up)
     runner = Runner(state)
     try:
         dsn = state.postgres_dsn

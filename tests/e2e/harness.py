@@ -99,9 +99,10 @@ class Runner:
 
 
 def start_stack(home: Path, scale: dict[str, int] | None = None,
-                env: dict[str, str] | None = None) -> devstack.StackState:
+                env: dict[str, str] | None = None, **up: Any) -> devstack.StackState:
+    """``devstack.up`` with FAST_ENV under ``env``; ``up`` passes on (e.g. role_postgres_dsn)."""
     merged = {**FAST_ENV, **(env or {})}
-    return devstack.up(home, scale, env=merged, timeout=120)
+    return devstack.up(home, scale, env=merged, timeout=120, **up)
 
 
 def conformance(rel: str) -> Path:

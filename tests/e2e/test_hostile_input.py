@@ -7,19 +7,15 @@ submitted meanwhile completes, and no role grows beyond its documented memory bo
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from chaos import HEADER, Db, wait_for
-from harness import FAST_ENV, Runner
+from chaos import HEADER, Db, stack_for, wait_for
+from harness import Runner
 
-from noetl_cli import devstack
 from noetl_proto.v1 import execution_pb2
 
 pytestmark = pytest.mark.e2e
@@ -33,17 +29,8 @@ MEMORY_BOUND_OTHERS_MIB = 256
 
 @pytest.fixture(scope="module")
 def runner() -> Iterator[Runner]:
-    home = Path(tempfile.mkdtemp(prefix="noetl-hostile-"))
-    os.chmod(home, 0o755)
-    env = {**FAST_ENV, "NOETL_LIMIT_SUBPLAYBOOK_DEPTH": str(SUBPLAYBOOK_DEPTH)}
-    state = devstack.up(home, None, env=env, timeout=120)
-    r = Runner(state)
-    try:
+    with stack_for("hostile", {}, {"NOETL_LIMIT_SUBPLAYBOOK_DEPTH": str(SUBPLAYBOOK_DEPTH)}) as r:
         yield r
-    finally:
-        r.api.close()
-        state.shutdown()
-        shutil.rmtree(home, ignore_errors=True)
 
 
 CANARY = HEADER.format(name="hostile_canary") + """workflow:
