@@ -119,9 +119,19 @@ def retrying(what: str, *, deadline_sec: float | None, initial: float = 0.05, ca
 
 async def retry_transient(what: str, call: Callable[[], Awaitable[T]], *, deadline_sec: float | None,
                           give_up: Callable[[], bool] | None = None, initial: float = 0.05,
-                          cap: float = 2.0) -> T:
-    """``await call()`` under ``retrying(...)``; returns its result or raises its last failure."""
-    async for attempt in retrying(what, deadline_sec=deadline_sec, give_up=give_up, initial=initial, cap=cap):
+                          cap: float = 2.0, transient: Callable[[BaseException], bool] = is_transient) -> T:
+    """``await call()``; when it fails transiently, again under ``retrying(...)``. Returns
+    its result or raises its last failure. The first attempt runs bare: building a
+    retry loop costs ~0.1 ms, paid only when something failed (measured on the worker's
+    hot path, where every command stores a result and reads earlier ones)."""
+    try:
+        return await call()
+    except Exception as exc:
+        if not transient(exc) or (give_up is not None and give_up()):
+            raise
+        logger.warning("%s failed (%s); retrying", what, exc)
+    async for attempt in retrying(what, deadline_sec=deadline_sec, give_up=give_up, initial=initial, cap=cap,
+                                  transient=transient):
         with attempt:
             return await call()
     raise AssertionError("unreachable")  # pragma: no cover

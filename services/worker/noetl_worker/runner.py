@@ -22,7 +22,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from noetl_common import tracing
 from noetl_common.errors import NoetlError
-from noetl_common.retry import is_transient, retrying
+from noetl_common.retry import retry_transient
 from noetl_dsl.templates import RenderContext
 from noetl_proto.v1 import messages_pb2
 from noetl_store import Reference, ResultStore, ResultTooLarge, encode_json, envelope, envelope_to_proto
@@ -72,17 +72,14 @@ async def persist_result(store: ResultStore, value: Any, *, command: messages_pb
             raise _PutTimeout(f"the result store did not answer within {limit:g}s") from exc
 
     try:
-        async for attempt in retrying(f"storing the result of task '{task}' of {command.command_id}",
-                                      deadline_sec=deadline, initial=0.1, cap=5.0):
-            with attempt:
-                return await once()
+        return await retry_transient(f"storing the result of task '{task}' of {command.command_id}", once,
+                                     deadline_sec=deadline, initial=0.1, cap=5.0)
     except _PutTimeout as exc:
         raise StoreFailure(f"cannot store the result of task '{task}': {exc}") from exc
     except ResultTooLarge:
         raise
     except (NoetlError, TypeError, ValueError) as exc:
         raise StoreFailure(f"cannot store the result of task '{task}': {exc}") from exc
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 class _PutTimeout(TimeoutError):
@@ -248,11 +245,8 @@ async def _build_scope_waiting_out_outages(context: dict[str, Any], spec: dict[s
     """``build_scope``, with an outage of the result store waited out (``retry_sec``,
     default INFRA_RETRY_SEC)."""
     deadline = INFRA_RETRY_SEC if retry_sec is None else retry_sec
-    async for attempt in retrying(f"reading earlier results for {command.command_id}",
-                                  deadline_sec=deadline, initial=0.1, cap=5.0, transient=is_transient):
-        with attempt:
-            return await build_scope(context, spec, store)
-    raise AssertionError("unreachable")  # pragma: no cover
+    return await retry_transient(f"reading earlier results for {command.command_id}",
+                                 lambda: build_scope(context, spec, store), deadline_sec=deadline, initial=0.1, cap=5.0)
 
 
 async def execute_command(command: messages_pb2.Command, store: ResultStore, tools: Tools, *,
