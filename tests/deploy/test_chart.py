@@ -112,8 +112,11 @@ def test_one_deployment_per_role_wired_for_the_runtime(rendered: dict[str, str],
         # listen where the probes and Services look
         assert env["NOETL_GRPC_LISTEN"]["value"] == f"0.0.0.0:{grpc_port}"
         assert env["NOETL_METRICS_LISTEN"]["value"] == f"0.0.0.0:{metrics_port}"
-        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        for probe in ("startupProbe", "readinessProbe"):
             assert c[probe]["grpc"] == {"port": grpc_port}, (role, probe)
+        # liveness asks the health service that stays SERVING while the process answers: an
+        # outage of Postgres makes replicas unready, it does not restart them
+        assert c["livenessProbe"]["grpc"] == {"port": grpc_port, "service": "noetl.liveness"}, role
         assert env["NOETL_INSTANCE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         # credentials only from Secrets
         dsn = env["NOETL_POSTGRES_DSN"]

@@ -25,9 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from chaos import HEADER, Db, moved, owner, process_of, scrape, stack_for, wait_for
 from faultproxy import FaultProxy
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness import Runner
 
 from noetl_cli import devstack
@@ -167,6 +169,13 @@ def wait_serving(state: devstack.StackState, timeout: float = 60) -> None:
     wait_for(all_serving, timeout, "every role SERVING again")
 
 
+def liveness(address: str) -> str:
+    """The status of the ``noetl.liveness`` health service (what the chart's liveness probe asks)."""
+    with grpc.insecure_channel(address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="noetl.liveness"), timeout=5)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
 def health_of(state: devstack.StackState, role: str) -> set[str]:
     return {p.health() for p in state.processes(role)}
 
@@ -232,6 +241,8 @@ def test_postgres_unreachable_for_20_seconds(runner: Runner, db: Db, proxy: Faul
     proxy.set_mode("refuse")
     try:
         wait_for(lambda: health_of(state, "api") == {"NOT_SERVING"}, 30, "every api NOT_SERVING while unreachable")
+        # not ready, but alive: a liveness probe must not get them restarted
+        assert {liveness(p.grpc) for p in state.processes()} == {"SERVING"}
         # a client is told what is wrong at once, not after a timeout
         started = time.monotonic()
         with pytest.raises(Exception, match="postgres unavailable"):
