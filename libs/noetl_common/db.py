@@ -57,6 +57,9 @@ TCP_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2
                  "tcp_user_timeout": 15_000, "connect_timeout": 5}
 
 
+RECONNECT_GIVE_UP_SEC = 5.0
+
+
 def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "noetl",
               idle_tx_timeout_sec: float | None = None) -> Pool:
     """A closed async pool with dict rows; open it with ``await pool.open(wait=True)``.
@@ -80,6 +83,11 @@ def make_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, name: str = "n
         name=name,
         kwargs=kwargs,
         timeout=30.0,
+        # A lost connection is re-made in the background with backoff (1, 2, 4, 8 s, ...):
+        # after an outage of 20 s the next attempt came ~10 s after Postgres was back.
+        # Giving an attempt up after 5 s lets the next caller that waits start a fresh one
+        # at once (the pool grows on demand), so work resumes within a few seconds.
+        reconnect_timeout=RECONNECT_GIVE_UP_SEC,
     )
 
 
