@@ -156,6 +156,35 @@ def overview() -> list[Row]:
                             "NOETL_COMMAND_MAX_ATTEMPTS); republished: queued too long; dead-lettered: "
                             "command.dead_lettered appended (the step failed)."),
         ]),
+        Row("Faults", [
+            stat("Pods not ready", f"count(noetl_serving{up} == 0) or vector(0)",
+                 description="Pods reporting NOT_SERVING (noetl_serving 0): a dependency unreachable or a shard "
+                             "loop crashing again and again (the pod log says which)."),
+            stat("Postgres unreachable (pods)", f"count(noetl_dependency_up{sel(eq('dependency', 'postgres'))} == 0)"
+                 " or vector(0)", description="Pods whose health check cannot reach Postgres now."),
+            stat("Shard loop restarts (1h)", f"sum(increase(noetl_shard_loop_restarts_total{sel()}[1h]))",
+                 description="Shard loops started again after an exception escaped them."),
+            stat("Quarantined inputs (1h)", f"sum(increase(noetl_engine_quarantined_total{sel()}[1h]))",
+                 description="Engine inputs set aside after failing their batch repeatedly (ListQuarantined)."),
+            stat("Events stream resets (1h)", f"sum(increase(noetl_engine_stream_resets_total{sel()}[1h]))",
+                 description="An engine found NOETL_EVENTS behind its recorded position (messages lost by NATS, or "
+                             "the stream recreated) and resumed at its end."),
+            stat("Stalled sessions ended (1h)", f"sum(increase(noetl_shard_manager_ended_sessions_total{sel()}[1h]))",
+                 description="Postgres sessions of dead members that held a lease row (a frozen member), ended by "
+                             "the shard-manager leader."),
+            Panel("Readiness and dependencies by role", [
+                (f"sum by (component) (noetl_serving{up})", "serving {{component}}"),
+                (f"sum by (component) (noetl_dependency_up{sel(eq('dependency', 'postgres'))})",
+                 "postgres reachable {{component}}")],
+                description="Per role: pods SERVING, and pods whose health check reaches Postgres."),
+            Panel("Recovery actions", [
+                (f"sum by (role) (rate(noetl_shard_loop_restarts_total{sel()}[{RI}]))", "loop restarts {{role}}"),
+                (f"sum(rate(noetl_engine_resubscribes_total{sel()}[{RI}]))", "engine consumers re-created"),
+                (f"sum(rate(noetl_worker_results_republished_total{sel()}[{RI}]))", "results republished (worker)"),
+                (f"sum(rate(noetl_engine_quarantined_total{sel()}[{RI}]))", "inputs quarantined")], "ops",
+                description="What the runtime did to recover: loops restarted, consumers re-created after a NATS "
+                            "reconnect, results a restarted stream lost published again, poison inputs set aside."),
+        ]),
         Row("Cluster", [
             stat("Shard-manager leader", f"max(noetl_shard_manager_leader{sel()})",
                  description="1 while a shard-manager replica holds the leader lease."),
@@ -213,6 +242,12 @@ def api() -> list[Row]:
                 (f"sum by (shard) (increase(noetl_engine_dead_letters_total{c}[{RI}]))", "shard {{shard}}")],
                 description="command.dead_lettered appended: a command's claim expired NOETL_COMMAND_MAX_ATTEMPTS "
                             "times; its step failed."),
+            Panel("Quarantined inputs and stream resets by shard", [
+                (f"sum by (shard) (increase(noetl_engine_quarantined_total{c}[{RI}]))", "quarantined {{shard}}"),
+                (f"sum by (shard) (increase(noetl_engine_stream_resets_total{c}[{RI}]))", "stream reset {{shard}}"),
+                (f"sum by (shard) (increase(noetl_engine_resubscribes_total{c}[{RI}]))", "resubscribed {{shard}}")],
+                description="Poison inputs set aside (ListQuarantined), the events stream found behind the recorded "
+                            "position, consumers re-created after NATS reconnects."),
         ]),
         Row("Result store (reads by the engine and GetExecution)", [
             Panel("Reference resolve time p99 by tier", [

@@ -267,6 +267,7 @@ class ShardEngine:
         DEAD_LETTERS.labels(str(self.shard))
         QUARANTINED.labels(str(self.shard))
         STREAM_RESETS.labels(str(self.shard))
+        RESUBSCRIBES.labels(str(self.shard))
         stream_seq = int(row["stream_seq"])
         last = await self._stream_last_seq()
         self._replay_until = last
