@@ -33,7 +33,11 @@ class CoreSettings(BaseSettings):
     postgres_dsn: str = Field(default="", description="libpq connection string of the runtime database")
     nats_url: str = Field(default="", description="NATS server URL(s), comma separated")
     shard_manager_target: str = Field(default="", description="gRPC target of the shard-manager")
-    api_target: str = Field(default="", description="gRPC target of the api role (workers, CLI)")
+    api_target: str = Field(default="", description="gRPC target of the api role's client API (CLI, sub-playbooks)")
+    # The api serves WorkerService (claims, lease renewals, credentials for claimed
+    # commands) on its own port, apart from the client API.
+    worker_api_listen: str = Field(default="127.0.0.1:0", description="host:port the api serves WorkerService on")
+    worker_api_target: str = Field(default="", description="gRPC target of the api's WorkerService (workers)")
     grpc_listen: str = Field(default="127.0.0.1:0", description="host:port this service serves gRPC on")
     metrics_listen: str = Field(default="127.0.0.1:0", description="host:port for Prometheus /metrics")
     instance: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -97,6 +101,66 @@ class ExecutionSettings(BaseSettings):
     # answer RESOURCE_EXHAUSTED with a retry hint.
     max_active: int = Field(default=10_000, ge=1)
     max_queued_commands: int = Field(default=100_000, ge=1)
+
+
+class AuthSettings(BaseSettings):
+    """Identity on every RPC (``NOETL_AUTH_*``; docs/DEPLOY.md "Security").
+
+    Servers check the bearer token of every call (``authorization`` metadata) against
+    the hashed tokens in ``noetl.api_token`` and the method's allowed roles; clients send
+    ``token``. ``enabled`` false turns the check off (a test of something else, or a
+    deployment that authenticates in front of the runtime); the local stack and the chart
+    run with it on."""
+
+    model_config = _env("NOETL_AUTH_")
+
+    enabled: bool = True
+    # This process's own token (its role's identity: service, worker; or a user's for the CLI).
+    token: SecretStr = SecretStr("")
+    # How long a verified token is trusted without looking at the table again (a revoked
+    # token stops working within this).
+    cache_sec: float = Field(default=5.0, ge=0)
+
+
+class TlsSettings(BaseSettings):
+    """TLS of gRPC servers and clients (``NOETL_TLS_*``). With ``ca_file`` set, clients
+    verify servers against it; with ``cert_file``/``key_file`` set, servers serve TLS with
+    that certificate (and clients present it when the servers ask: ``client_auth`` makes
+    every server require a client certificate signed by ``ca_file``, i.e. mutual TLS).
+    None set: plaintext (refused by the local stack and the chart's defaults)."""
+
+    model_config = _env("NOETL_TLS_")
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    client_auth: bool = False
+    # The name clients expect in server certificates when it is not the target's host
+    # (e.g. one certificate for every pod behind a headless Service).
+    server_name: str = ""
+
+    @model_validator(mode="after")
+    def _pairs(self) -> TlsSettings:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("NOETL_TLS_CERT_FILE and NOETL_TLS_KEY_FILE go together")
+        if self.client_auth and not (self.ca_file and self.cert_file):
+            raise ValueError("NOETL_TLS_CLIENT_AUTH needs NOETL_TLS_CA_FILE, NOETL_TLS_CERT_FILE and NOETL_TLS_KEY_FILE")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca_file or self.cert_file)
+
+
+class CredentialSettings(BaseSettings):
+    """Credentials at rest (``NOETL_CREDENTIALS_*``): envelope encryption, a data key per
+    credential (AES-256-GCM) wrapped by a master key. ``keys`` is ``id:base64key`` entries,
+    comma separated: the first encrypts new credentials, every one decrypts (rotation:
+    put the new key first, re-encrypt, then drop the old one). Only the api reads it."""
+
+    model_config = _env("NOETL_CREDENTIALS_")
+
+    keys: SecretStr = SecretStr("")
 
 
 class LimitSettings(BaseSettings):
