@@ -16,6 +16,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from noetl_common.redact import SECRET_KEY_PARTS, is_secret_key  # noqa: F401 (re-exported)
+
 from ._store import Reference
 
 MAX_CONTEXT_KEYS = 32
@@ -23,19 +25,6 @@ MAX_CONTEXT_STRING = 256
 MAX_ERROR_MESSAGE = 4000
 
 ERROR_FIELDS = ("code", "message", "kind", "retryable")
-
-# A context key containing any of these (case-insensitive) is never copied into an event.
-SECRET_KEY_PARTS = (
-    "password", "passwd", "pwd", "secret", "token", "api_key", "apikey", "api-key", "authorization", "auth",
-    "credential", "private_key", "privatekey", "private-key", "dsn", "cookie", "session", "signature",
-    "access_key", "accesskey", "conn_str", "connection_string",
-)
-
-
-def is_secret_key(key: str) -> bool:
-    """True when ``key`` looks like the name of a credential (``SECRET_KEY_PARTS``)."""
-    lowered = key.lower()
-    return any(part in lowered for part in SECRET_KEY_PARTS)
 
 
 def _small_scalar(value: Any) -> bool:
