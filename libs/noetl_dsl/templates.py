@@ -202,6 +202,48 @@ def referenced_names(value: Any) -> set[str]:
     return found
 
 
+def attribute_reads(value: Any, root: str) -> set[str] | None:
+    """The attributes a (possibly nested) template value reads of the top-level name
+    ``root`` (``root.x`` and ``root['x']``), or None when some template uses ``root`` any
+    other way (``root[var]``, ``root`` passed whole): then any attribute may be read.
+    Templates that do not parse read nothing (rendering reports them)."""
+    found: set[str] = set()
+    for text in _strings(value):
+        if not is_template(text) or root not in text:
+            continue
+        try:
+            if root not in _syntax(text)[0]:
+                continue
+            ast = _ENV.parse(text)
+        except (TemplateError, jinja2.TemplateSyntaxError, RecursionError):
+            continue
+        reads = _attribute_reads(ast, root)
+        if reads is None:
+            return None
+        found |= reads
+    return found
+
+
+def _attribute_reads(ast: nodes.Node, root: str) -> set[str] | None:
+    wrapped: set[int] = set()
+    found: set[str] = set()
+    for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
+        inner = getattr(node, "node", None)
+        if isinstance(inner, nodes.Name) and inner.name == root and inner.ctx == "load":
+            arg = getattr(node, "arg", None)
+            if isinstance(node, nodes.Getattr):
+                found.add(node.attr)
+            elif isinstance(arg, nodes.Const) and isinstance(arg.value, str):
+                found.add(arg.value)
+            else:
+                return None
+            wrapped.add(id(inner))
+    for name in ast.find_all(nodes.Name):
+        if name.name == root and name.ctx == "load" and id(name) not in wrapped:
+            return None
+    return found
+
+
 def _strings(value: Any) -> Iterable[str]:
     if isinstance(value, str):
         yield value

@@ -9,7 +9,7 @@ Also the two submit-time helpers the api needs: :func:`merged_workload` and
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -19,7 +19,6 @@ from noetl_common.config import LimitSettings
 from noetl_common.errors import PlaybookInvalid
 from noetl_common.limits import check, check_depth, defaults, env_name
 
-from . import templates
 from .checks import (
     TOOL_KINDS,
     Problems,
@@ -29,6 +28,7 @@ from .checks import (
     check_tool,
     validate_part,
 )
+from .credrefs import check_keychain, playbook_refs, static_name
 from .model import Playbook, Step, workbook_entry_task
 from .yamlload import load_yaml
 
@@ -83,6 +83,8 @@ def load_playbook(doc: Any, *, supported_kinds: frozenset[str] | None = None,
     try:
         problems = Problems()
         _check_header(doc, problems)
+        for path, message in check_keychain(doc.get("keychain")):
+            problems.add(path, message)
         workbook_names = _check_workbook(doc.get("workbook"), problems, supported_kinds)
         _check_workflow(workflow, problems, workbook_names, supported_kinds)
         problems.raise_if_any()
@@ -208,45 +210,12 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
 
 
 def static_auth_refs(playbook: Playbook, workload: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(field path, credential name) for every task ``auth`` whose name is known before
-    the run: a literal, or a template that reads only workload keys. Others are skipped."""
-    scope = templates.RenderContext({**workload, "workload": dict(workload)})
+    """(field path, credential name) for every credential the playbook names whose name is
+    known before the run (``credrefs``: task ``auth`` / ``credential``, cursor ``auth``,
+    keychain entries; a literal, or a template that reads only workload keys)."""
     refs: list[tuple[str, str]] = []
-    for path, task in _all_tasks(playbook):
-        if "auth" not in task:
-            continue
-        name = _static_name(task["auth"], scope)
+    for ref in playbook_refs(playbook):
+        name = static_name(ref.raw, workload)
         if name is not None:
-            refs.append((f"{path}.auth", name))
+            refs.append((ref.path, name))
     return refs
-
-
-def _all_tasks(playbook: Playbook) -> Iterable[tuple[str, dict[str, Any]]]:
-    for i, step in enumerate(playbook.workflow):
-        yield from _tool_tasks(step.raw_tool, f"workflow[{i}].tool")
-    for i, entry in enumerate(playbook.workbook):
-        task = workbook_entry_task(entry)
-        if task is not None:
-            yield from _tool_tasks(task, f"workbook[{i}].tool" if "tool" in entry else f"workbook[{i}]")
-
-
-def _tool_tasks(tool: Any, path: str) -> Iterable[tuple[str, dict[str, Any]]]:
-    if isinstance(tool, dict):
-        yield path, tool
-    elif isinstance(tool, list):
-        for j, task in enumerate(tool):
-            yield from _tool_tasks(task, f"{path}[{j}]")
-
-
-def _static_name(auth: Any, scope: templates.RenderContext) -> str | None:
-    if not isinstance(auth, str) or not auth.strip():
-        return None
-    if not templates.is_template(auth):
-        return auth.strip()
-    try:
-        if not templates.referenced_names(auth) <= set(scope):
-            return None
-        value = templates.render_str(auth, scope)
-    except templates.TemplateError:
-        return None
-    return value.strip() if isinstance(value, str) and value.strip() else None
