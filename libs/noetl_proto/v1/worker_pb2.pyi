@@ -227,3 +227,59 @@ class RenewLeaseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RenewLeaseResponse: _TypeAlias = RenewLeaseResponse  # noqa: Y015
+
+@_typing.final
+class GetCredentialRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMAND_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    command_id: _builtins.str
+    attempt: _builtins.int
+    worker_id: _builtins.str
+    name: _builtins.str
+    """The stored credential's name."""
+    def __init__(
+        self,
+        *,
+        command_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        worker_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command_id", b"command_id", "name", b"name", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCredentialRequest: _TypeAlias = GetCredentialRequest  # noqa: Y015
+
+@_typing.final
+class GetCredentialResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    DATA_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    kind: _builtins.str
+    """"postgres", "http_bearer", "http_basic", "generic"."""
+    data_json: _builtins.str
+    """The credential's fields, JSON object text. Secret: never log, store or return it."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        data_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_json", b"data_json", "kind", b"kind", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCredentialResponse: _TypeAlias = GetCredentialResponse  # noqa: Y015

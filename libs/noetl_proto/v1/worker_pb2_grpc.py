@@ -50,6 +50,11 @@ class WorkerServiceStub:
                 request_serializer=noetl_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
                 response_deserializer=noetl_dot_v1_dot_worker__pb2.RenewLeaseResponse.FromString,
                 _registered_method=True)
+        self.GetCredential = channel.unary_unary(
+                '/noetl.v1.WorkerService/GetCredential',
+                request_serializer=noetl_dot_v1_dot_worker__pb2.GetCredentialRequest.SerializeToString,
+                response_deserializer=noetl_dot_v1_dot_worker__pb2.GetCredentialResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -80,6 +85,18 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCredential(self, request, context):
+        """A stored credential, decrypted, for a command attempt the calling worker holds:
+        answered only while the command is claimed by `worker_id` as `attempt`
+        (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
+        (PERMISSION_DENIED otherwise: named by the step, or by its playbook when the step
+        chooses one at run time; docs/ARCHITECTURE.md "Credentials"). NOT_FOUND for an
+        unknown command or credential. The answer is the only place a secret travels.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +114,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.RenewLease,
                     request_deserializer=noetl_dot_v1_dot_worker__pb2.RenewLeaseRequest.FromString,
                     response_serializer=noetl_dot_v1_dot_worker__pb2.RenewLeaseResponse.SerializeToString,
+            ),
+            'GetCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCredential,
+                    request_deserializer=noetl_dot_v1_dot_worker__pb2.GetCredentialRequest.FromString,
+                    response_serializer=noetl_dot_v1_dot_worker__pb2.GetCredentialResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +203,33 @@ class WorkerService:
             '/noetl.v1.WorkerService/RenewLease',
             noetl_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
             noetl_dot_v1_dot_worker__pb2.RenewLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/noetl.v1.WorkerService/GetCredential',
+            noetl_dot_v1_dot_worker__pb2.GetCredentialRequest.SerializeToString,
+            noetl_dot_v1_dot_worker__pb2.GetCredentialResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,6 +45,14 @@ class WorkerServiceStub:
     """Extends the claim lease of a running command; tells the worker to stop when
     the command was cancelled or the lease was lost.
     """
+    GetCredential: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetCredentialRequest, _worker_pb2.GetCredentialResponse]
+    """A stored credential, decrypted, for a command attempt the calling worker holds:
+    answered only while the command is claimed by `worker_id` as `attempt`
+    (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
+    (PERMISSION_DENIED otherwise: named by the step, or by its playbook when the step
+    chooses one at run time; docs/ARCHITECTURE.md "Credentials"). NOT_FOUND for an
+    unknown command or credential. The answer is the only place a secret travels.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -62,6 +70,14 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     RenewLease: _aio.UnaryUnaryMultiCallable[_worker_pb2.RenewLeaseRequest, _worker_pb2.RenewLeaseResponse]  # type: ignore[assignment]
     """Extends the claim lease of a running command; tells the worker to stop when
     the command was cancelled or the lease was lost.
+    """
+    GetCredential: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetCredentialRequest, _worker_pb2.GetCredentialResponse]  # type: ignore[assignment]
+    """A stored credential, decrypted, for a command attempt the calling worker holds:
+    answered only while the command is claimed by `worker_id` as `attempt`
+    (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
+    (PERMISSION_DENIED otherwise: named by the step, or by its playbook when the step
+    chooses one at run time; docs/ARCHITECTURE.md "Credentials"). NOT_FOUND for an
+    unknown command or credential. The answer is the only place a secret travels.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -95,6 +111,20 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.RenewLeaseResponse, _abc.Awaitable[_worker_pb2.RenewLeaseResponse]]:
         """Extends the claim lease of a running command; tells the worker to stop when
         the command was cancelled or the lease was lost.
+        """
+
+    @_abc_1.abstractmethod
+    def GetCredential(
+        self,
+        request: _worker_pb2.GetCredentialRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.GetCredentialResponse, _abc.Awaitable[_worker_pb2.GetCredentialResponse]]:
+        """A stored credential, decrypted, for a command attempt the calling worker holds:
+        answered only while the command is claimed by `worker_id` as `attempt`
+        (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
+        (PERMISSION_DENIED otherwise: named by the step, or by its playbook when the step
+        chooses one at run time; docs/ARCHITECTURE.md "Credentials"). NOT_FOUND for an
+        unknown command or credential. The answer is the only place a secret travels.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -21,6 +21,7 @@ from typing import Any
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import Conflict, NoetlError, NotFound
 from noetl_dsl import merged_workload
+from noetl_dsl.credrefs import keychain_entries, keychain_reads
 
 from .catalog import Catalog
 
@@ -134,6 +135,9 @@ class Claims:
             "workbook": _workbook_refs(playbook, step.raw_tool),
             "loop": None,
         }
+        keychain = _keychain_refs(playbook, step.step)
+        if keychain:  # the entries its templates read (`{{ keychain.<name>.<field> }}`): names, never secrets
+            spec["keychain"] = keychain
         context = dict(row["context"])
         context.update(execution_id=row["execution_id"], known_steps=playbook.step_names)
         if workload is None:
@@ -153,6 +157,18 @@ class Claims:
                 context["iter"] = {str(loop["iterator"]): row["loop_item"], "_index": index}
             context["loop_index"] = index
         return Claimed(row, spec, context)
+
+    async def holder(self, command_id: str) -> dict[str, Any] | None:
+        """The command as GetCredential checks it: who holds which attempt, its step and
+        pinned playbook, the cursor the engine rendered, and the execution's payload (or
+        the reference of its workload). None when there is no such command."""
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute(
+                "SELECT c.command_id, c.execution_id, c.step, c.attempt, c.status, c.worker_id, c.catalog_id,"
+                " c.context->'cursor' AS cursor, r.payload, r.workload_ref_id"
+                " FROM noetl.command c LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id"
+                " WHERE c.command_id = %s", (command_id,))
+            return await cur.fetchone()
 
     async def renew(self, command_id: str, worker_id: str, attempt: int,
                     progress: str) -> tuple[datetime | None, str]:
@@ -188,6 +204,14 @@ def _workbook_refs(playbook: Any, tool: Any) -> dict[str, Any]:
             if entry is not None:
                 out[str(task["name"])] = entry
     return out
+
+
+def _keychain_refs(playbook: Any, step: str) -> dict[str, Any]:
+    entries = keychain_entries(playbook)
+    if not entries:
+        return {}
+    reads = keychain_reads(playbook, step)
+    return {alias: entry for alias, (_, entry) in entries.items() if reads is None or alias in reads}
 
 
 def dumps(value: Any) -> str:

@@ -11,6 +11,7 @@ from noetl_common import natsio
 from noetl_common.config import (
     CommandSettings,
     CoreSettings,
+    CredentialSettings,
     ExecutionSettings,
     LimitSettings,
     NatsSettings,
@@ -18,6 +19,7 @@ from noetl_common.config import (
     ShardSettings,
 )
 from noetl_common.ids import SnowflakeGenerator
+from noetl_common.retry import retry_transient
 from noetl_common.service import Service
 from noetl_common.shardtasks import ShardTasks, shard_health
 from noetl_dsl import templates
@@ -34,7 +36,10 @@ from noetl_store import CachedResultStore, make_result_store
 from .admission import GAUGE_REFRESH_SEC, Admission
 from .catalog import Catalog
 from .claims import Claims
+from .credentials import CredentialStore
 from .engine.shard import EngineDeps, ShardEngine
+from .grants import CredentialGrants
+from .keyring import Keyring
 from .queries import Queries
 from .servicers import CatalogServicer, CredentialServicer, ExecutionServicer, WorkerServicer
 from .submissions import Submitter
@@ -43,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # Results the api keeps in process (engine templates, GetExecution with results).
 RESULT_CACHE_ITEMS = 2048
+# How long the start waits out an unreachable Postgres for the credential check.
+STARTUP_RETRY_SEC = 60.0
 
 
 class ApiService(Service):
@@ -57,8 +64,11 @@ class ApiService(Service):
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, commands: CommandSettings,
                  executions: ExecutionSettings, results: ResultStoreSettings | None = None,
-                 limits: LimitSettings | None = None, nats: NatsSettings | None = None) -> None:
+                 limits: LimitSettings | None = None, nats: NatsSettings | None = None,
+                 credentials: CredentialSettings | None = None) -> None:
         self.results_cfg = results or ResultStoreSettings()
+        # Parsed at once: a malformed NOETL_CREDENTIALS_KEYS stops the process before it starts.
+        self.keyring = Keyring.parse((credentials or CredentialSettings.model_construct()).keys.get_secret_value())
         core.require("postgres_dsn", "nats_url", "shard_manager_target")
         super().__init__(core, shard)
         self.commands = commands
@@ -91,6 +101,12 @@ class ApiService(Service):
                                          max_items=RESULT_CACHE_ITEMS)
         self.queries = Queries(self.pool, self.results)
         self.claims = Claims(self.pool, self.catalog, self.commands.lease_sec)
+        # Before serving: no plaintext credential left, every row opens with the keys given
+        # (ConfigError naming NOETL_CREDENTIALS_KEYS otherwise; credentials.py).
+        self.credentials = CredentialStore(self.pool, self.keyring)
+        await retry_transient("checking the stored credentials", self.credentials.prepare,
+                              deadline_sec=STARTUP_RETRY_SEC, initial=0.2, cap=5.0)
+        self.grants = CredentialGrants(self.claims, self.catalog, self.credentials, self.results)
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         assert self.nc is not None and self.pool is not None
@@ -98,8 +114,8 @@ class ApiService(Service):
         self.execution_servicer = ExecutionServicer(None, self.queries, self.nc, self.js)
         execution_pb2_grpc.add_ExecutionServiceServicer_to_server(self.execution_servicer, server)
         catalog_pb2_grpc.add_CatalogServiceServicer_to_server(CatalogServicer(self.catalog), server)
-        catalog_pb2_grpc.add_CredentialServiceServicer_to_server(CredentialServicer(self.pool), server)
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.claims), server)
+        catalog_pb2_grpc.add_CredentialServiceServicer_to_server(CredentialServicer(self.credentials), server)
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.claims, self.grants), server)
 
     def _ready(self) -> ShardTasks:
         """Bind what needs the Join answer (node id, shard ownership); idempotent."""

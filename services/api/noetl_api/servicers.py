@@ -13,7 +13,6 @@ import grpc
 from nats.aio.client import Client as NATS
 
 from noetl_common import natsio
-from noetl_common.db import transaction
 from noetl_common.errors import InvalidInput, NoetlError, NotFound, Unavailable
 from noetl_common.grpcutil import set_timestamp
 from noetl_proto.v1 import (
@@ -29,6 +28,8 @@ from noetl_proto.v1 import (
 
 from .catalog import Catalog, CatalogEntry
 from .claims import Claimed, Claims
+from .credentials import KINDS, CredentialStore
+from .grants import CredentialDenied, CredentialGrants
 from .queries import TERMINAL, Queries
 from .submissions import Submitter
 
@@ -219,40 +220,27 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
 
 
 class CredentialServicer(catalog_pb2_grpc.CredentialServiceServicer):
-    KINDS = frozenset({"postgres", "http_bearer", "http_basic", "generic"})
+    """Stores credentials (sealed, ``credentials.py``) and lists their names. No RPC of
+    this service returns a credential's data."""
 
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
+    KINDS = KINDS
+
+    def __init__(self, store: CredentialStore) -> None:
+        self._store = store
 
     async def PutCredential(self, request: catalog_pb2.PutCredentialRequest,
                             context: grpc.aio.ServicerContext) -> catalog_pb2.PutCredentialResponse:
-        if not request.name.strip():
-            raise InvalidInput("credential name is required")
-        if request.kind not in self.KINDS:
-            raise InvalidInput(f"unknown credential kind {request.kind!r} (expected one of: {', '.join(sorted(self.KINDS))})")
         try:
             data = json.loads(request.data_json or "{}")
-        except json.JSONDecodeError as exc:
-            raise InvalidInput(f"data_json is not valid JSON: {exc.msg}") from exc
-        if not isinstance(data, dict):
-            raise InvalidInput("data_json must be a JSON object")
-        if request.kind == "postgres" and not (data.get("dsn") or data.get("host")):
-            raise InvalidInput("a postgres credential needs 'dsn' (or host/port/user/password/dbname)")
-        async with transaction(self._pool) as conn:
-            cur = await conn.execute(
-                "INSERT INTO noetl.credential (name, kind, data) VALUES (%s, %s, %s)"
-                " ON CONFLICT (name) DO UPDATE SET kind = EXCLUDED.kind, data = EXCLUDED.data, updated_at = now()"
-                " RETURNING (xmax = 0) AS created", (request.name, request.kind, json.dumps(data)))
-            row = await cur.fetchone()
-        return catalog_pb2.PutCredentialResponse(name=request.name, created=bool(row and row["created"]))
+        except json.JSONDecodeError as exc:  # the position only: never the text, which holds the secret
+            raise InvalidInput(f"data_json is not valid JSON (line {exc.lineno}, column {exc.colno})") from None
+        created = await self._store.put(request.name, request.kind, data)
+        return catalog_pb2.PutCredentialResponse(name=request.name, created=created)
 
     async def ListCredentials(self, request: catalog_pb2.ListCredentialsRequest,
                               context: grpc.aio.ServicerContext) -> catalog_pb2.ListCredentialsResponse:
-        async with self._pool.connection() as conn:
-            cur = await conn.execute("SELECT name, kind, updated_at FROM noetl.credential ORDER BY name")
-            rows = await cur.fetchall()
         out = catalog_pb2.ListCredentialsResponse()
-        for r in rows:
+        for r in await self._store.names():
             info = out.credentials.add(name=r["name"], kind=r["kind"])
             set_timestamp(info.updated_at, r["updated_at"])
         return out
@@ -275,8 +263,9 @@ CLAIMS_ANSWER_BUDGET = 4 * 1024 * 1024
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, claims: Claims) -> None:
+    def __init__(self, claims: Claims, grants: CredentialGrants | None = None) -> None:
         self._claims = claims
+        self._grants = grants
 
     async def ClaimCommand(self, request: worker_pb2.ClaimCommandRequest,
                            context: grpc.aio.ServicerContext) -> worker_pb2.ClaimCommandResponse:
@@ -319,6 +308,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         out = worker_pb2.RenewLeaseResponse(stop=until is None, stop_reason=reason)
         set_timestamp(out.lease_until, until)
         return out
+
+    async def GetCredential(self, request: worker_pb2.GetCredentialRequest,
+                            context: grpc.aio.ServicerContext) -> worker_pb2.GetCredentialResponse:
+        if not request.command_id or not request.worker_id or not request.name:
+            raise InvalidInput("command_id, worker_id and name are required")
+        if self._grants is None:
+            raise Unavailable("this api does not serve credentials")
+        try:
+            cred = await self._grants.resolve(request.command_id, request.attempt, request.worker_id, request.name)
+        except CredentialDenied as exc:  # no project error maps to PERMISSION_DENIED (grpcutil.STATUS_FOR)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        return worker_pb2.GetCredentialResponse(name=cred.name, kind=cred.kind, data_json=json.dumps(cred.data))
 
 
 __all__ = ["CatalogServicer", "CredentialServicer", "ExecutionServicer", "NotFound", "WorkerServicer"]
