@@ -274,7 +274,7 @@ async def test_a_cursor_slot_persists_through_the_same_function(monkeypatch: pyt
     from noetl_worker.cursor_drivers import CursorDrivers
 
     class NoRows:
-        async def open(self, spec: Any) -> Any:
+        async def open(self, spec: Any, secrets: Any = None) -> Any:
             from contextlib import asynccontextmanager
 
             class Driver:

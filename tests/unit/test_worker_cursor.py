@@ -62,7 +62,7 @@ class MemoryFactory:
         self.opened: list[CursorSpec] = []
         self.closed = False
 
-    async def open(self, spec: CursorSpec) -> CursorDriver:
+    async def open(self, spec: CursorSpec, secrets: Any = None) -> CursorDriver:
         self.opened.append(spec)
         return MemoryDriver(self.rows, self.log)
 
@@ -243,7 +243,7 @@ async def test_unknown_cursor_kind_fails_the_slot_clearly() -> None:
 
 async def test_claim_error_fails_the_slot_with_counts_so_far() -> None:
     class Broken(MemoryFactory):
-        async def open(self, spec: CursorSpec) -> CursorDriver:
+        async def open(self, spec: CursorSpec, secrets: Any = None) -> CursorDriver:
             rows = self.rows
 
             class Driver(MemoryDriver):

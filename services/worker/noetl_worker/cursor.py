@@ -60,7 +60,8 @@ from .runner import (
     persist_result,
     prepare,
 )
-from .tools import Tools
+from .secrecy import scrub_call_result
+from .tools import CommandSecrets, Tools
 from .tools.outcome import CURSOR_ERROR, INVALID_COMMAND, REFERENCE_NOT_AVAILABLE, ErrorDetail
 
 logger = logging.getLogger(__name__)
@@ -116,8 +117,10 @@ class CursorSlot:
     def __init__(self, command: messages_pb2.Command, store: ResultStore, tools: Tools, *,
                  report: ReportRow | None = None, worker_id: str = "", default_timeout: float = 0.0,
                  cancelled: asyncio.Event | None = None,
-                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
+                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+                 secrets: CommandSecrets | None = None) -> None:
         self.command = command
+        self.secrets = secrets
         self.store = store
         self.tools = tools
         self.report = report
@@ -131,9 +134,14 @@ class CursorSlot:
                       "step": command.step}
 
     async def run(self) -> messages_pb2.CallResult:
-        """Never raises for task, claim or store failures; cancellation propagates."""
+        """Never raises for task, claim or store failures; cancellation propagates. What the
+        command's credentials hand out is masked in its CallResult (``secrecy``)."""
+        return scrub_call_result(await self._run(), self.secrets.redactor if self.secrets is not None else None)
+
+    async def _run(self) -> messages_pb2.CallResult:
         command = self.command
-        prepared = await prepare(command, self.store, worker_id=self.worker_id, retry_sec=self.infra_retry_sec)
+        prepared = await prepare(command, self.store, worker_id=self.worker_id, retry_sec=self.infra_retry_sec,
+                                 secrets=self.secrets)
         if isinstance(prepared, messages_pb2.CallResult):
             return prepared
         spec, context, tasks, scope = prepared
@@ -144,7 +152,7 @@ class CursorSlot:
             cursor = CursorSpec.from_json(context.get("cursor"))
             if self.tools.cursors is None:
                 raise CursorError("this worker has no cursor drivers")
-            driver = await self.tools.cursors.open(cursor)
+            driver = await self.tools.cursors.open(cursor, self.secrets)
         except ToolError as exc:
             logger.warning("cursor slot cannot start: %s", exc, extra=self.extra)
             return error_result(command, exc.code or INVALID_COMMAND, str(exc), worker_id=self.worker_id,
@@ -197,7 +205,7 @@ class CursorSlot:
         row_iter = {**(base_iter if isinstance(base_iter, Mapping) else {}), iterator: row, "_index": index}
         row_scope = RenderContext({**scope, iterator: row, "iter": row_iter}, known=scope.known)
         caller = TaskCaller(self.command, spec, self.tools, timeout=self.timeout, cancelled=self.cancelled,
-                            key_prefix=f"{self.command.command_id}#row:{row_key(row)}")
+                            key_prefix=f"{self.command.command_id}#row:{row_key(row)}", secrets=self.secrets)
 
         async def log_only(run: TaskRun) -> None:
             log_task_run(self.command, run)
@@ -239,9 +247,10 @@ async def run_cursor_slot(command: messages_pb2.Command, store: ResultStore, too
                           report: ReportRow | None = None, worker_id: str = "", default_timeout: float = 0.0,
                           cancelled: asyncio.Event | None = None,
                           sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
-                          infra_retry_sec: float | None = None) -> messages_pb2.CallResult:
+                          infra_retry_sec: float | None = None,
+                          secrets: CommandSecrets | None = None) -> messages_pb2.CallResult:
     """Run a claimed cursor slot command (see the module docstring) to its ``CallResult``."""
     slot = CursorSlot(command, store, tools, report=report, worker_id=worker_id,
-                      default_timeout=default_timeout, cancelled=cancelled, sleep=sleep)
+                      default_timeout=default_timeout, cancelled=cancelled, sleep=sleep, secrets=secrets)
     slot.infra_retry_sec = infra_retry_sec
     return await slot.run()

@@ -29,7 +29,8 @@ from noetl_store import Reference, ResultStore, ResultTooLarge, encode_json, env
 
 from .pipeline import PipelineResult, TaskRun, run_pipeline
 from .scope import build_scope
-from .tools import CallInfo, ToolOutcome, Tools
+from .secrecy import KeychainError, keychain_scope, scrub_call_result, scrub_outcome
+from .tools import CallInfo, CommandSecrets, ToolOutcome, Tools
 from .tools.outcome import INVALID_COMMAND, REFERENCE_NOT_AVAILABLE, RESULT_TOO_LARGE
 
 logger = logging.getLogger(__name__)
@@ -143,9 +144,11 @@ class TaskCaller:
     same keys in the same order."""
 
     def __init__(self, command: messages_pb2.Command, spec: Mapping[str, Any], tools: Tools, *,
-                 timeout: float | None, cancelled: asyncio.Event | None = None, key_prefix: str = "") -> None:
+                 timeout: float | None, cancelled: asyncio.Event | None = None, key_prefix: str = "",
+                 secrets: CommandSecrets | None = None) -> None:
         self.command = command
         self.tools = tools
+        self.secrets = secrets
         self.timeout = timeout
         self.cancelled = cancelled
         self.prefix = key_prefix or command.command_id
@@ -156,7 +159,8 @@ class TaskCaller:
     def call_info(self, name: str) -> CallInfo:
         n = self._runs[name] = self._runs.get(name, 0) + 1
         key = f"{self.prefix}#{name}" + (f"#{n}" if n > 1 else "")
-        return CallInfo(self.command.execution_id, self.command.command_id, self.command.step, key, self.cancelled)
+        return CallInfo(self.command.execution_id, self.command.command_id, self.command.step, key, self.cancelled,
+                        self.secrets)
 
     async def __call__(self, task: Mapping[str, Any], scope: RenderContext) -> ToolOutcome:
         name = str(scope.get("_task") or task.get("name") or "task")
@@ -169,6 +173,8 @@ class TaskCaller:
                 "noetl.attempt": self.command.attempt, "noetl.call_key": call.key}) as span:
             outcome = await self.tools.run_task(task, scope, step_input=self.step_input, workbook=self.workbook,
                                                 timeout_sec=self.timeout, call=call)
+            # what the task produced, as it may be reported: the secrets it was given masked
+            outcome = scrub_outcome(outcome, self.secrets.redactor if self.secrets is not None else None)
             if outcome.error is not None:
                 tracing.set_error(span, f"{outcome.error.code}: {outcome.error.message}"[:500])
             return outcome
@@ -219,10 +225,11 @@ def error_result(command: messages_pb2.Command, code: str, message: str, *, work
 
 
 async def prepare(command: messages_pb2.Command, store: ResultStore, *, worker_id: str = "",
-                  retry_sec: float | None = None
+                  retry_sec: float | None = None, secrets: CommandSecrets | None = None
                   ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], RenderContext] | messages_pb2.CallResult:
     """(spec, context, tasks, render scope) of a command, or the error ``CallResult`` when
-    the command is malformed or an earlier result cannot be read."""
+    the command is malformed, an earlier result cannot be read or a keychain entry it
+    reads cannot be had (``secrecy.keychain_scope``)."""
     extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
     try:
         spec, context, tasks = parse_command(command)
@@ -237,6 +244,16 @@ async def prepare(command: messages_pb2.Command, store: ResultStore, *, worker_i
         logger.warning("cannot resolve earlier results: %s", exc, extra=extra)
         return error_result(command, REFERENCE_NOT_AVAILABLE, f"cannot read an earlier step's result: {exc}",
                             worker_id=worker_id, kind=type(exc).__name__, retryable=True)
+    try:
+        keychain = await keychain_scope(spec, scope, secrets)
+    except KeychainError as exc:
+        error = exc.outcome.error
+        assert error is not None
+        logger.info("keychain: %s", error.message, extra=extra)
+        return error_result(command, error.code, error.message, worker_id=worker_id, kind=error.kind,
+                            retryable=error.retryable)
+    if keychain is not None:
+        scope = RenderContext({**scope, "keychain": keychain}, known=scope.known)
     return spec, context, tasks, scope
 
 
@@ -253,18 +270,30 @@ async def execute_command(command: messages_pb2.Command, store: ResultStore, too
                           worker_id: str = "", default_timeout: float = 0.0,
                           cancelled: asyncio.Event | None = None,
                           sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
-                          infra_retry_sec: float | None = None) -> messages_pb2.CallResult:
+                          infra_retry_sec: float | None = None,
+                          secrets: CommandSecrets | None = None) -> messages_pb2.CallResult:
     """Run a claimed command to its ``CallResult``. Never raises for task, template or
     store failures (they become error envelopes); cancellation propagates. ``cancelled``
     is set when the api cancelled the command (tools that started work elsewhere, like
-    sub-playbooks, cancel it then)."""
+    sub-playbooks, cancel it then). ``secrets``: the command's access to stored
+    credentials; what they hand out is masked in everything the command reports."""
+    redactor = secrets.redactor if secrets is not None else None
+    return scrub_call_result(await _execute(command, store, tools, worker_id=worker_id,
+                                            default_timeout=default_timeout, cancelled=cancelled, sleep=sleep,
+                                            infra_retry_sec=infra_retry_sec, secrets=secrets), redactor)
+
+
+async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Tools, *, worker_id: str,
+                   default_timeout: float, cancelled: asyncio.Event | None,
+                   sleep: Callable[[float], Awaitable[Any]], infra_retry_sec: float | None,
+                   secrets: CommandSecrets | None) -> messages_pb2.CallResult:
     extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
-    prepared = await prepare(command, store, worker_id=worker_id, retry_sec=infra_retry_sec)
+    prepared = await prepare(command, store, worker_id=worker_id, retry_sec=infra_retry_sec, secrets=secrets)
     if isinstance(prepared, messages_pb2.CallResult):
         return prepared
     spec, _, tasks, scope = prepared
     caller = TaskCaller(command, spec, tools, timeout=command.timeout_seconds or default_timeout or None,
-                        cancelled=cancelled)
+                        cancelled=cancelled, secrets=secrets)
     persister = _Persister(store, command, infra_retry_sec)
     try:
         result: PipelineResult = await run_pipeline(tasks, scope, caller, on_result=persister.record,

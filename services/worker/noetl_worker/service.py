@@ -65,6 +65,7 @@ from noetl_common.config import (
     WorkerSettings,
 )
 from noetl_common.errors import NoetlError, Unavailable
+from noetl_common.redact import ActiveSecrets, LogFilter, Redactor
 from noetl_common.service import Service
 from noetl_dsl import templates
 from noetl_proto.v1 import execution_pb2_grpc, messages_pb2, worker_pb2, worker_pb2_grpc
@@ -74,7 +75,19 @@ from .cursor import CURSOR_KIND, run_cursor_slot
 from .cursor_drivers import Row, default_drivers
 from .metrics import BUSY, CANCEL_HINTS, CLAIMS, COMMANDS, CONCURRENCY, RESULT_BYTES, RESULTS_REPUBLISHED
 from .runner import error_result, execute_command
-from .tools import Credentials, HttpTool, PlaybookTool, PoolRegistry, PostgresTool, PythonPool, Tools
+from .secrecy import scrub_call_result
+from .tools import (
+    CommandSecrets,
+    Credentials,
+    Holder,
+    HttpTool,
+    PlaybookTool,
+    PoolRegistry,
+    PostgresTool,
+    PythonPool,
+    Tools,
+    api_fetch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +155,13 @@ class WorkerService(Service):
     def __init__(self, core: CoreSettings, shard: ShardSettings, command: CommandSettings,
                  worker: WorkerSettings, *, tools: Tools | None = None, store: ResultStore | None = None,
                  results: ResultStoreSettings | None = None, limits: LimitSettings | None = None,
-                 nats: NatsSettings | None = None) -> None:
+                 nats: NatsSettings | None = None, credentials: Credentials | None = None) -> None:
         super().__init__(core, shard)
+        # Stored credentials come from the api, for the commands this worker holds; the
+        # secret values of the commands running now are masked in every log line.
+        self.credentials = credentials
+        self.secrets_in_use = ActiveSecrets()
+        self._log_filter = LogFilter(self.secrets_in_use)
         self.nats_cfg = nats or NatsSettings.model_construct()
         self.reconnects = natsio.Reconnects()
         self._recent: deque[_Published] = deque(maxlen=RECENT_KEEP)
@@ -197,15 +215,19 @@ class WorkerService(Service):
                                                  max_result_bytes=result_bytes)
         self.api_channel = grpcutil.channel(self.core.api_target)
         self.api = worker_pb2_grpc.WorkerServiceStub(self.api_channel)
+        if self.credentials is None:
+            self.credentials = Credentials(api_fetch(self.api, self.worker_id))
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(self._log_filter)
         if self.tools is None:
             # Tools stop reading a result as soon as it passes the limit (the store checks it exactly).
             python = PythonPool(self.worker_cfg.python_pool or self.worker_cfg.concurrency,
                                 memory_mb=self.worker_cfg.python_memory_mb, result_bytes=result_bytes)
-            credentials, pools = Credentials(self.pool), PoolRegistry()
+            pools = PoolRegistry()
             self.tools = Tools(python=python, http=HttpTool(max_body_bytes=result_bytes),
-                               postgres=PostgresTool(credentials, pools, max_result_bytes=result_bytes),
+                               postgres=PostgresTool(pools, max_result_bytes=result_bytes),
                                playbook=PlaybookTool(execution_pb2_grpc.ExecutionServiceStub(self.api_channel)),
-                               cursors=default_drivers(credentials, pools))
+                               cursors=default_drivers(pools))
         if self.tools.python is not None:
             await self.tools.python.start()
         await self.nc.subscribe(CANCEL_HINTS_SUBJECT, cb=self._on_cancel_hint)
@@ -293,6 +315,10 @@ class WorkerService(Service):
                 await asyncio.wait_for(self.nc.drain(), timeout=2.0)
         if self.api_channel is not None:
             await self.api_channel.close()
+        if self.credentials is not None:
+            self.credentials.clear()
+        for handler in logging.getLogger().handlers:
+            handler.removeFilter(self._log_filter)
 
     # ------------------------------------------------------------ slots
 
@@ -425,6 +451,12 @@ class WorkerService(Service):
         BUSY.inc()
         started = time.perf_counter()
         renewer = asyncio.ensure_future(self._renew_loop(run))
+        # The credentials this attempt reads, and the redactor of their values (registered
+        # while it runs: log lines of any origin are masked with it).
+        redactor = Redactor()
+        secrets = CommandSecrets(self.credentials, Holder(command.command_id, command.attempt, command.execution_id,
+                                                          command.step), redactor)
+        self.secrets_in_use.register(redactor)
         try:
             work: Awaitable[messages_pb2.CallResult]
             if command.kind == CURSOR_KIND:
@@ -433,11 +465,13 @@ class WorkerService(Service):
 
                 work = run_cursor_slot(command, self.store, self.tools, report=report, worker_id=self.worker_id,
                                        default_timeout=self.worker_cfg.default_task_timeout_sec,
-                                       cancelled=run.cancelled, infra_retry_sec=self.worker_cfg.infra_retry_sec)
+                                       cancelled=run.cancelled, infra_retry_sec=self.worker_cfg.infra_retry_sec,
+                                       secrets=secrets)
             else:
                 work = execute_command(command, self.store, self.tools, worker_id=self.worker_id,
                                        default_timeout=self.worker_cfg.default_task_timeout_sec,
-                                       cancelled=run.cancelled, infra_retry_sec=self.worker_cfg.infra_retry_sec)
+                                       cancelled=run.cancelled, infra_retry_sec=self.worker_cfg.infra_retry_sec,
+                                       secrets=secrets)
             run.task = asyncio.ensure_future(work)
             try:
                 result = await run.task
@@ -450,14 +484,16 @@ class WorkerService(Service):
                 raise
             except Exception as exc:  # a worker bug: report it rather than leave the command hanging
                 logger.exception("command crashed the worker code", extra=extra)
-                result = error_result(command, WORKER_ERROR, f"worker error: {type(exc).__name__}: {exc}",
-                                      worker_id=self.worker_id, kind=type(exc).__name__)
+                result = scrub_call_result(error_result(
+                    command, WORKER_ERROR, f"worker error: {type(exc).__name__}: {exc}", worker_id=self.worker_id,
+                    kind=type(exc).__name__), redactor)
             await self._publish(run, result)
             status = result.envelope.status or "unknown"
             COMMANDS.labels(command.kind or "unknown", status).inc()
             logger.debug("command done status=%s in %.1f ms", status, (time.perf_counter() - started) * 1000,
                          extra=extra)
         finally:
+            self.secrets_in_use.unregister(redactor)
             if self._runs.get(command.command_id) is run:
                 del self._runs[command.command_id]
             renewer.cancel()

@@ -11,7 +11,7 @@ A new backend (MySQL, Snowflake, Redis streams, ...) is a module with a factory 
 
 from __future__ import annotations
 
-from ..tools.postgres import Credentials, PoolRegistry
+from ..tools.postgres import PoolRegistry
 from .base import (
     DEFAULT_POOL_SIZE,
     CursorDriver,
@@ -37,8 +37,8 @@ __all__ = [
 ]
 
 
-def default_drivers(credentials: Credentials, pools: PoolRegistry) -> CursorDrivers:
+def default_drivers(pools: PoolRegistry) -> CursorDrivers:
     """The registry a worker starts with: postgres over the worker's shared pools."""
     drivers = CursorDrivers()
-    drivers.register_driver("postgres", PostgresCursorFactory(credentials, pools))
+    drivers.register_driver("postgres", PostgresCursorFactory(pools))
     return drivers

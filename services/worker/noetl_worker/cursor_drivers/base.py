@@ -20,11 +20,14 @@ import logging
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from noetl_common.errors import ToolError
 
 from ..tools.outcome import CURSOR_ERROR
+
+if TYPE_CHECKING:
+    from ..tools.credentials import CommandSecrets
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +89,9 @@ class CursorDriver(Protocol):
 
 
 class CursorDriverFactory(Protocol):
-    async def open(self, spec: CursorSpec) -> CursorDriver:
-        """A driver for ``spec`` (resolving ``auth``, sharing connection pools)."""
+    async def open(self, spec: CursorSpec, secrets: CommandSecrets | None = None) -> CursorDriver:
+        """A driver for ``spec`` (resolving ``auth`` through the command's ``secrets``,
+        sharing connection pools)."""
         ...
 
     async def close(self) -> None:
@@ -120,8 +124,8 @@ class CursorDrivers:
                               kind="UnknownCursorKind")
         return factory
 
-    async def open(self, spec: CursorSpec) -> CursorDriver:
-        return await self.lookup(spec.kind).open(spec)
+    async def open(self, spec: CursorSpec, secrets: CommandSecrets | None = None) -> CursorDriver:
+        return await self.lookup(spec.kind).open(spec, secrets)
 
     async def close(self) -> None:
         for kind, factory in list(self._factories.items()):

@@ -24,11 +24,12 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from noetl_common.errors import NoetlError, NotFound, ToolError
+from noetl_common.errors import NoetlError, ToolError
 from noetl_store import to_jsonable
 
-from ..tools.outcome import CREDENTIAL_NOT_FOUND, SQL_ERROR, TOOL_ERROR
-from ..tools.postgres import Credentials, PoolRegistry, resolve_dsn, sql_error
+from ..tools.credentials import CommandSecrets, credential_failure
+from ..tools.outcome import SQL_ERROR
+from ..tools.postgres import PoolRegistry, describe_auth, resolve_dsn, sql_error
 from .base import CursorDriver, CursorError, CursorSpec, Row
 
 KIND = "postgres"
@@ -79,22 +80,20 @@ async def _claim_row(conn: psycopg.AsyncConnection[Any], statement: str) -> Row 
 class PostgresCursorFactory:
     """Opens postgres cursor drivers over the worker's shared pools."""
 
-    def __init__(self, credentials: Credentials, pools: PoolRegistry) -> None:
-        self.credentials = credentials
+    def __init__(self, pools: PoolRegistry) -> None:
         self.pools = pools
 
-    async def open(self, spec: CursorSpec) -> CursorDriver:
+    async def open(self, spec: CursorSpec, secrets: CommandSecrets | None = None) -> CursorDriver:
         if spec.auth in (None, ""):
             raise CursorError("a postgres cursor needs `auth` (a credential name)")
         try:
-            dsn = await resolve_dsn(self.credentials, spec.auth)
-        except NotFound as exc:
-            raise ToolError(str(exc), code=CREDENTIAL_NOT_FOUND, kind="NotFound") from exc
+            dsn = await resolve_dsn(secrets, spec.auth)
         except ValueError as exc:
-            raise CursorError(f"credential {spec.auth!r}: {exc}") from exc
+            raise CursorError(f"{describe_auth(spec.auth)}: {exc}") from exc
         except NoetlError as exc:
-            raise ToolError(f"cannot read credential {spec.auth!r}: {exc}", code=TOOL_ERROR,
-                            kind=type(exc).__name__, retryable=True) from exc
+            error = credential_failure(exc, describe_auth(spec.auth)).error
+            assert error is not None
+            raise ToolError(error.message, code=error.code, kind=error.kind, retryable=error.retryable) from exc
         size = spec.pool_size
         try:
             pool = await self.pools.get(dsn, max_size=size)

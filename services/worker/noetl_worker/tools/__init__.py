@@ -2,24 +2,29 @@
 playbook (sub-playbooks)."""
 
 from .call import CallInfo
+from .credentials import CommandSecrets, Credentials, Holder, StoredCredential, api_fetch
 from .dispatch import Tools, python_code, resolve_workbook_task
 from .http import HttpTool
 from .outcome import ErrorDetail, ToolOutcome
 from .playbook import PlaybookTool
-from .postgres import Credentials, PoolRegistry, PostgresTool, dsn_from, resolve_dsn
+from .postgres import PoolRegistry, PostgresTool, dsn_from, resolve_dsn
 from .python import PythonPool
 
 __all__ = [
     "CallInfo",
+    "CommandSecrets",
     "Credentials",
     "ErrorDetail",
+    "Holder",
     "HttpTool",
     "PlaybookTool",
     "PoolRegistry",
     "PostgresTool",
     "PythonPool",
+    "StoredCredential",
     "ToolOutcome",
     "Tools",
+    "api_fetch",
     "dsn_from",
     "python_code",
     "resolve_dsn",

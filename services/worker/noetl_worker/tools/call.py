@@ -4,13 +4,18 @@
 the command), so a tool that starts something elsewhere (a sub-playbook) can use it as
 an idempotency key and re-attach after a worker died. ``cancelled`` is set when the api
 cancelled the command (not when the worker merely lost its lease or shuts down: then
-another attempt takes over and re-attaches).
+another attempt takes over and re-attaches). ``secrets`` is the command attempt's access
+to stored credentials (``credentials.py``), which records what it hands out for redaction.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .credentials import CommandSecrets
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +25,7 @@ class CallInfo:
     step: str
     key: str
     cancelled: asyncio.Event | None = None
+    secrets: CommandSecrets | None = None
 
     @property
     def is_cancelled(self) -> bool:

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 PLAYBOOK_FIELDS = ("path", "version", "return_step")
 HTTP_FIELDS = ("method", "url", "endpoint", "params", "headers", "json", "body", "payload", "data",
-               "timeout", "follow_redirects")
+               "timeout", "follow_redirects", "auth", "credential")
 MAX_WORKBOOK_DEPTH = 8
 # Python code that mentions one of these may read the `context` global.
 SCOPE_WORDS = ("context", "globals", "vars(", "eval", "exec")
@@ -185,15 +185,19 @@ class Tools:
             if self.http is None:
                 return _unsupported(kind)
             rendered = render({k: task[k] for k in HTTP_FIELDS if k in task}, fields)
-            return await asyncio.wait_for(self.http.run(rendered, timeout_sec=timeout_sec), timeout_sec)
+            secrets = call.secrets if call is not None else None
+            return await asyncio.wait_for(self.http.run(rendered, timeout_sec=timeout_sec, secrets=secrets),
+                                          timeout_sec)
         if kind == "postgres":
             if self.postgres is None:
                 return _unsupported(kind)
             source = task.get("command") if task.get("command") is not None else task.get("query")
             sql = render_text(str(source or ""), fields)
-            auth = render(task.get("auth"), fields)
+            auth = render(task.get("auth") if task.get("auth") is not None else task.get("credential"), fields)
             limit = timeout_sec + SQL_TIMEOUT_GRACE_SEC if timeout_sec else None
-            return await asyncio.wait_for(self.postgres.run(sql, auth, timeout_sec=timeout_sec), limit)
+            secrets = call.secrets if call is not None else None
+            return await asyncio.wait_for(self.postgres.run(sql, auth, timeout_sec=timeout_sec, secrets=secrets),
+                                          limit)
         if kind == "playbook":
             if self.playbook is None:
                 return _unsupported(kind)

@@ -3,7 +3,8 @@
 Task fields (already rendered): ``method`` (GET), ``url`` (or ``endpoint``),
 ``params``, ``headers``, a body from ``json``, ``body`` / ``payload`` (mapping or list:
 JSON; text: sent as is) or ``data`` (mapping: form-encoded; text: sent as is),
-``timeout`` (seconds), ``follow_redirects``.
+``timeout`` (seconds), ``follow_redirects``, ``auth`` (or ``credential``): a stored
+credential that becomes request headers (bearer, basic, a header: ``httpauth.py``).
 
 Value: ``{"status_code", "headers", "body", "data"}`` with the body parsed as JSON when
 the content type says JSON or the text parses, else text. ``data`` is the same body
@@ -28,9 +29,12 @@ from typing import Any
 
 import httpx
 
+from noetl_common.errors import NoetlError
 from noetl_store import check_result_size
 
-from .outcome import HTTP_ERROR, INVALID_TASK, TIMEOUT, ToolOutcome
+from .credentials import CommandSecrets, credential_failure
+from .httpauth import auth_headers, merge_headers, parse_auth
+from .outcome import CREDENTIAL_NOT_FOUND, HTTP_ERROR, INVALID_TASK, TIMEOUT, ToolOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +118,30 @@ def _body(task: Mapping[str, Any]) -> dict[str, Any]:
     return {"json": data}
 
 
+async def _auth_headers(auth: Any, secrets: CommandSecrets | None) -> dict[str, str] | ToolOutcome:
+    """The headers of a task's ``auth``, or the task's failure."""
+    try:
+        spec = parse_auth(auth)
+    except ValueError as exc:
+        return ToolOutcome.failure(INVALID_TASK, str(exc), kind="ValueError")
+    what = f"credential {spec.credential!r}"
+    if secrets is None:
+        return ToolOutcome.failure(CREDENTIAL_NOT_FOUND, f"{what} not found (this worker has no credential access)",
+                                   kind="NotFound")
+    try:
+        cred = await secrets.get(spec.credential)
+    except NoetlError as exc:
+        return credential_failure(exc, what)
+    try:
+        headers = auth_headers(spec, cred.kind, cred.data)
+    except ValueError as exc:
+        return ToolOutcome.failure(INVALID_TASK, str(exc), kind="ValueError")
+    for value in headers.values():  # what was built from the secret is scrubbed too
+        secrets.add(value)
+        secrets.add(value.partition(" ")[2])
+    return headers
+
+
 class HttpTool:
     """Runs http tasks on one shared client (``close()`` closes it if the tool made it)."""
 
@@ -130,7 +158,8 @@ class HttpTool:
         if self._own:
             await self.client.aclose()
 
-    async def run(self, task: Mapping[str, Any], *, timeout_sec: float | None = None) -> ToolOutcome:
+    async def run(self, task: Mapping[str, Any], *, timeout_sec: float | None = None,
+                  secrets: CommandSecrets | None = None) -> ToolOutcome:
         method = str(task.get("method") or "GET").upper()
         url = task.get("url") or task.get("endpoint")
         if not url or not isinstance(url, str):
@@ -143,6 +172,12 @@ class HttpTool:
                                       "headers": _str_map(task.get("headers"), "headers"), **_body(task)}
         except (TypeError, ValueError) as exc:
             return ToolOutcome.failure(INVALID_TASK, str(exc), kind=type(exc).__name__)
+        auth = task.get("auth") if task.get("auth") is not None else task.get("credential")
+        if auth is not None:
+            headers = await _auth_headers(auth, secrets)
+            if isinstance(headers, ToolOutcome):
+                return headers
+            kwargs["headers"] = merge_headers(kwargs["headers"], headers)
         try:
             async with self.client.stream(method, url, timeout=request_timeout,
                                           follow_redirects=bool(task.get("follow_redirects", False)),

@@ -1,8 +1,10 @@
 """The postgres tool: run a task's SQL with the connection its ``auth`` credential names.
 
-* Credentials live in ``noetl.credential (name, kind, data jsonb)``; ``data`` holds a
-  ``dsn`` or host/port/user/password/dbname (``database`` and ``db_*`` spellings too).
-  Lookups are cached for a few seconds (a cache: dropping it changes latency only).
+* ``auth`` (or ``credential``) names a stored credential (``credentials.py``: the worker
+  asks the api for it, for the command it runs) whose data holds a ``dsn`` or
+  host/port/user/password/dbname (``database`` and ``db_*`` spellings too); a mapping
+  holding ``dsn``/``host`` itself is an inline connection. The DSN's password is added to
+  the command's redactor either way, and errors name the credential, never its fields.
 * One ``AsyncConnectionPool`` per DSN per process (``PoolRegistry``), opened lazily on
   first use after one direct connection attempt (so a bad DSN fails with the server's
   message instead of a pool timeout), closed on shutdown. Connections are autocommit:
@@ -24,10 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
@@ -35,20 +35,12 @@ from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError, NotFound
-from noetl_common.retry import retry_transient
+from noetl_dsl.credrefs import reference_of
 from noetl_store import check_result_size, decode_json, encode_json
 
-from .outcome import (
-    CREDENTIAL_NOT_FOUND,
-    INVALID_TASK,
-    SQL_ERROR,
-    TIMEOUT,
-    TOOL_ERROR,
-    ErrorDetail,
-    ToolOutcome,
-)
+from .credentials import CommandSecrets, credential_failure
+from .outcome import INVALID_TASK, SQL_ERROR, TIMEOUT, ErrorDetail, ToolOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -79,46 +71,6 @@ def dsn_from(data: Mapping[str, Any]) -> str:
     if not params.get("host") and not params.get("dbname"):
         raise ValueError("credential data has neither `dsn` nor host/dbname")
     return make_conninfo(**params)
-
-
-# How long a credential lookup waits out an outage of the runtime database.
-CREDENTIAL_RETRY_SEC = 120.0
-
-
-class Credentials:
-    """Resolves credential names from ``noetl.credential`` (short TTL cache)."""
-
-    def __init__(self, pool: Pool | None, *, ttl: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.pool = pool
-        self.ttl = ttl
-        self._clock = clock
-        self._cache: dict[str, tuple[float, dict[str, Any]]] = {}
-
-    async def get(self, name: str) -> dict[str, Any]:
-        """``{"kind", "data"}`` of a credential; NotFound naming it when absent."""
-        hit = self._cache.get(name)
-        now = self._clock()
-        if hit is not None and now - hit[0] < self.ttl:
-            return hit[1]
-        if self.pool is None:
-            raise NotFound(f"credential {name!r} not found (the worker has no runtime database)")
-        pool = self.pool
-
-        async def read() -> Any:
-            async with transaction(pool) as conn:
-                cur = await conn.execute("SELECT kind, data FROM noetl.credential WHERE name = %s", (name,))
-                return await cur.fetchone()
-
-        # the runtime database, not the task's: an outage of it is waited out, not the task's error
-        row = await retry_transient(f"reading credential {name!r}", read, deadline_sec=CREDENTIAL_RETRY_SEC,
-                                    initial=0.1, cap=5.0)
-        if row is None:
-            raise NotFound(f"credential {name!r} not found")
-        data = row["data"] if isinstance(row["data"], dict) else json.loads(row["data"])
-        cred = {"kind": row["kind"], "data": data}
-        self._cache[name] = (now, cred)
-        return cred
 
 
 class PoolRegistry:
@@ -185,29 +137,42 @@ def _sql_failure(exc: psycopg.Error) -> ToolOutcome:
     return ToolOutcome("error", None, sql_error(exc))
 
 
-async def resolve_dsn(credentials: Credentials, auth: Any) -> str:
+def describe_auth(auth: Any) -> str:
+    """What an ``auth`` value names, for messages: never its fields (an inline mapping may
+    hold a password)."""
+    ref = reference_of(auth)
+    if ref is not None:
+        return f"credential {ref!r}"
+    return "the inline connection" if isinstance(auth, Mapping) else f"auth of type {type(auth).__name__}"
+
+
+async def resolve_dsn(secrets: CommandSecrets | None, auth: Any) -> str:
     """``auth`` is a credential name, or a mapping naming one (``credential``/``key``/
-    ``name``) or holding connection fields inline. NotFound for an unknown credential,
-    ValueError for one without connection fields."""
-    if isinstance(auth, Mapping):
-        ref = auth.get("credential") or auth.get("key") or auth.get("name")
-        if ref and not (auth.get("dsn") or auth.get("host")):
-            return dsn_from((await credentials.get(str(ref)))["data"])
-        return dsn_from(auth)
-    return dsn_from((await credentials.get(str(auth)))["data"])
+    ``name``) or holding connection fields inline. NotFound / CredentialDenied / Conflict /
+    Unavailable from the credential lookup, ValueError for one without connection fields.
+    The DSN's password is added to ``secrets``' redactor."""
+    ref = reference_of(auth)
+    if ref is not None:
+        if secrets is None:
+            raise NotFound(f"credential {ref!r} not found (this worker has no credential access)")
+        dsn = dsn_from((await secrets.get(ref.strip())).data)
+    elif isinstance(auth, Mapping):
+        dsn = dsn_from(auth)
+    else:
+        raise ValueError(f"`auth` must name a credential, got {type(auth).__name__}")
+    if secrets is not None:
+        secrets.add_dsn(dsn)
+    return dsn
 
 
 class PostgresTool:
-    def __init__(self, credentials: Credentials, pools: PoolRegistry, *, max_result_bytes: int = 0) -> None:
+    def __init__(self, pools: PoolRegistry, *, max_result_bytes: int = 0) -> None:
         """``max_result_bytes``: the largest rows (encoded JSON) a task may return; 0 = no limit."""
-        self.credentials = credentials
         self.pools = pools
         self.max_result_bytes = max(0, max_result_bytes)
 
-    async def dsn_for(self, auth: Any) -> str:
-        return await resolve_dsn(self.credentials, auth)
-
-    async def run(self, sql: str, auth: Any, *, timeout_sec: float | None = None) -> ToolOutcome:
+    async def run(self, sql: str, auth: Any, *, timeout_sec: float | None = None,
+                  secrets: CommandSecrets | None = None) -> ToolOutcome:
         if not sql or not sql.strip():
             return ToolOutcome.failure(INVALID_TASK, "postgres task needs a `command` or `query`",
                                        kind="ValueError")
@@ -215,14 +180,11 @@ class PostgresTool:
             return ToolOutcome.failure(INVALID_TASK, "postgres task needs `auth` (a credential name)",
                                        kind="ValueError")
         try:
-            dsn = await self.dsn_for(auth)
-        except NotFound as exc:
-            return ToolOutcome.failure(CREDENTIAL_NOT_FOUND, str(exc), kind="NotFound")
+            dsn = await resolve_dsn(secrets, auth)
         except ValueError as exc:
-            return ToolOutcome.failure(INVALID_TASK, f"credential {auth!r}: {exc}", kind="ValueError")
+            return ToolOutcome.failure(INVALID_TASK, f"{describe_auth(auth)}: {exc}", kind="ValueError")
         except NoetlError as exc:
-            return ToolOutcome.failure(TOOL_ERROR, f"cannot read credential {auth!r}: {exc}",
-                                       kind=type(exc).__name__, retryable=True)
+            return credential_failure(exc, describe_auth(auth))
         try:
             pool = await self.pools.get(dsn)
             async with pool.connection() as conn:

@@ -97,6 +97,9 @@ class _Child:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.tasks_run = 0
+        # What task code writes to stderr (and C code to fd 1) goes through the worker's
+        # logging, whose filter masks the secrets of running commands (noetl_common.redact).
+        self.stderr_pump = asyncio.ensure_future(_pump_stderr(proc)) if proc.stderr is not None else None
 
     @property
     def pid(self) -> int:
@@ -138,6 +141,27 @@ class _Child:
             with contextlib.suppress(Exception):
                 while await self.proc.stdout.read(DRAIN_CHUNK):
                     pass
+
+
+STDERR_LOGGER = logging.getLogger("noetl_worker.python.stderr")
+STDERR_LINE = 64 * 1024  # a longer line is logged in pieces
+
+
+async def _pump_stderr(proc: asyncio.subprocess.Process) -> None:
+    """Log a child's stderr line by line until it closes."""
+    assert proc.stderr is not None
+    pending = b""
+    with contextlib.suppress(Exception):
+        while chunk := await proc.stderr.read(DRAIN_CHUNK):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            while len(pending) > STDERR_LINE:
+                lines.append(pending[:STDERR_LINE])
+                pending = pending[STDERR_LINE:]
+            for line in lines:
+                STDERR_LOGGER.info("python pid %s: %s", proc.pid, line.decode("utf-8", "replace").rstrip("\r"))
+    if pending:
+        STDERR_LOGGER.info("python pid %s: %s", proc.pid, pending.decode("utf-8", "replace"))
 
 
 def _exit_text(code: int | None) -> str:
@@ -243,7 +267,8 @@ class PythonPool:
 
     async def _spawn(self) -> _Child:
         proc = await asyncio.create_subprocess_exec(
-            *self._command(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=self.env)
+            *self._command(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=self.env)
         child = _Child(proc)
         self._children.add(child)
         limited = f" with {MEMORY_SETTING}={self.memory_mb}" if self.memory_mb else ""
