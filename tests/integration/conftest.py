@@ -30,3 +30,4 @@ async def nc(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[NAT
     await natsio.ensure_streams(conn.jetstream())
     yield conn
     await conn.drain()
+

@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from credhelp import put_credentials, store_fetch
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_common.db import make_pool
@@ -19,7 +20,7 @@ from noetl_proto.v1 import messages_pb2
 from noetl_store import PostgresResultStore, envelope_from_proto
 from noetl_worker.cursor import CURSOR_KIND, run_cursor_slot
 from noetl_worker.cursor_drivers import CursorSpec, Row, default_drivers
-from noetl_worker.tools import Credentials, PoolRegistry, PostgresTool, Tools
+from noetl_worker.tools import CommandSecrets, Credentials, Holder, PoolRegistry, PostgresTool, Tools
 
 pytestmark = pytest.mark.integration
 
@@ -31,21 +32,28 @@ _tables = itertools.count(1)
 async def runtime_pool(pg_dsn: str) -> AsyncIterator[AsyncConnectionPool]:
     pool = make_pool(pg_dsn, min_size=1, max_size=4, name="test-cursor")
     await pool.open(wait=True, timeout=30)
-    async with pool.connection() as conn:
-        await conn.execute(
-            "INSERT INTO noetl.credential (name, kind, data) VALUES (%s, 'postgres', %s::jsonb) "
-            "ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data", (CRED, json.dumps({"dsn": pg_dsn})))
-        await conn.commit()
+    await put_credentials(pool, {CRED: ("postgres", {"dsn": pg_dsn})})
     yield pool
     await pool.close()
 
 
 @pytest.fixture
 async def tools(runtime_pool: AsyncConnectionPool) -> AsyncIterator[Tools]:
-    credentials, pools = Credentials(runtime_pool), PoolRegistry()
-    t = Tools(postgres=PostgresTool(credentials, pools), cursors=default_drivers(credentials, pools))
+    pools = PoolRegistry()
+    t = Tools(postgres=PostgresTool(pools), cursors=default_drivers(pools))
+    t.test_credentials = Credentials(store_fetch(runtime_pool))  # type: ignore[attr-defined]
     yield t
     await t.close()
+
+
+def secrets_of(tools: Tools, command: messages_pb2.Command) -> CommandSecrets:
+    credentials: Credentials = tools.test_credentials  # type: ignore[attr-defined]
+    return credentials.for_command(Holder(command.command_id, command.attempt, command.execution_id, command.step))
+
+
+async def run_slot(command: messages_pb2.Command, store: Any, tools: Tools, **kw: Any) -> messages_pb2.CallResult:
+    """run_cursor_slot with the command's credential access (as the worker gives it)."""
+    return await run_cursor_slot(command, store, tools, secrets=secrets_of(tools, command), **kw)
 
 
 class Work:
@@ -107,7 +115,7 @@ async def test_concurrent_slots_process_every_row_exactly_once(pg_dsn: str, tool
         reported.append(row)
 
     store = PostgresResultStore(runtime_pool)
-    results = await asyncio.gather(*(run_cursor_slot(slot_command(work, k), store, tools, report=report)
+    results = await asyncio.gather(*(run_slot(slot_command(work, k), store, tools, report=report)
                                      for k in range(4)))
     envs = [envelope_from_proto(r.envelope) for r in results]
     assert all(e["status"] == "ok" for e in envs), envs
@@ -127,7 +135,7 @@ async def test_resume_row_is_run_first(pg_dsn: str, tools: Tools, runtime_pool: 
     work = await Work(pg_dsn, 5).create()
     # A previous attempt of the slot claimed row 3 and died while running it.
     await work.query(f"UPDATE {work.table} SET status = 'claimed' WHERE id = 3 RETURNING id")
-    result = await run_cursor_slot(slot_command(work, 0, resume={"id": 3}), PostgresResultStore(runtime_pool),
+    result = await run_slot(slot_command(work, 0, resume={"id": 3}), PostgresResultStore(runtime_pool),
                                    tools)
     env = envelope_from_proto(result.envelope)
     assert env["context"] == {"processed": 5, "succeeded": 5, "failed": 0}
@@ -145,7 +153,7 @@ async def test_the_row_is_reported_before_its_claim_commits(pg_dsn: str, tools: 
         [(status,)] = await work.query(f"SELECT status FROM {work.table} WHERE id = {row['id']}")
         seen.append((row["id"], status))
 
-    await run_cursor_slot(slot_command(work, 0), PostgresResultStore(runtime_pool), tools, report=report)
+    await run_slot(slot_command(work, 0), PostgresResultStore(runtime_pool), tools, report=report)
     assert seen == [(1, "pending"), (2, "pending"), (3, "pending")]
     assert await work.query(f"SELECT count(*) FROM {work.table} WHERE status = 'claimed'") == [(3,)]
 
@@ -154,7 +162,7 @@ async def test_failing_rows_are_counted(pg_dsn: str, tools: Tools, runtime_pool:
     work = await Work(pg_dsn, 6).create()
     tool = [{"name": "check", "kind": "postgres", "auth": CRED, "query": "SELECT 1 / ({{ row.id }} % 2) AS x"},
             work.sink_task]
-    env = envelope_from_proto((await run_cursor_slot(slot_command(work, 0, tool=tool),
+    env = envelope_from_proto((await run_slot(slot_command(work, 0, tool=tool),
                                                      PostgresResultStore(runtime_pool), tools)).envelope)
     assert env["status"] == "ok"
     assert {k: env["context"][k] for k in ("processed", "succeeded", "failed")} == {
@@ -166,7 +174,7 @@ async def test_failing_rows_are_counted(pg_dsn: str, tools: Tools, runtime_pool:
 async def test_claim_sql_error_fails_the_slot(pg_dsn: str, tools: Tools, runtime_pool: AsyncConnectionPool) -> None:
     work = await Work(pg_dsn, 1).create()
     command = slot_command(work, 0, claim="UPDATE public.no_such_work SET status = 'x' RETURNING id")
-    env = envelope_from_proto((await run_cursor_slot(command, PostgresResultStore(runtime_pool), tools)).envelope)
+    env = envelope_from_proto((await run_slot(command, PostgresResultStore(runtime_pool), tools)).envelope)
     assert env["status"] == "error" and env["error"]["code"] == "SQL_ERROR"
     assert 'relation "public.no_such_work" does not exist' in env["error"]["message"]
     assert env["context"] == {"processed": 0, "succeeded": 0, "failed": 0}
@@ -176,7 +184,7 @@ async def test_a_claim_of_several_rows_is_rolled_back(pg_dsn: str, tools: Tools,
                                                       runtime_pool: AsyncConnectionPool) -> None:
     work = await Work(pg_dsn, 3).create()
     command = slot_command(work, 0, claim=f"UPDATE {work.table} SET status = 'claimed' RETURNING id")
-    env = envelope_from_proto((await run_cursor_slot(command, PostgresResultStore(runtime_pool), tools)).envelope)
+    env = envelope_from_proto((await run_slot(command, PostgresResultStore(runtime_pool), tools)).envelope)
     assert env["status"] == "error" and env["error"]["code"] == "CURSOR_ERROR"
     assert "returned 3 rows" in env["error"]["message"]
     assert await work.query(f"SELECT count(*) FROM {work.table} WHERE status = 'pending'") == [(3,)]
@@ -186,22 +194,24 @@ async def test_unknown_kind_and_unknown_credential(pg_dsn: str, tools: Tools,
                                                    runtime_pool: AsyncConnectionPool) -> None:
     work = await Work(pg_dsn, 1).create()
     store = PostgresResultStore(runtime_pool)
-    env = envelope_from_proto((await run_cursor_slot(slot_command(work, 0, kind="mysql"), store, tools)).envelope)
+    env = envelope_from_proto((await run_slot(slot_command(work, 0, kind="mysql"), store, tools)).envelope)
     assert env["status"] == "error" and env["error"]["code"] == "CURSOR_ERROR"
     assert env["error"]["message"] == "unknown cursor kind 'mysql' (this worker has drivers for: postgres)"
     command = slot_command(work, 0)
     context = json.loads(command.context_json)
     context["cursor"]["auth"] = "no_such_credential"
     command.context_json = json.dumps(context)
-    env = envelope_from_proto((await run_cursor_slot(command, store, tools)).envelope)
+    env = envelope_from_proto((await run_slot(command, store, tools)).envelope)
     assert env["status"] == "error" and env["error"]["code"] == "CREDENTIAL_NOT_FOUND"
     assert "no_such_credential" in env["error"]["message"]
 
 
 async def test_one_pool_per_dsn_sized_by_the_largest_pool_size(pg_dsn: str, tools: Tools) -> None:
     assert tools.cursors is not None
-    small = await tools.cursors.open(CursorSpec("postgres", CRED, "SELECT 1", {"pool_size": 3}))
-    large = await tools.cursors.open(CursorSpec("postgres", {"credential": CRED}, "SELECT 2", {"pool_size": 12}))
+    secrets = tools.test_credentials.for_command(Holder("1:s:1", 1, 1, "s"))  # type: ignore[attr-defined]
+    small = await tools.cursors.open(CursorSpec("postgres", CRED, "SELECT 1", {"pool_size": 3}), secrets)
+    large = await tools.cursors.open(CursorSpec("postgres", {"credential": CRED}, "SELECT 2", {"pool_size": 12}),
+                                     secrets)
     assert small.pool is large.pool  # type: ignore[attr-defined]
     assert large.pool.max_size == 12  # type: ignore[attr-defined]
     async with small.claim("SELECT 7 AS n") as row:

@@ -88,10 +88,28 @@ def test_stack_is_up_and_wired(stack: devstack.StackState) -> None:
         assert conn.execute("SELECT count(*) FROM noetl.schema_migration").fetchone()[0] >= 1  # type: ignore[index]
     assert Path(stack.nats["store_dir"]).is_dir()
 
+    # the credentials master key: made at up (0600, in a 0700 directory), given to the api only
+    key_file = stack.credentials_key_file
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600" and oct(key_file.parent.stat().st_mode & 0o777) == "0o700"
+    keys = key_file.read_text().strip()
+    assert keys.startswith("local:") and len(keys) == len("local:") + 44
+    assert {ready_data(p)["env"].get("NOETL_CREDENTIALS_KEYS") for p in stack.processes("api")} == {keys}
+    assert all("NOETL_CREDENTIALS_KEYS" not in ready_data(p)["env"] for p in stack.processes() if p.role != "api")
+
     recorded = json.loads((stack.home / "dev" / "state.json").read_text())
     assert recorded["api"] == stack.api and recorded["home"] == str(stack.home)
+    assert keys.split(":", 1)[1] not in json.dumps(recorded)
     assert set(recorded) >= {"api", "shard_manager", "postgres_dsn", "nats_url", "postgres", "nats", "services"}
     assert set(recorded["services"]["api"][0]) >= {"pid", "grpc", "metrics", "instance", "log"}
+
+
+def test_a_key_given_by_the_user_goes_to_the_api_only(stack: devstack.StackState,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NOETL_CREDENTIALS_KEYS", "mine:" + "B" * 43 + "=")
+    assert stack.role_env(stack.process("api"))["NOETL_CREDENTIALS_KEYS"] == "mine:" + "B" * 43 + "="
+    for proc in stack.processes():
+        if proc.role != "api":
+            assert "NOETL_CREDENTIALS_KEYS" not in stack.role_env(proc)
 
 
 def test_status_json(stack: devstack.StackState, capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,6 +175,7 @@ def test_down_leaves_nothing_behind(stack: devstack.StackState) -> None:
     assert_gone(pids)
     dev = stack.home / "dev"
     assert not (dev / "state.json").exists() and not (dev / "pg").exists() and not (dev / "nats").exists()
+    assert not (dev / "secrets").exists()  # the key goes with the data it encrypted
     assert (dev / "logs" / "worker-1.log").exists()  # logs stay for post-mortems
     assert devstack.status(stack.home) is None
     assert devstack.down(stack.home) is False  # idempotent

@@ -18,10 +18,13 @@ import grpc
 import nats
 import psycopg
 import pytest
+from credhelp import put_credentials, sealing_keyring
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_api.catalog import Catalog
 from noetl_api.claims import Claimed, Claims
+from noetl_api.credentials import CredentialStore
+from noetl_api.grants import CredentialGrants
 from noetl_api.servicers import WorkerServicer
 from noetl_common import grpcutil, natsio
 from noetl_common.config import CommandSettings, CoreSettings, ShardSettings, WorkerSettings
@@ -46,8 +49,9 @@ class RecordingServicer(WorkerServicer):
     """The real servicer; each progress report also records what another session sees
     of the reported row at that moment (the claim must not have committed yet)."""
 
-    def __init__(self, claims: Claims, dsn: str, table: Callable[[], str]) -> None:
-        super().__init__(claims)
+    def __init__(self, claims: Claims, dsn: str, table: Callable[[], str],
+                 grants: CredentialGrants | None = None) -> None:
+        super().__init__(claims, grants)
         self.dsn = dsn
         self.table = table
         self.progress: list[tuple[int, str]] = []
@@ -127,13 +131,13 @@ async def wait_for(cond: Callable[[], bool], limit: float = 10) -> None:
 async def stack(pg_dsn: str, nats_url: str) -> AsyncIterator[Stack]:
     pool = make_pool(pg_dsn, min_size=1, max_size=4, name="test-cursor-service")
     await pool.open(wait=True, timeout=30)
-    async with pool.connection() as conn:
-        await conn.execute(
-            "INSERT INTO noetl.credential (name, kind, data) VALUES (%s, 'postgres', %s::jsonb) "
-            "ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data", (CRED, json.dumps({"dsn": pg_dsn})))
-        await conn.commit()
+    await put_credentials(pool, {CRED: ("postgres", {"dsn": pg_dsn})})
     holder: list[Stack] = []
-    servicer = RecordingServicer(Claims(pool, Catalog(pool), lease_sec=30), pg_dsn, lambda: holder[0].table)
+    catalog = Catalog(pool)
+    claims = Claims(pool, catalog, lease_sec=30)
+    # the api's credential path as it runs: the worker asks GetCredential for its claims
+    grants = CredentialGrants(claims, catalog, CredentialStore(pool, sealing_keyring()))
+    servicer = RecordingServicer(claims, pg_dsn, lambda: holder[0].table, grants)
     server = grpc.aio.server(interceptors=[grpcutil.ErrorInterceptor()])
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")

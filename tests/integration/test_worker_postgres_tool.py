@@ -1,18 +1,29 @@
-"""The postgres tool against a real Postgres, with credentials in noetl.credential."""
+"""The postgres tool against a real Postgres, with credentials stored (sealed) in
+noetl.credential and opened the way the api opens them."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+from credhelp import put_credentials, store_fetch
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_common.db import make_pool
+from noetl_common.redact import MASK
 from noetl_dsl.templates import RenderContext
 from noetl_store import ResultTooLarge
-from noetl_worker.tools import Credentials, PoolRegistry, PostgresTool, Tools, dsn_from
+from noetl_worker.tools import (
+    CommandSecrets,
+    Credentials,
+    Holder,
+    PoolRegistry,
+    PostgresTool,
+    Tools,
+    dsn_from,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -24,19 +35,31 @@ async def runtime_pool(pg_dsn: str) -> AsyncIterator[AsyncConnectionPool]:
     parts = conninfo_to_dict(pg_dsn)
     fields = {"host": parts.get("host"), "port": parts.get("port"), "user": parts.get("user"),
               "password": parts.get("password"), "database": parts.get("dbname")}
-    async with pool.connection() as conn:
-        for name, data in (("pg_test_dsn", {"dsn": pg_dsn}), ("pg_test_fields", fields)):
-            await conn.execute(
-                "INSERT INTO noetl.credential (name, kind, data) VALUES (%s, 'postgres', %s::jsonb) "
-                "ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data", (name, json.dumps(data)))
-        await conn.commit()
+    await put_credentials(pool, {"pg_test_dsn": ("postgres", {"dsn": pg_dsn}),
+                                 "pg_test_fields": ("postgres", fields)})
     yield pool
     await pool.close()
 
 
+class CredentialedTool(PostgresTool):
+    """The tool with one command's credential access (what a TaskCaller's CallInfo gives it)."""
+
+    def __init__(self, pools: PoolRegistry, secrets: CommandSecrets, **kw: Any) -> None:
+        super().__init__(pools, **kw)
+        self.secrets = secrets
+
+    async def run(self, sql: str, auth: Any, *, timeout_sec: float | None = None,
+                  secrets: CommandSecrets | None = None) -> Any:
+        return await super().run(sql, auth, timeout_sec=timeout_sec, secrets=secrets or self.secrets)
+
+
+def command_secrets(pool: AsyncConnectionPool) -> CommandSecrets:
+    return Credentials(store_fetch(pool)).for_command(Holder("1:s:1", 1, 1, "s"))
+
+
 @pytest.fixture(scope="module")
 async def tool(runtime_pool: AsyncConnectionPool) -> AsyncIterator[PostgresTool]:
-    t = PostgresTool(Credentials(runtime_pool), PoolRegistry(max_size=2))
+    t = CredentialedTool(PoolRegistry(max_size=2), command_secrets(runtime_pool))
     yield t
     await t.pools.close()
 
@@ -110,11 +133,8 @@ async def test_one_pool_per_dsn(tool: PostgresTool) -> None:
 
 
 async def test_bad_dsn_fails_with_the_connection_error(runtime_pool: AsyncConnectionPool) -> None:
-    async with runtime_pool.connection() as conn:
-        await conn.execute("INSERT INTO noetl.credential (name, kind, data) VALUES ('pg_bad', 'postgres', "
-                           "'{\"host\": \"127.0.0.1\", \"port\": 1, \"dbname\": \"x\"}') ON CONFLICT DO NOTHING")
-        await conn.commit()
-    tool = PostgresTool(Credentials(runtime_pool), PoolRegistry())
+    await put_credentials(runtime_pool, {"pg_bad": ("postgres", {"host": "127.0.0.1", "port": 1, "dbname": "x"})})
+    tool = CredentialedTool(PoolRegistry(), command_secrets(runtime_pool))
     out = await tool.run("SELECT 1", "pg_bad")
     assert out.error is not None and out.error.code == "SQL_ERROR" and out.error.retryable
     await tool.pools.close()
@@ -142,7 +162,7 @@ WIDE = "SELECT n, repeat('x', 1000) AS pad FROM generate_series(1, {rows}) AS n"
 async def test_rows_past_the_limit_stop_the_conversion(runtime_pool: AsyncConnectionPool) -> None:
     """20 MB of rows, 1 MiB allowed: refused once the converted rows pass the limit (a batch
     of FETCH_ROWS at most beyond it), not after turning all of them into objects."""
-    limited = PostgresTool(Credentials(runtime_pool), PoolRegistry(max_size=1), max_result_bytes=MIB)
+    limited = CredentialedTool(PoolRegistry(max_size=1), command_secrets(runtime_pool), max_result_bytes=MIB)
     with pytest.raises(ResultTooLarge) as caught:
         await limited.run(WIDE.format(rows=20_000), "pg_test_dsn")
     assert caught.value.limit == MIB and not caught.value.exact
@@ -166,3 +186,20 @@ def test_dsn_from_fields() -> None:
     assert dsn_from({"dsn": "postgresql://x"}) == "postgresql://x"
     with pytest.raises(ValueError):
         dsn_from({"user": "u"})
+
+
+async def test_the_password_of_the_dsn_used_is_known_to_the_redactor(runtime_pool: AsyncConnectionPool,
+                                                                      pg_dsn: str) -> None:
+    """A DSN's password (stored or inline) is added to the command's redactor; an error that
+    quotes it is masked with it (the runner masks every outcome with it: test_worker_secrets)."""
+    await put_credentials(runtime_pool, {"pg_pw": ("postgres", {"dsn": f"{pg_dsn} password=sql-s3cret-pw"})})
+    secrets = command_secrets(runtime_pool)
+    tool = CredentialedTool(PoolRegistry(), secrets)
+    out = await tool.run("SELECT 'sql-s3cret-pw'::int", "pg_pw")
+    assert out.error is not None and "sql-s3cret-pw" in out.error.message  # the server quotes it
+    assert secrets.redactor.text(out.error.message) == out.error.message.replace("sql-s3cret-pw", MASK)
+    inline = await tool.run("SELECT 1", {"dsn": f"{pg_dsn} password=inline-s3cret"})
+    assert inline.status == "ok" and secrets.redactor.text("inline-s3cret") == MASK
+    bad = await tool.run("SELECT 1", {"user": "x", "password": "inline-s3cret"})  # no dsn/host: named nothing
+    assert bad.error is not None and "inline-s3cret" not in bad.error.message
+    await tool.pools.close()
