@@ -7,11 +7,13 @@ serve the request: <its message>" when it answers that a dependency is down.
 
 from __future__ import annotations
 
+import getpass
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import grpc
 
@@ -387,20 +389,50 @@ def playbook_list(api: Api, *, prefix: str = "", as_json: bool = False) -> int:
     return 0
 
 
-def credential_add(api: Api, name: str, kind: str, *, dsn: str | None = None, data: str | None = None) -> int:
-    fields: dict[str, Any] = {}
-    if data:
+# One secret value (not a JSON object) becomes this field, by kind.
+SECRET_FIELD = {"postgres": "dsn", "http_bearer": "token", "http_basic": "password", "generic": "value"}
+
+
+def read_credential(kind: str, *, from_file: str | None = None, username: str | None = None,
+                    stdin: TextIO | None = None) -> dict[str, Any]:
+    """The credential's fields from ``from_file`` or stdin (prompted for without echo on a
+    terminal): a JSON object, or one secret value stored under the kind's field
+    (``SECRET_FIELD``). Messages never quote the input."""
+    stream = stdin if stdin is not None else sys.stdin
+    if from_file:
         try:
-            parsed = json.loads(data)
-        except ValueError as exc:
-            raise CliError(f"--data is not valid JSON: {exc}", code=2) from None
-        if not isinstance(parsed, dict):
-            raise CliError(f"--data must be a JSON object, got {type(parsed).__name__}", code=2)
-        fields.update(parsed)
-    if dsn:
-        fields["dsn"] = dsn
-    if not fields:
-        raise CliError("give the credential's fields with --dsn DSN or --data JSON", code=2)
+            text = Path(from_file).read_text()
+        except OSError as exc:
+            raise CliError(f"--from-file {from_file}: {exc.strerror or exc}", code=2) from None
+    elif stream.isatty():
+        text = getpass.getpass(f"secret for this {kind} credential (not echoed): ")
+    else:
+        text = stream.read()
+    text = text.removesuffix("\n").removesuffix("\r")
+    if not text.strip():
+        raise CliError("no secret given: pipe it on stdin or give --from-file PATH", code=2)
+    if text.lstrip().startswith("{"):
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:  # the position only: never the text
+            raise CliError(f"the credential is not valid JSON (line {exc.lineno}, column {exc.colno})",
+                           code=2) from None
+        if not isinstance(fields, dict):
+            raise CliError("the credential must be a JSON object", code=2)
+    else:
+        field = SECRET_FIELD.get(kind)
+        if field is None:
+            raise CliError(f"for --kind {kind}, give the credential as a JSON object of its fields", code=2)
+        fields = {field: text}
+    if username is not None:
+        fields["username"] = username
+    if kind == "http_basic" and "username" not in fields:
+        raise CliError("an http_basic credential needs --username (or a JSON object with username and password)",
+                       code=2)
+    return fields
+
+
+def credential_add(api: Api, name: str, kind: str, fields: dict[str, Any]) -> int:
     try:
         resp = api.call(api.credentials.PutCredential,
                         catalog_pb2.PutCredentialRequest(name=name, kind=kind, data_json=json.dumps(fields)))

@@ -21,8 +21,9 @@ role_postgres_dsn=...)`` gives the role processes another way to Postgres (a fau
 proxy in tests) while ``state.postgres_dsn`` stays the direct one.
 
 Layout under ``<home>/dev``: ``state.json``, ``pg/`` (Postgres), ``nats/`` (JetStream
-store), ``run/<role>-<i>.json`` (ready files), ``logs/<role>-<i>.log``. ``down`` deletes
-all of it except the logs.
+store), ``run/<role>-<i>.json`` (ready files), ``logs/<role>-<i>.log``,
+``secrets/credentials.keys`` (the credentials master key, mode 0600, given to the api
+processes only). ``down`` deletes all of it except the logs.
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
            synchronous_commit: bool | None = None) -> StackState:
     state.log_dir.mkdir(parents=True, exist_ok=True)
     state.run_dir.mkdir(parents=True, exist_ok=True)
+    state.ensure_credentials_key()
     deadline = time.monotonic() + timeout
     try:
         pg = localstack.start_postgres(state.dev_dir / "pg", synchronous_commit=synchronous_commit)

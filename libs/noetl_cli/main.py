@@ -150,13 +150,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     cr = sub.add_parser("credential", help="named credentials").add_subparsers(dest="action", metavar="ACTION")
     cr.required = True
-    p = cr.add_parser("add", parents=[with_api], help="add or replace a credential")
+    p = cr.add_parser("add", parents=[with_api], help="add or replace a credential (the secret from stdin or a file)",
+                      description="The secret is read from stdin (or --from-file), never from the command line:"
+                                  " a JSON object of the credential's fields, or one value (postgres: the DSN;"
+                                  " http_bearer: the token; http_basic: the password, with --username; generic:"
+                                  " {\"value\": ...}). On a terminal it is prompted for without echo.")
     p.add_argument("name")
-    p.add_argument("--kind", required=True, help="postgres, http_bearer, ...")
-    p.add_argument("--dsn", help="for --kind postgres: the connection string (stored as {\"dsn\": DSN})")
-    p.add_argument("--data", metavar="JSON", help="the credential's fields as a JSON object")
-    p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.credential_add(
-        api, a.name, a.kind, dsn=a.dsn, data=a.data)))
+    p.add_argument("--kind", required=True, help="postgres, http_bearer, http_basic, generic")
+    p.add_argument("--from-file", metavar="PATH", help="read the secret from this file instead of stdin")
+    p.add_argument("--username", help="for --kind http_basic: the user name (not a secret)")
+    # Refused with an explanation: a secret in argv is visible to every user (ps, /proc).
+    p.add_argument("--dsn", help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    p.set_defaults(handler=_credential_add)
     p = cr.add_parser("list", parents=[with_api], help="list credentials (names and kinds only)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.credential_list(api, as_json=a.json)))
@@ -192,6 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _home(args: argparse.Namespace) -> Path:
     return resolve_home(getattr(args, "home", None))
+
+
+def _credential_add(args: argparse.Namespace) -> int:
+    """Read the secret first (a refused argv or an empty input fails before the api is asked)."""
+    name = args.name
+    if args.dsn is not None or args.data is not None or getattr(args, "extra", None):
+        raise CliError("secrets are not accepted on the command line (every user of this machine can read a"
+                       " process's arguments): pipe them on stdin or give --from-file PATH, e.g."
+                       f" `noetl-rt credential add {name} --kind {args.kind} < secret.json`", code=2)
+    fields = client.read_credential(args.kind, from_file=args.from_file, username=args.username)
+    return _with_api(args, lambda api: client.credential_add(api, name, args.kind, fields))
 
 
 def _with_api(args: argparse.Namespace, fn: Callable[[client.Api], int],
@@ -254,7 +271,11 @@ def _report(exc: BaseException) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # an extra argument to `credential add` is a secret: refused with an explanation there
+        if getattr(args, "handler", None) is not _credential_add:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra = extra
     handler: Handler | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)

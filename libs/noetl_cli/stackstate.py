@@ -8,6 +8,7 @@ died; ``shutdown()``.
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import signal
@@ -33,6 +34,7 @@ from .supervise import (
 )
 
 Progress = Callable[[str], None]
+CREDENTIALS_KEYS = "NOETL_CREDENTIALS_KEYS"
 
 __all__ = ["Progress", "StackState", "clean_home", "quiet", "teardown"]
 
@@ -73,6 +75,23 @@ class StackState:
     @property
     def run_dir(self) -> Path:
         return self.dev_dir / "run"
+
+    @property
+    def credentials_key_file(self) -> Path:
+        """The stack's credentials master key (``NOETL_CREDENTIALS_KEYS`` of its api
+        processes): made at ``dev up``, mode 0600, deleted with the data by ``dev down``."""
+        return self.dev_dir / "secrets" / "credentials.keys"
+
+    def ensure_credentials_key(self) -> None:
+        """Make the stack's credentials key unless it exists (kept across heals: the data
+        it encrypts is)."""
+        path = self.credentials_key_file
+        if path.exists():
+            return
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"local:{base64.b64encode(os.urandom(32)).decode()}\n")
 
     # ------------------------------------------------------------ processes
 
@@ -116,6 +135,14 @@ class StackState:
             "NOETL_METRICS_LISTEN": "127.0.0.1:0",
             "PYTHONUNBUFFERED": "1",
         })
+        # The credentials' master key is the api's alone (the stack's own unless the caller
+        # gave one); no other role gets it.
+        keys = env.pop(CREDENTIALS_KEYS, None)
+        if proc.role == "api":
+            if not keys and self.credentials_key_file.exists():
+                keys = self.credentials_key_file.read_text().strip()
+            if keys:
+                env[CREDENTIALS_KEYS] = keys
         return env
 
     def _new_process(self, role: str, index: int, command: Sequence[str]) -> ServiceProcess:
@@ -360,6 +387,6 @@ def clean_home(home: Path, *, say: Progress) -> None:
         except Exception:
             bindir = ""
         stackinfra.stop_postgres({"datadir": str(pgdata), "bindir": bindir}, "fast")
-    for sub in ("pg", "nats", "run"):
+    for sub in ("pg", "nats", "run", "secrets"):
         shutil.rmtree(dev / sub, ignore_errors=True)
     state_path(home).unlink(missing_ok=True)

@@ -60,8 +60,8 @@ def test_dev_up_arguments() -> None:
 
 
 def test_credential_and_playbook_arguments() -> None:
-    args = build_parser().parse_args(["credential", "add", "pg", "--kind", "postgres", "--dsn", "host=x"])
-    assert (args.name, args.kind, args.dsn, args.data) == ("pg", "postgres", "host=x", None)
+    args = build_parser().parse_args(["credential", "add", "pg", "--kind", "postgres", "--from-file", "s.json"])
+    assert (args.name, args.kind, args.from_file, args.username) == ("pg", "postgres", "s.json", None)
     args = build_parser().parse_args(["playbook", "register", "a.yaml"])
     assert args.file == "a.yaml"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 from collections.abc import Iterator
@@ -265,8 +266,8 @@ def test_status_events_cancel(api: tuple[str, Fake], capsys: pytest.CaptureFixtu
     assert main(["--api", target, "cancel", "5"]) == 1
 
 
-def test_playbooks_and_credentials(api: tuple[str, Fake], playbook: Path,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_playbooks_and_credentials(api: tuple[str, Fake], playbook: Path, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     target, fake = api
     assert main(["--api", target, "playbook", "register", str(playbook)]) == 0
     assert capsys.readouterr().out.strip() == "tests/fake version 3 registered"
@@ -274,15 +275,35 @@ def test_playbooks_and_credentials(api: tuple[str, Fake], playbook: Path,
     out = capsys.readouterr().out
     assert "tests/a" in out and "tests/b" in out  # both pages
 
-    assert main(["--api", target, "credential", "add", "pg", "--kind", "postgres", "--dsn", "host=db"]) == 0
-    assert json.loads(fake.credentials[-1].data_json) == {"dsn": "host=db"}
-    assert main(["--api", target, "credential", "add", "tok", "--kind", "http_bearer",
-                 "--data", '{"token": "t"}']) == 0
+    # the secret comes from stdin or a file, never from argv
+    monkeypatch.setattr("sys.stdin", io.StringIO("host=db password=s3cret\n"))
+    assert main(["--api", target, "credential", "add", "pg", "--kind", "postgres"]) == 0
+    assert json.loads(fake.credentials[-1].data_json) == {"dsn": "host=db password=s3cret"}
+    secret = tmp_path / "tok.json"
+    secret.write_text('{"token": "t0ken-value"}')
+    assert main(["--api", target, "credential", "add", "tok", "--kind", "http_bearer", "--from-file", str(secret)]) == 0
     assert fake.credentials[-1].kind == "http_bearer"
-    assert json.loads(fake.credentials[-1].data_json) == {"token": "t"}
+    assert json.loads(fake.credentials[-1].data_json) == {"token": "t0ken-value"}
+    monkeypatch.setattr("sys.stdin", io.StringIO("pa55word"))
+    assert main(["--api", target, "credential", "add", "svc", "--kind", "http_basic", "--username", "bob"]) == 0
+    assert json.loads(fake.credentials[-1].data_json) == {"password": "pa55word", "username": "bob"}
     capsys.readouterr()
-    assert main(["--api", target, "credential", "add", "x", "--kind", "k", "--data", "[1]"]) == 2
-    assert main(["--api", target, "credential", "add", "x", "--kind", "k"]) == 2
+    sent = len(fake.credentials)
+    for argv in (["--dsn", "host=db password=s3cret"], ["--data", '{"token": "t"}'], ["s3cret"]):
+        assert main(["--api", target, "credential", "add", "x", "--kind", "postgres", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "not accepted on the command line" in err and "s3cret" not in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("[1]"))
+    assert main(["--api", target, "credential", "add", "x", "--kind", "generic"]) == 0  # one value: {"value": "[1]"}
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"token": '))
+    assert main(["--api", target, "credential", "add", "x", "--kind", "generic"]) == 2
+    assert "not valid JSON (line 1" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["--api", target, "credential", "add", "x", "--kind", "postgres"]) == 2
+    monkeypatch.setattr("sys.stdin", io.StringIO("pw"))
+    assert main(["--api", target, "credential", "add", "x", "--kind", "http_basic"]) == 2  # no --username
+    assert main(["--api", target, "credential", "add", "x", "--kind", "k", "--from-file", str(tmp_path / "no")]) == 2
+    assert len(fake.credentials) == sent + 1
     assert main(["--api", target, "credential", "list", "--json"]) == 0
     out = capsys.readouterr().out
     assert json.loads(out) == [{"name": "pg", "kind": "postgres", "updated_at": None}]
