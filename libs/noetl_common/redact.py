@@ -65,6 +65,9 @@ def _strings(value: Any, *, secret_only: bool, under_secret: bool = False) -> It
     if isinstance(value, str):
         if under_secret or not secret_only:
             yield value
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        if under_secret:  # a numeric password is a secret too
+            yield str(value)
     elif isinstance(value, Mapping):
         for k, v in value.items():
             yield from _strings(v, secret_only=secret_only,
@@ -179,7 +182,8 @@ class ActiveSecrets:
             self._redactors.pop(id(redactor), None)
 
     def __bool__(self) -> bool:
-        return any(self._redactors.values())
+        with self._lock:
+            return any(self._redactors.values())
 
     def text(self, text: str) -> str:
         with self._lock:

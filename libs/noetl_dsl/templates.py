@@ -211,17 +211,23 @@ def attribute_reads(value: Any, root: str) -> set[str] | None:
     for text in _strings(value):
         if not is_template(text) or root not in text:
             continue
-        try:
-            if root not in _syntax(text)[0]:
-                continue
-            ast = _ENV.parse(text)
-        except (TemplateError, jinja2.TemplateSyntaxError, RecursionError):
-            continue
-        reads = _attribute_reads(ast, root)
+        reads = _text_attribute_reads(text, root)
         if reads is None:
             return None
         found |= reads
     return found
+
+
+@lru_cache(maxsize=4096)
+def _text_attribute_reads(text: str, root: str) -> frozenset[str] | None:
+    try:
+        if root not in _syntax(text)[0]:
+            return frozenset()
+        ast = _ENV.parse(text)
+    except (TemplateError, jinja2.TemplateSyntaxError, RecursionError):
+        return frozenset()
+    reads = _attribute_reads(ast, root)
+    return None if reads is None else frozenset(reads)
 
 
 def _attribute_reads(ast: nodes.Node, root: str) -> set[str] | None:

@@ -30,6 +30,12 @@ Cursor slots (kind ``cursor``, ``cursor.py``) report each claimed row with a
 ``RenewLease`` carrying ``progress_json = {"row": row, "counts": {...}}`` (the slot's
 counts before that row) before the claim commits.
 
+Credentials: the worker never reads ``noetl.credential`` and holds no master key; a
+command's tools get stored credentials from the api (``WorkerService.GetCredential``, for
+the attempt this worker holds: ``tools/credentials.py``). The secret values a command
+resolved are masked in everything it reports (``secrecy.py``) and, by a filter on this
+process's log handlers, in every log line written while it runs (``noetl_common.redact``).
+
 Shutdown: stop fetching, let running commands finish within part of the grace period,
 cancel the rest, then close the python pool, http client, tool pools, NATS and gRPC.
 """
