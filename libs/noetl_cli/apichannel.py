@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from noetl_common import grpcutil
+from noetl_common import auth, grpcutil
 from noetl_common.errors import NoetlError, Overloaded, Unavailable
-from noetl_proto.v1 import catalog_pb2_grpc, execution_pb2_grpc, shard_manager_pb2_grpc
+from noetl_proto.v1 import auth_pb2_grpc, catalog_pb2_grpc, execution_pb2_grpc, shard_manager_pb2_grpc
 
 T = TypeVar("T")
 
@@ -79,12 +79,12 @@ class Api:
     server's grpc.health.v1 (every role serves it), for at most ``connect_timeout``."""
 
     def __init__(self, target: str, source: str = "", what: str = "api",
-                 connect_timeout: float | None = None) -> None:
+                 connect_timeout: float | None = None, token: str = "") -> None:
         self.target = target
         self.source = source
         self.what = what
         self.connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
-        self.channel = grpc.insecure_channel(target, options=[
+        self._raw_channel = grpc.insecure_channel(target, options=[
             ("grpc.service_config", _SERVICE_CONFIG),
             ("grpc.enable_retries", 1),
             # a replica that froze is dropped within seconds, and the call goes to another
@@ -92,15 +92,19 @@ class Api:
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ])
+        # every call carries the token (bearer metadata) when there is one
+        self.channel = (grpc.intercept_channel(self._raw_channel, auth.SyncClientAuth(token)) if token
+                        else self._raw_channel)
         self._connected = False
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.executions = execution_pb2_grpc.ExecutionServiceStub(self.channel)
         self.catalog = catalog_pb2_grpc.CatalogServiceStub(self.channel)
         self.credentials = catalog_pb2_grpc.CredentialServiceStub(self.channel)
         self.shard_manager = shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
+        self.tokens = auth_pb2_grpc.AuthServiceStub(self.channel)
 
     def close(self) -> None:
-        self.channel.close()
+        self._raw_channel.close()
 
     def __enter__(self) -> Api:
         return self

@@ -41,7 +41,7 @@ from typing import Any
 from noetl_common import db
 from noetl_common.errors import Conflict, InvalidInput, NotFound
 
-from . import localstack, stackinfra
+from . import localstack, stackinfra, stacksecrets
 from .home import dev_dir
 from .stackstate import Progress, StackState, clean_home, quiet, teardown
 from .supervise import (
@@ -198,6 +198,8 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
         say(f"nats ready (port {nats.port})")
         applied = db.migrate(state.postgres_dsn)
         say(f"database migrated ({'applied ' + ', '.join(map(str, applied)) if applied else 'up to date'})")
+        stacksecrets.issue_tokens(state.dev_dir, state.postgres_dsn)
+        say(f"tokens issued (admin token for the CLI in {stacksecrets.path(state.dev_dir)})")
         stackinfra.ensure_streams(state.nats_url)
         say("nats streams ready")
 
@@ -220,6 +222,7 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
                 state.shard_manager = target_of([p.grpc for p in state.processes("shard-manager")])
             if "api" in stage:
                 state.api = target_of([p.grpc for p in state.processes("api")])
+                state.worker_api = target_of([p.worker_grpc for p in state.processes("api")])
             state.save()
 
         wait_serving(state.processes(), deadline, on_serving=lambda p: say(f"{p.instance} SERVING at {p.grpc}"))

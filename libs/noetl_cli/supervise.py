@@ -167,6 +167,8 @@ class ServiceProcess:
     pid: int = 0
     grpc: str = ""
     metrics: str = ""
+    # the api's worker API address (its own port)
+    worker_grpc: str = ""
     instance: str = ""
     log: str = ""
     ready_file: str = ""
@@ -217,6 +219,7 @@ class ServiceProcess:
             return False
         self.grpc = str(data.get("grpc", ""))
         self.metrics = str(data.get("metrics", ""))
+        self.worker_grpc = str(data.get("worker_grpc", ""))
         self.runtime_id = int(data.get("runtime_id") or 0)
         self.instance = str(data.get("instance") or self.instance)
         return True
@@ -244,7 +247,8 @@ class ServiceProcess:
         self._popen = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "grpc": self.grpc, "metrics": self.metrics, "instance": self.instance,
+        return {"pid": self.pid, "grpc": self.grpc, "metrics": self.metrics, "worker_grpc": self.worker_grpc,
+                "instance": self.instance,
                 "log": self.log, "index": self.index, "ready_file": self.ready_file,
                 "runtime_id": self.runtime_id, "command": list(self.command), "started": self.started}
 
@@ -252,6 +256,7 @@ class ServiceProcess:
     def from_json(cls, role: str, index: int, data: Mapping[str, Any]) -> ServiceProcess:
         return cls(role=role, index=int(data.get("index", index)), pid=int(data.get("pid") or 0),
                    grpc=str(data.get("grpc", "")), metrics=str(data.get("metrics", "")),
+                   worker_grpc=str(data.get("worker_grpc", "")),
                    instance=str(data.get("instance", "")), log=str(data.get("log", "")),
                    ready_file=str(data.get("ready_file", "")), runtime_id=int(data.get("runtime_id") or 0),
                    command=[str(c) for c in data.get("command") or []], started=int(data.get("started") or 0))

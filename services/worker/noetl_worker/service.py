@@ -53,7 +53,7 @@ from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
-from noetl_common import grpcutil, natsio, tracing
+from noetl_common import natsio, tracing
 from noetl_common.coalesce import Coalescer
 from noetl_common.config import (
     CommandSettings,
@@ -158,6 +158,7 @@ class WorkerService(Service):
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
         self.api_channel: grpc.aio.Channel | None = None
+        self.worker_api_channel: grpc.aio.Channel | None = None
         self.api: worker_pb2_grpc.WorkerServiceStub | None = None
         self._slots: list[asyncio.Task[Any]] = []
         self._idle: set[int] = set()
@@ -195,8 +196,10 @@ class WorkerService(Service):
             # result above NOETL_LIMIT_RESULT_BYTES (the task's RESULT_TOO_LARGE).
             self.store = await make_result_store(self.results_cfg, self.pool, self.js, lru_items=RESULT_CACHE_ITEMS,
                                                  max_result_bytes=result_bytes)
-        self.api_channel = grpcutil.channel(self.core.api_target)
-        self.api = worker_pb2_grpc.WorkerServiceStub(self.api_channel)
+        # claims and lease renewals on the api's worker port; sub-playbooks on its client port
+        self.api_channel = self.channel(self.core.api_target)
+        self.worker_api_channel = self.channel(self.core.worker_api_target or self.core.api_target)
+        self.api = worker_pb2_grpc.WorkerServiceStub(self.worker_api_channel)
         if self.tools is None:
             # Tools stop reading a result as soon as it passes the limit (the store checks it exactly).
             python = PythonPool(self.worker_cfg.python_pool or self.worker_cfg.concurrency,
@@ -293,6 +296,8 @@ class WorkerService(Service):
                 await asyncio.wait_for(self.nc.drain(), timeout=2.0)
         if self.api_channel is not None:
             await self.api_channel.close()
+        if self.worker_api_channel is not None:
+            await self.worker_api_channel.close()
 
     # ------------------------------------------------------------ slots
 
