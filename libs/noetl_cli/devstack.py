@@ -41,7 +41,7 @@ from typing import Any
 from noetl_common import db
 from noetl_common.errors import Conflict, InvalidInput, NotFound
 
-from . import localstack, stackinfra, stacksecrets
+from . import localstack, stackcerts, stackinfra, stacksecrets
 from .home import dev_dir
 from .stackstate import Progress, StackState, clean_home, quiet, teardown
 from .supervise import (
@@ -200,6 +200,8 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
         say(f"database migrated ({'applied ' + ', '.join(map(str, applied)) if applied else 'up to date'})")
         stacksecrets.issue_tokens(state.dev_dir, state.postgres_dsn)
         say(f"tokens issued (admin token for the CLI in {stacksecrets.path(state.dev_dir)})")
+        tls = stackcerts.ensure(state.dev_dir)
+        say(f"TLS certificates made (CA {tls['ca']})")
         stackinfra.ensure_streams(state.nats_url)
         say("nats streams ready")
 

@@ -240,8 +240,9 @@ def _against(home: Path, resolved: Resolved, fn: Callable[[client.Api], int], ne
         if trouble:
             raise CliError(trouble, code=1)
     token = tokencmd.resolve_token(home, token_file, resolved.local)
+    ca_file = tokencmd.resolve_ca(home, resolved.local)
     try:
-        with client.Api(resolved.value, resolved.source, what=what, token=token) as api:
+        with client.Api(resolved.value, resolved.source, what=what, token=token, ca_file=ca_file) as api:
             return fn(api)
     except (Unavailable, Overloaded) as exc:
         trouble = devcmd.stack_trouble(home) if resolved.local else ""

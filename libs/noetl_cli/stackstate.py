@@ -19,7 +19,7 @@ from typing import Any
 
 from noetl_common.errors import InvalidInput
 
-from . import localstack, stackinfra, stacksecrets
+from . import localstack, stackcerts, stackinfra, stacksecrets
 from .home import dev_dir, read_state, state_path, write_state
 from .supervise import (
     ROLES,
@@ -104,6 +104,17 @@ class StackState:
         return proc
 
     @property
+    def tls(self) -> dict[str, Path]:
+        """The stack's CA and the roles' certificate and key (``stackcerts``)."""
+        return stackcerts.paths(self.dev_dir)
+
+    @property
+    def ca_file(self) -> str:
+        """The CA a client of this stack trusts ('' when the stack has no TLS)."""
+        ca = self.tls["ca"]
+        return str(ca) if ca.exists() else ""
+
+    @property
     def tokens(self) -> dict[str, str]:
         """The stack's tokens by role (admin, service, worker): ``stacksecrets``."""
         return stacksecrets.tokens(self.dev_dir)
@@ -128,6 +139,9 @@ class StackState:
             "NOETL_WORKER_API_LISTEN": worker_listen,
             "NOETL_METRICS_LISTEN": "127.0.0.1:0",
             "NOETL_AUTH_TOKEN": tokens.get("worker" if proc.role == "worker" else "service", ""),
+            "NOETL_TLS_CA_FILE": str(self.tls["ca"]),
+            "NOETL_TLS_CERT_FILE": str(self.tls["cert"]),
+            "NOETL_TLS_KEY_FILE": str(self.tls["key"]),
             "PYTHONUNBUFFERED": "1",
         })
         return env
@@ -136,7 +150,7 @@ class StackState:
         instance = f"{role}-{index}"
         return ServiceProcess(role=role, index=index, instance=instance, command=list(command),
                               log=str(self.log_dir / f"{instance}.log"),
-                              ready_file=str(self.run_dir / f"{instance}.json"))
+                              ready_file=str(self.run_dir / f"{instance}.json"), ca_file=self.ca_file)
 
     def restart(self, role: str, index: int = 0, *, timeout: float = 60.0, stop_timeout: float = 10.0,
                 same_port: bool = True) -> ServiceProcess:
@@ -291,7 +305,8 @@ class StackState:
     def client_env(self) -> dict[str, str]:
         """Environment for a client of this stack (``noetl-rt`` commands, tests)."""
         return {"NOETL_API": self.api, "NOETL_POSTGRES_DSN": self.postgres_dsn, "NOETL_NATS_URL": self.nats_url,
-                "NOETL_HOME": str(self.home), "NOETL_TOKEN": self.tokens.get("admin", "")}
+                "NOETL_HOME": str(self.home), "NOETL_TOKEN": self.tokens.get("admin", ""),
+                "NOETL_TLS_CA_FILE": self.ca_file}
 
     def shutdown(self, *, timeout: float = 10.0, progress: Progress | None = None) -> None:
         """Stop every process of this stack (what another process restarted too) and delete
@@ -381,3 +396,4 @@ def clean_home(home: Path, *, say: Progress) -> None:
         shutil.rmtree(dev / sub, ignore_errors=True)
     state_path(home).unlink(missing_ok=True)
     stacksecrets.path(dev).unlink(missing_ok=True)  # its tokens named a database that is gone
+    shutil.rmtree(dev / stackcerts.DIR, ignore_errors=True)

@@ -24,7 +24,7 @@ from noetl_common import auth
 from noetl_common.db import make_pool
 from noetl_proto.v1 import auth_pb2
 
-from . import output, stacksecrets
+from . import output, stackcerts, stacksecrets
 from .apichannel import Api
 from .home import dev_dir
 from .output import CliError
@@ -43,6 +43,18 @@ def resolve_token(home: Path, token_file: str | None, local: bool,
         return env["NOETL_TOKEN"].strip()
     if local:
         return stacksecrets.tokens(dev_dir(home)).get("admin", "")
+    return ""
+
+
+def resolve_ca(home: Path, local: bool, environ: Mapping[str, str] | None = None) -> str:
+    """The CA a client trusts: ``$NOETL_TLS_CA_FILE``, else the local stack's when it talks
+    to it ('' = plaintext)."""
+    env = os.environ if environ is None else environ
+    if env.get("NOETL_TLS_CA_FILE"):
+        return env["NOETL_TLS_CA_FILE"]
+    if local:
+        ca = stackcerts.paths(dev_dir(home))["ca"]
+        return str(ca) if ca.exists() else ""
     return ""
 
 

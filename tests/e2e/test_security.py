@@ -16,6 +16,7 @@ import pytest
 from chaos import Db, wait_for
 from harness import Runner
 
+from noetl_cli.supervise import open_channel
 from noetl_common import auth, natsio
 from noetl_proto.v1 import (
     auth_pb2,
@@ -54,9 +55,12 @@ def _message(descriptor: Any) -> Any:
     return message_factory.GetMessageClass(descriptor)
 
 
+CA = ""  # the stack's CA (set by the module fixture)
+
+
 def call(target: str, method: str, req: Any, resp: Any, streaming: bool, token: str) -> grpc.StatusCode:
     md = [("authorization", f"Bearer {token}")] if token else []
-    with grpc.insecure_channel(target) as ch:
+    with open_channel(target, CA) as ch:
         try:
             if streaming:
                 for _ in ch.unary_stream(method, request_serializer=req.SerializeToString,
@@ -72,6 +76,8 @@ def call(target: str, method: str, req: Any, resp: Any, streaming: bool, token: 
 
 @pytest.fixture(scope="module")
 def tokens(runner: Runner) -> dict[auth.Role, str]:
+    global CA
+    CA = runner.state.ca_file
     out = {}
     for role in ROLE_ORDER:
         resp = runner.api.tokens.CreateToken(auth_pb2.CreateTokenRequest(
@@ -112,7 +118,7 @@ def test_what_each_role_may_not_do(runner: Runner, tokens: dict[auth.Role, str])
         "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: sec, path: tests/sec}\n"
         "workflow:\n  - step: start\n    tool: {kind: noop}\n"))
     md = lambda role: [("authorization", f"Bearer {tokens[role]}")]  # noqa: E731
-    with grpc.insecure_channel(api) as ch:
+    with open_channel(api, runner.state.ca_file) as ch:
         from noetl_proto.v1 import catalog_pb2_grpc, execution_pb2_grpc, worker_pb2_grpc
 
         ex = execution_pb2_grpc.ExecutionServiceStub(ch)
@@ -184,7 +190,7 @@ def test_a_leave_without_the_member_secret_evicts_nobody(runner: Runner, db: Db,
     target = runner.state.shard_manager.split(",")[-1].removeprefix("ipv4:")
     from noetl_proto.v1 import shard_manager_pb2_grpc
 
-    with grpc.insecure_channel(target) as ch:
+    with open_channel(target, runner.state.ca_file) as ch:
         stub = shard_manager_pb2_grpc.ShardManagerServiceStub(ch)
         with pytest.raises(grpc.RpcError) as info:
             stub.Leave(shard_manager_pb2.LeaveRequest(runtime_id=victim["runtime_id"], member_secret="guess"),
@@ -196,3 +202,15 @@ def test_a_leave_without_the_member_secret_evicts_nobody(runner: Runner, db: Db,
                       metadata=[("authorization", f"Bearer {tokens[auth.Role.WORKER]}")], timeout=10)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
     assert db.value("SELECT status FROM noetl.runtime WHERE runtime_id = %s", (victim["runtime_id"],)) == "alive"
+
+
+def test_a_plaintext_connection_to_any_grpc_port_fails(runner: Runner) -> None:
+    """Every role serves TLS only: a client speaking plaintext HTTP/2 gets nothing, not even
+    a health answer."""
+    from noetl_cli.supervise import health_check
+
+    addresses = [p.grpc for p in runner.state.processes()] + [p.worker_grpc for p in runner.state.processes("api")]
+    assert all(addresses)
+    for address in addresses:
+        assert health_check(address, timeout=3) == "UNREACHABLE", address
+        assert health_check(address, timeout=3, ca_file=runner.state.ca_file) == "SERVING", address
