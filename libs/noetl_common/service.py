@@ -26,7 +26,7 @@ from prometheus_client import Counter, Gauge, start_http_server
 from noetl_proto.v1 import shard_manager_pb2 as sm_pb2
 from noetl_proto.v1 import shard_manager_pb2_grpc as sm_grpc
 
-from . import auth, faults, grpcutil, tracing
+from . import auth, faults, grpcutil, harden, tracing
 from .config import AuthSettings, CoreSettings, ShardSettings, TlsSettings, TracingSettings, load
 from .db import Pool, make_pool
 from .errors import ConfigError, NoetlError
@@ -59,6 +59,9 @@ class Service:
     sharded: ClassVar[bool] = False
     # Every role but the shard-manager registers with the shard-manager.
     joins: ClassVar[bool] = True
+    # A role that runs users' code drops its secrets from os.environ once its settings are
+    # read, and is not dumpable (noetl_common.harden).
+    hardened: ClassVar[bool] = False
     service_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, core: CoreSettings, shard: ShardSettings) -> None:
@@ -508,6 +511,10 @@ def run_service(factory: Callable[[], Service]) -> int:
         svc = factory()
         svc.configure_security(load(AuthSettings), load(TlsSettings))
         tracing.setup(load(TracingSettings), role=svc.role, instance=svc.core.instance)
+        if svc.hardened:
+            harden.forget_secret_env()
+            if not harden.not_dumpable():
+                logging.getLogger("noetl").warning("could not mark the process not dumpable (prctl)")
     except ConfigError as exc:
         logging.getLogger("noetl").error("%s", exc)
         print(f"error: {exc}", flush=True)

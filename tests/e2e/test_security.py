@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -214,3 +215,37 @@ def test_a_plaintext_connection_to_any_grpc_port_fails(runner: Runner) -> None:
     for address in addresses:
         assert health_check(address, timeout=3) == "UNREACHABLE", address
         assert health_check(address, timeout=3, ca_file=runner.state.ca_file) == "SERVING", address
+
+
+SNOOP = """apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: sec_snoop, path: tests/sec_snoop}
+workflow:
+  - step: start
+    tool:
+      kind: python
+      code: |
+        import os
+        with open(f"/proc/{os.getppid()}/environ", "rb") as fh:
+            parent = fh.read().decode(errors="replace").split("\\0")
+        result = {"parent": parent, "own": [f"{k}={v}" for k, v in os.environ.items()], "ppid": os.getppid()}
+"""
+
+
+def test_a_task_finds_no_secret_in_the_workers_environment(runner: Runner, db: Db) -> None:
+    """The worker re-executed itself with its secrets out of its startup environment, so
+    /proc/<worker>/environ and the task's own environment hold no DSN, token or key."""
+    out = runner.run(SNOOP, timeout=60)
+    assert out.status == "COMPLETED", out.error
+    seen = out.result("start")
+    workers = {p.pid for p in runner.state.processes("worker")}
+    assert seen["ppid"] in workers, "the task's parent is not the worker"
+    secrets_ = [runner.state.postgres_dsn, *runner.state.tokens.values()]
+    for where in ("parent", "own"):
+        text = "\n".join(seen[where])
+        assert "NOETL_POSTGRES_DSN" not in text and "NOETL_AUTH_TOKEN" not in text, (where, text[:2000])
+        leaked = [s for s in secrets_ if s and s in text]
+        assert not leaked, f"{where}: a secret is readable by task code"
+    # read from outside too (this test runs as the stack's user): the startup environment holds none
+    environ = Path(f"/proc/{seen['ppid']}/environ").read_bytes().decode(errors="replace")
+    assert not [s for s in secrets_ if s and s in environ]

@@ -138,6 +138,7 @@ class _Run:
 class WorkerService(Service):
     role = "worker"
     sharded = False
+    hardened = True  # tasks run as this process's user: no secret in its environment
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, command: CommandSettings,
                  worker: WorkerSettings, *, tools: Tools | None = None, store: ResultStore | None = None,
