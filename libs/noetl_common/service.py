@@ -92,6 +92,7 @@ class Service:
         self.tls = TlsSettings.model_construct()
         self._member_secret = ""
         self.verifier: auth.TokenVerifier | None = None
+        self._health_server: grpc.aio.Server | None = None
 
     def configure_security(self, auth_cfg: AuthSettings, tls: TlsSettings) -> None:
         """Identity and TLS of this process (before ``run``): the token it sends, whether its
@@ -219,6 +220,13 @@ class Service:
         names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         await self.server.start()
+        if self.core.health_listen:
+            # plaintext, health only (probes cannot speak TLS): nothing else is served here
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            if self._health_server.add_insecure_port(self.core.health_listen) == 0:
+                raise ConfigError(f"NOETL_HEALTH_LISTEN: cannot bind {self.core.health_listen}")
+            await self._health_server.start()
 
         mhost, _, mport = self.core.metrics_listen.rpartition(":")
         self._metrics_server, _ = start_http_server(int(mport or 0), addr=mhost or "127.0.0.1")
@@ -359,6 +367,8 @@ class Service:
         await step("health NOT_SERVING", self.health.enter_graceful_shutdown, 1)
         if self.server is not None:
             await step("grpc stop", lambda: self.server.stop(grace), grace + 1)  # type: ignore[union-attr]
+        if self._health_server is not None:
+            await step("health port stop", lambda: self._health_server.stop(0), 2)  # type: ignore[union-attr]
         await step("role stop", self.on_stop, grace)
         if self.ownership is not None:
             await step("release shards", self._release_all, 2)
