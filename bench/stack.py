@@ -165,7 +165,7 @@ class BenchStack:
         finally:
             localstack.start_postgres = start  # type: ignore[assignment]
         try:
-            self.api = Api(self.state.api)
+            self.api = Api(self.state.api, token=self.state.tokens.get("admin", ""), ca_file=self.state.ca_file)
             self.conn = psycopg.connect(self.state.postgres_dsn, autocommit=True)
             self.progress.say(f"stack '{self.name}' up: api {self.state.api}")
         except BaseException:
@@ -238,7 +238,8 @@ class BenchStack:
         raise BenchError(f"no process {instance} in the stack")
 
     def api_without(self, *skip: ServiceProcess) -> Api:
-        return Api(target_of([p.grpc for p in self.st.processes("api") if p not in skip and p.alive()]))
+        return Api(target_of([p.grpc for p in self.st.processes("api") if p not in skip and p.alive()]),
+                   token=self.st.tokens.get("admin", ""), ca_file=self.st.ca_file)
 
     # ------------------------------------------------------------ SQL
 

@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from noetl_common import grpcutil
+from noetl_common import auth, grpcutil
 from noetl_common.errors import NoetlError, Overloaded, Unavailable
-from noetl_proto.v1 import catalog_pb2_grpc, execution_pb2_grpc, shard_manager_pb2_grpc
+from noetl_proto.v1 import auth_pb2_grpc, catalog_pb2_grpc, execution_pb2_grpc, shard_manager_pb2_grpc
 
 T = TypeVar("T")
 
@@ -73,34 +73,50 @@ def describe_failure(code: grpc.StatusCode | None, details: str, *, answered: bo
     return None
 
 
+def _read_ca(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise Unavailable(f"cannot read the CA file {path}: {exc}") from exc
+
+
 class Api:
     """Stubs of the services over one channel to ``target`` (the api's, or with
     ``what="shard-manager"`` the shard-manager's). The first call first asks the
     server's grpc.health.v1 (every role serves it), for at most ``connect_timeout``."""
 
     def __init__(self, target: str, source: str = "", what: str = "api",
-                 connect_timeout: float | None = None) -> None:
+                 connect_timeout: float | None = None, token: str = "", ca_file: str = "") -> None:
         self.target = target
         self.source = source
         self.what = what
         self.connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
-        self.channel = grpc.insecure_channel(target, options=[
+        options = [
             ("grpc.service_config", _SERVICE_CONFIG),
             ("grpc.enable_retries", 1),
             # a replica that froze is dropped within seconds, and the call goes to another
             *grpcutil.CLIENT_KEEPALIVE_OPTIONS,
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ])
+        ]
+        # TLS trusting ca_file when given (the local stack's CA, NOETL_TLS_CA_FILE)
+        self._raw_channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(_read_ca(ca_file)),
+                                                 options=options) if ca_file
+                             else grpc.insecure_channel(target, options=options))
+        # every call carries the token (bearer metadata) when there is one
+        self.channel = (grpc.intercept_channel(self._raw_channel, auth.SyncClientAuth(token)) if token
+                        else self._raw_channel)
         self._connected = False
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.executions = execution_pb2_grpc.ExecutionServiceStub(self.channel)
         self.catalog = catalog_pb2_grpc.CatalogServiceStub(self.channel)
         self.credentials = catalog_pb2_grpc.CredentialServiceStub(self.channel)
         self.shard_manager = shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
+        self.tokens = auth_pb2_grpc.AuthServiceStub(self.channel)
 
     def close(self) -> None:
-        self.channel.close()
+        self._raw_channel.close()
 
     def __enter__(self) -> Api:
         return self

@@ -42,7 +42,7 @@ from typing import Any
 from noetl_common import db
 from noetl_common.errors import Conflict, InvalidInput, NotFound
 
-from . import localstack, stackinfra
+from . import localstack, stackcerts, stackinfra, stacksecrets
 from .home import dev_dir
 from .stackstate import Progress, StackState, clean_home, quiet, teardown
 from .supervise import (
@@ -200,6 +200,10 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
         say(f"nats ready (port {nats.port})")
         applied = db.migrate(state.postgres_dsn)
         say(f"database migrated ({'applied ' + ', '.join(map(str, applied)) if applied else 'up to date'})")
+        stacksecrets.issue_tokens(state.dev_dir, state.postgres_dsn)
+        say(f"tokens issued (admin token for the CLI in {stacksecrets.path(state.dev_dir)})")
+        tls = stackcerts.ensure(state.dev_dir)
+        say(f"TLS certificates made (CA {tls['ca']})")
         stackinfra.ensure_streams(state.nats_url)
         say("nats streams ready")
 
@@ -222,6 +226,7 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
                 state.shard_manager = target_of([p.grpc for p in state.processes("shard-manager")])
             if "api" in stage:
                 state.api = target_of([p.grpc for p in state.processes("api")])
+                state.worker_api = target_of([p.worker_grpc for p in state.processes("api")])
             state.save()
 
         wait_serving(state.processes(), deadline, on_serving=lambda p: say(f"{p.instance} SERVING at {p.grpc}"))

@@ -15,10 +15,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from noetl_common.auth import Role
 from noetl_common.errors import InvalidInput, NoetlError, Overloaded, Unavailable
 
-from . import client, devcmd
-from .home import Resolved, resolve_api, resolve_home, resolve_shard_manager
+from . import client, devcmd, tokencmd
+from .home import Resolved, resolve_api, resolve_dsn, resolve_home, resolve_shard_manager
 from .output import CliError, eprint
 
 Handler = Callable[[argparse.Namespace], int]
@@ -41,6 +42,8 @@ def _common(*, api: bool) -> argparse.ArgumentParser:
     if api:
         parent.add_argument("--api", default=argparse.SUPPRESS, metavar="TARGET",
                             help="api gRPC target (default $NOETL_API, else the local stack's)")
+        parent.add_argument("--token-file", default=argparse.SUPPRESS, metavar="PATH",
+                            help="the API token to send (default $NOETL_TOKEN, else the local stack's admin token)")
     return parent
 
 
@@ -67,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="project-local state directory (default $NOETL_HOME or ./.noetl)")
     parser.add_argument("--api", default=None, metavar="TARGET",
                         help="api gRPC target host:port (default $NOETL_API, else the local stack's)")
+    parser.add_argument("--token-file", default=None, metavar="PATH",
+                        help="the API token to send (default $NOETL_TOKEN, else the local stack's admin token)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     with_api, home_only = _common(api=True), _common(api=False)
@@ -167,6 +172,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.credential_list(api, as_json=a.json)))
 
+    tk = sub.add_parser("token", help="API tokens (docs/DEPLOY.md \"Security\")").add_subparsers(
+        dest="action", metavar="ACTION")
+    tk.required = True
+    roles = [r.value for r in Role]
+    p = tk.add_parser("create", parents=[with_api], help="create a token (admin); it is printed once")
+    p.add_argument("--role", required=True, choices=roles)
+    p.add_argument("--name", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: tokencmd.create(api, a.role, a.name, as_json=a.json)))
+    p = tk.add_parser("list", parents=[with_api], help="list tokens (admin): names and roles, never tokens")
+    p.add_argument("--all", action="store_true", help="revoked ones too")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: tokencmd.list_tokens(
+        api, include_revoked=a.all, as_json=a.json)))
+    p = tk.add_parser("revoke", parents=[with_api], help="revoke a token (admin) by name or id")
+    p.add_argument("name")
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: tokencmd.revoke(api, a.name)))
+    p = tk.add_parser("register", parents=[home_only],
+                      help="register a token read from stdin or $NOETL_AUTH_TOKEN, straight in the database")
+    p.add_argument("--role", required=True, choices=roles)
+    p.add_argument("--name", required=True)
+    p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")
+    p.set_defaults(handler=lambda a: tokencmd.register(resolve_dsn(a.dsn, _home(a)).value, a.role, a.name))
+
     p = sub.add_parser("migrate", parents=[home_only], help="apply database migrations")
     p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")
     p.set_defaults(handler=lambda a: devcmd.migrate(_home(a), dsn=a.dsn))
@@ -215,11 +244,11 @@ def _with_api(args: argparse.Namespace, fn: Callable[[client.Api], int],
               needs: tuple[str, ...] = ("postgres",)) -> int:
     home = _home(args)
     resolved = resolve_api(getattr(args, "api", None), home)
-    return _against(home, resolved, fn, needs)
+    return _against(home, resolved, fn, needs, token_file=getattr(args, "token_file", None))
 
 
 def _against(home: Path, resolved: Resolved, fn: Callable[[client.Api], int], needs: tuple[str, ...],
-             what: str = "api") -> int:
+             what: str = "api", token_file: str | None = None) -> int:
     """Run ``fn`` with a channel to ``resolved``. When that is the local stack, a dead
     server it ``needs`` fails at once, and a failure to reach or be served says which
     part of the stack is down and how to restart it."""
@@ -227,8 +256,10 @@ def _against(home: Path, resolved: Resolved, fn: Callable[[client.Api], int], ne
         trouble = devcmd.stack_trouble(home, needs)
         if trouble:
             raise CliError(trouble, code=1)
+    token = tokencmd.resolve_token(home, token_file, resolved.local)
+    ca_file = tokencmd.resolve_ca(home, resolved.local)
     try:
-        with client.Api(resolved.value, resolved.source, what=what) as api:
+        with client.Api(resolved.value, resolved.source, what=what, token=token, ca_file=ca_file) as api:
             return fn(api)
     except (Unavailable, Overloaded) as exc:
         trouble = devcmd.stack_trouble(home) if resolved.local else ""
@@ -253,7 +284,7 @@ def _cluster(args: argparse.Namespace) -> int:
     home = _home(args)
     resolved = resolve_shard_manager(args.shard_manager, home)
     return _against(home, resolved, lambda api: client.cluster(api, role=args.role, as_json=args.json),
-                    ("postgres",), what="shard-manager")
+                    ("postgres",), what="shard-manager", token_file=getattr(args, "token_file", None))
 
 
 def _report(exc: BaseException) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 
 from noetl_common.errors import InvalidInput
 
-from . import localstack, stackinfra
+from . import localstack, stackcerts, stackinfra, stacksecrets
 from .home import dev_dir, read_state, state_path, write_state
 from .supervise import (
     ROLES,
@@ -49,6 +49,8 @@ class StackState:
 
     home: Path
     api: str = ""
+    # the api replicas' worker API (their own port)
+    worker_api: str = ""
     shard_manager: str = ""
     postgres_dsn: str = ""
     nats_url: str = ""
@@ -120,19 +122,45 @@ class StackState:
         proc.stop(timeout)
         return proc
 
-    def role_env(self, proc: ServiceProcess, grpc_listen: str = "127.0.0.1:0") -> dict[str, str]:
-        """os.environ (so user NOETL_* settings pass through) plus what the stack decides."""
+    @property
+    def tls(self) -> dict[str, Path]:
+        """The stack's CA and the roles' certificate and key (``stackcerts``)."""
+        return stackcerts.paths(self.dev_dir)
+
+    @property
+    def ca_file(self) -> str:
+        """The CA a client of this stack trusts ('' when the stack has no TLS)."""
+        ca = self.tls["ca"]
+        return str(ca) if ca.exists() else ""
+
+    @property
+    def tokens(self) -> dict[str, str]:
+        """The stack's tokens by role (admin, service, worker): ``stacksecrets``."""
+        return stacksecrets.tokens(self.dev_dir)
+
+    def role_env(self, proc: ServiceProcess, grpc_listen: str = "127.0.0.1:0",
+                 worker_listen: str = "127.0.0.1:0") -> dict[str, str]:
+        """os.environ (so user NOETL_* settings pass through) plus what the stack decides:
+        endpoints, and the role's own token (workers a worker token, every other role the
+        service token)."""
         env = dict(os.environ)
         env.update(self.env_overrides)
+        tokens = self.tokens
         env.update({
             "NOETL_POSTGRES_DSN": self.role_postgres_dsn or self.postgres_dsn,
             "NOETL_NATS_URL": self.nats_url,
             "NOETL_SHARD_MANAGER_TARGET": self.shard_manager,
             "NOETL_API_TARGET": self.api,
+            "NOETL_WORKER_API_TARGET": self.worker_api,
             "NOETL_READY_FILE": proc.ready_file,
             "NOETL_INSTANCE": proc.instance,
             "NOETL_GRPC_LISTEN": grpc_listen,
+            "NOETL_WORKER_API_LISTEN": worker_listen,
             "NOETL_METRICS_LISTEN": "127.0.0.1:0",
+            "NOETL_AUTH_TOKEN": tokens.get("worker" if proc.role == "worker" else "service", ""),
+            "NOETL_TLS_CA_FILE": str(self.tls["ca"]),
+            "NOETL_TLS_CERT_FILE": str(self.tls["cert"]),
+            "NOETL_TLS_KEY_FILE": str(self.tls["key"]),
             "PYTHONUNBUFFERED": "1",
         })
         # The credentials' master key is the api's alone (the stack's own unless the caller
@@ -149,7 +177,7 @@ class StackState:
         instance = f"{role}-{index}"
         return ServiceProcess(role=role, index=index, instance=instance, command=list(command),
                               log=str(self.log_dir / f"{instance}.log"),
-                              ready_file=str(self.run_dir / f"{instance}.json"))
+                              ready_file=str(self.run_dir / f"{instance}.json"), ca_file=self.ca_file)
 
     def restart(self, role: str, index: int = 0, *, timeout: float = 60.0, stop_timeout: float = 10.0,
                 same_port: bool = True) -> ServiceProcess:
@@ -171,7 +199,8 @@ class StackState:
     def _respawn(self, proc: ServiceProcess, *, same_port: bool = True) -> None:
         proc.reap()
         listen = proc.grpc if same_port and proc.grpc else "127.0.0.1:0"
-        spawn(proc, self.role_env(proc, listen), append_log=True)
+        worker_listen = proc.worker_grpc if same_port and proc.worker_grpc else "127.0.0.1:0"
+        spawn(proc, self.role_env(proc, listen, worker_listen), append_log=True)
 
     def add_replica(self, role: str, *, timeout: float = 60.0,
                     command: Sequence[str] | None = None) -> ServiceProcess:
@@ -303,7 +332,8 @@ class StackState:
     def client_env(self) -> dict[str, str]:
         """Environment for a client of this stack (``noetl-rt`` commands, tests)."""
         return {"NOETL_API": self.api, "NOETL_POSTGRES_DSN": self.postgres_dsn, "NOETL_NATS_URL": self.nats_url,
-                "NOETL_HOME": str(self.home)}
+                "NOETL_HOME": str(self.home), "NOETL_TOKEN": self.tokens.get("admin", ""),
+                "NOETL_TLS_CA_FILE": self.ca_file}
 
     def shutdown(self, *, timeout: float = 10.0, progress: Progress | None = None) -> None:
         """Stop every process of this stack (what another process restarted too) and delete
@@ -320,7 +350,8 @@ class StackState:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "home": str(self.home), "phase": self.phase, "api": self.api, "shard_manager": self.shard_manager,
+            "home": str(self.home), "phase": self.phase, "api": self.api, "worker_api": self.worker_api,
+            "shard_manager": self.shard_manager,
             "postgres_dsn": self.postgres_dsn, "nats_url": self.nats_url,
             "postgres": dict(self.postgres), "nats": dict(self.nats),
             "services": {role: [p.to_json() for p in procs] for role, procs in self.services.items()},
@@ -334,7 +365,8 @@ class StackState:
     def from_json(cls, data: Mapping[str, Any], home: str | os.PathLike[str] | None = None) -> StackState:
         return cls(
             home=Path(home or data.get("home") or "."), phase=str(data.get("phase", "up")),
-            api=str(data.get("api", "")), shard_manager=str(data.get("shard_manager", "")),
+            api=str(data.get("api", "")), worker_api=str(data.get("worker_api", "")),
+            shard_manager=str(data.get("shard_manager", "")),
             postgres_dsn=str(data.get("postgres_dsn", "")), nats_url=str(data.get("nats_url", "")),
             postgres=dict(data.get("postgres") or {}), nats=dict(data.get("nats") or {}),
             services={role: [ServiceProcess.from_json(role, i, p) for i, p in enumerate(procs)]
@@ -390,3 +422,5 @@ def clean_home(home: Path, *, say: Progress) -> None:
     for sub in ("pg", "nats", "run", "secrets"):
         shutil.rmtree(dev / sub, ignore_errors=True)
     state_path(home).unlink(missing_ok=True)
+    stacksecrets.path(dev).unlink(missing_ok=True)  # its tokens named a database that is gone
+    shutil.rmtree(dev / stackcerts.DIR, ignore_errors=True)

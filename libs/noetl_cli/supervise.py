@@ -79,13 +79,20 @@ def log_tail(path: str | Path, lines: int = 40, max_bytes: int = 64 * 1024) -> s
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
-def health_check(address: str, timeout: float = 1.0) -> str:
+def open_channel(address: str, ca_file: str = "") -> grpc.Channel:
+    """A blocking channel to ``address``: TLS trusting ``ca_file`` when given, else plaintext."""
+    if ca_file:
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca_file).read_bytes()))
+    return grpc.insecure_channel(address)
+
+
+def health_check(address: str, timeout: float = 1.0, ca_file: str = "") -> str:
     """Ask ``grpc.health.v1`` at ``address`` about the server as a whole: the status it
     answers (SERVING, NOT_SERVING, UNKNOWN, SERVICE_UNKNOWN), UNREACHABLE when it does not."""
     if not address:
         return UNKNOWN
     try:
-        with grpc.insecure_channel(address) as ch:
+        with open_channel(address, ca_file) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                          timeout=timeout)
     except grpc.RpcError:
@@ -167,6 +174,10 @@ class ServiceProcess:
     pid: int = 0
     grpc: str = ""
     metrics: str = ""
+    # the api's worker API address (its own port)
+    worker_grpc: str = ""
+    # the CA its gRPC server's certificate is checked against ("" = plaintext)
+    ca_file: str = ""
     instance: str = ""
     log: str = ""
     ready_file: str = ""
@@ -203,7 +214,7 @@ class ServiceProcess:
         """What grpc.health.v1 answers (``health_check``), DEAD when the process is gone."""
         if not self.alive():
             return DEAD
-        return health_check(self.grpc, timeout)
+        return health_check(self.grpc, timeout, self.ca_file)
 
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log, lines)
@@ -217,6 +228,7 @@ class ServiceProcess:
             return False
         self.grpc = str(data.get("grpc", ""))
         self.metrics = str(data.get("metrics", ""))
+        self.worker_grpc = str(data.get("worker_grpc", ""))
         self.runtime_id = int(data.get("runtime_id") or 0)
         self.instance = str(data.get("instance") or self.instance)
         return True
@@ -244,7 +256,9 @@ class ServiceProcess:
         self._popen = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "grpc": self.grpc, "metrics": self.metrics, "instance": self.instance,
+        return {"pid": self.pid, "grpc": self.grpc, "metrics": self.metrics, "worker_grpc": self.worker_grpc,
+                "ca_file": self.ca_file,
+                "instance": self.instance,
                 "log": self.log, "index": self.index, "ready_file": self.ready_file,
                 "runtime_id": self.runtime_id, "command": list(self.command), "started": self.started}
 
@@ -252,6 +266,7 @@ class ServiceProcess:
     def from_json(cls, role: str, index: int, data: Mapping[str, Any]) -> ServiceProcess:
         return cls(role=role, index=int(data.get("index", index)), pid=int(data.get("pid") or 0),
                    grpc=str(data.get("grpc", "")), metrics=str(data.get("metrics", "")),
+                   worker_grpc=str(data.get("worker_grpc", "")), ca_file=str(data.get("ca_file", "")),
                    instance=str(data.get("instance", "")), log=str(data.get("log", "")),
                    ready_file=str(data.get("ready_file", "")), runtime_id=int(data.get("runtime_id") or 0),
                    command=[str(c) for c in data.get("command") or []], started=int(data.get("started") or 0))

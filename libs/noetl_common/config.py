@@ -40,6 +40,9 @@ class CoreSettings(BaseSettings):
     worker_api_target: str = Field(default="", description="gRPC target of the api's WorkerService (workers)")
     grpc_listen: str = Field(default="127.0.0.1:0", description="host:port this service serves gRPC on")
     metrics_listen: str = Field(default="127.0.0.1:0", description="host:port for Prometheus /metrics")
+    # A plaintext port that serves grpc.health.v1 only (the kubelet's gRPC probes cannot
+    # speak TLS); "" = none.
+    health_listen: str = Field(default="", description="host:port of a plaintext health-only gRPC server")
     instance: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     ready_file: str = Field(default="", description="write {role,pid,grpc,metrics} JSON here once serving")
     log_level: str = "INFO"

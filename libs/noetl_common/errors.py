@@ -7,6 +7,7 @@ and chained with ``from``. Servicers map these to gRPC status codes in one place
     ├── InvalidInput          bad playbook, payload, argument      -> INVALID_ARGUMENT
     │   └── PlaybookInvalid   names the field path of the problem
     ├── NotFound              unknown execution, playbook, command -> NOT_FOUND
+    ├── PermissionDenied      the caller's identity may not do this -> PERMISSION_DENIED
     ├── Conflict              lost a race (claimed by another)     -> FAILED_PRECONDITION
     ├── Overloaded            backpressure, retry later            -> RESOURCE_EXHAUSTED
     ├── LeaseLost             a fenced write found the lease gone  -> ABORTED
@@ -38,6 +39,10 @@ class PlaybookInvalid(InvalidInput):
 
 class NotFound(NoetlError):
     """The named thing does not exist."""
+
+
+class PermissionDenied(NoetlError):
+    """The caller is known but may not do this."""
 
 
 class Conflict(NoetlError):

@@ -15,14 +15,17 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from prometheus_client import Counter, Histogram
 
-from . import tracing
+from . import auth, tracing
+from .config import TlsSettings
 from .errors import (
+    ConfigError,
     Conflict,
     InvalidInput,
     LeaseLost,
     NoetlError,
     NotFound,
     Overloaded,
+    PermissionDenied,
     Unavailable,
 )
 from .rpchandlers import rewrapped
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 STATUS_FOR: list[tuple[type[NoetlError], grpc.StatusCode]] = [
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (Conflict, grpc.StatusCode.FAILED_PRECONDITION),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LeaseLost, grpc.StatusCode.ABORTED),
@@ -218,23 +222,58 @@ SERVER_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
-def channel(target: str) -> grpc.aio.Channel:
-    """An insecure aio channel with round-robin balancing, transparent retries on
-    UNAVAILABLE (a replica died: the call goes to another one) and keepalive pings that
-    drop a frozen replica within seconds. Targets may list several replicas:
-    ``ipv4:127.0.0.1:P1,127.0.0.1:P2``. With tracing on, every unary call gets a client
-    span whose context travels in the call's metadata."""
-    return grpc.aio.insecure_channel(
-        target,
-        interceptors=tracing.client_interceptors(),
-        options=[
-            ("grpc.service_config", _SERVICE_CONFIG),
-            ("grpc.enable_retries", 1),
-            *CLIENT_KEEPALIVE_OPTIONS,
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ],
-    )
+def channel(target: str, *, token: str = "", tls: TlsSettings | None = None) -> grpc.aio.Channel:
+    """An aio channel with round-robin balancing, transparent retries on UNAVAILABLE (a
+    replica died: the call goes to another one) and keepalive pings that drop a frozen
+    replica within seconds; every call carries ``token`` (bearer) when given, and goes
+    over TLS when ``tls`` has a CA (presenting this process's certificate when it has
+    one: mutual TLS). Targets may list several replicas: ``ipv4:127.0.0.1:P1,127.0.0.1:P2``.
+    With tracing on, every unary call gets a client span whose context travels in the
+    call's metadata."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.service_config", _SERVICE_CONFIG),
+        ("grpc.enable_retries", 1),
+        *CLIENT_KEEPALIVE_OPTIONS,
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ]
+    interceptors = [*tracing.client_interceptors(), *auth.client_interceptors(token)]
+    creds = client_credentials(tls)
+    if creds is None:
+        return grpc.aio.insecure_channel(target, interceptors=interceptors, options=options)
+    assert tls is not None
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(target, creds, interceptors=interceptors, options=options)
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+
+
+def client_credentials(tls: TlsSettings | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials of a client (None: plaintext): trust ``ca_file``; present
+    ``cert_file`` when set (servers that require client certificates accept it)."""
+    if tls is None or not tls.ca_file:
+        return None
+    key = _read(tls.key_file) if tls.key_file else None
+    cert = _read(tls.cert_file) if tls.cert_file else None
+    return grpc.ssl_channel_credentials(root_certificates=_read(tls.ca_file), private_key=key,
+                                        certificate_chain=cert)
+
+
+def server_credentials(tls: TlsSettings | None) -> grpc.ServerCredentials | None:
+    """TLS credentials of a server (None: plaintext); with ``client_auth`` every client must
+    present a certificate signed by ``ca_file``."""
+    if tls is None or not tls.cert_file:
+        return None
+    ca = _read(tls.ca_file) if tls.ca_file else None
+    return grpc.ssl_server_credentials([(_read(tls.key_file), _read(tls.cert_file))], root_certificates=ca,
+                                       require_client_auth=bool(tls.client_auth))
 
 
 def translate(exc: grpc.RpcError) -> NoetlError:
@@ -244,6 +283,7 @@ def translate(exc: grpc.RpcError) -> NoetlError:
     mapping: dict[Any, type[NoetlError]] = {
         grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
         grpc.StatusCode.NOT_FOUND: NotFound,
+        grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
         grpc.StatusCode.FAILED_PRECONDITION: Conflict,
         grpc.StatusCode.ALREADY_EXISTS: Conflict,
         grpc.StatusCode.ABORTED: LeaseLost,

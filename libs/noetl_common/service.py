@@ -26,8 +26,8 @@ from prometheus_client import Counter, Gauge, start_http_server
 from noetl_proto.v1 import shard_manager_pb2 as sm_pb2
 from noetl_proto.v1 import shard_manager_pb2_grpc as sm_grpc
 
-from . import faults, grpcutil, tracing
-from .config import CoreSettings, ShardSettings, TracingSettings, load
+from . import auth, faults, grpcutil, harden, tracing
+from .config import AuthSettings, CoreSettings, ShardSettings, TlsSettings, TracingSettings, load
 from .db import Pool, make_pool
 from .errors import ConfigError, NoetlError
 from .logs import setup_logging
@@ -59,6 +59,9 @@ class Service:
     sharded: ClassVar[bool] = False
     # Every role but the shard-manager registers with the shard-manager.
     joins: ClassVar[bool] = True
+    # A role that runs users' code drops its secrets from os.environ once its settings are
+    # read, and is not dumpable (noetl_common.harden).
+    hardened: ClassVar[bool] = False
     service_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, core: CoreSettings, shard: ShardSettings) -> None:
@@ -84,6 +87,52 @@ class Service:
         self._postgres_down: str | None = None
         self._postgres_back_at: float | None = None  # monotonic: when Postgres last answered again
         self._health_conn: Any = None
+        # Off unless configured (run_service reads NOETL_AUTH_* / NOETL_TLS_*, on by default).
+        self.auth = AuthSettings.model_construct(enabled=False)
+        self.tls = TlsSettings.model_construct()
+        self._member_secret = ""
+        self.verifier: auth.TokenVerifier | None = None
+        self._health_server: grpc.aio.Server | None = None
+
+    def configure_security(self, auth_cfg: AuthSettings, tls: TlsSettings) -> None:
+        """Identity and TLS of this process (before ``run``): the token it sends, whether its
+        servers check tokens, and its certificates."""
+        self.auth = auth_cfg
+        self.tls = tls
+
+    @property
+    def token(self) -> str:
+        return self.auth.token.get_secret_value()
+
+    def channel(self, target: str) -> Any:
+        """A channel to another role, with this process's token and TLS."""
+        return grpcutil.channel(target, token=self.token, tls=self.tls)
+
+    def server_interceptors(self) -> list[Any]:
+        """What every server of this process runs a call through, outermost first."""
+        chain: list[Any] = [*tracing.server_interceptors(), grpcutil.ErrorInterceptor(),
+                            grpcutil.GateInterceptor(self.gate)]
+        if self.auth.enabled:
+            if self.pool is None:
+                raise ConfigError("NOETL_AUTH_ENABLED needs NOETL_POSTGRES_DSN (tokens are verified there)")
+            self.verifier = self.verifier or auth.TokenVerifier(self.pool, cache_sec=self.auth.cache_sec)
+            chain.append(auth.AuthInterceptor(self.verifier.verify))
+        return chain
+
+    def new_server(self, listen: str, what: str) -> tuple[Any, str]:
+        """A gRPC server bound to ``listen`` (TLS when this process has a certificate);
+        returns it and the address it serves on."""
+        server = grpc.aio.server(interceptors=self.server_interceptors(),
+                                 options=[("grpc.so_reuseport", 0),
+                                          ("grpc.max_receive_message_length", self.max_receive_bytes()),
+                                          ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                                          *grpcutil.SERVER_KEEPALIVE_OPTIONS])
+        creds = grpcutil.server_credentials(self.tls)
+        port = server.add_secure_port(listen, creds) if creds is not None else server.add_insecure_port(listen)
+        if port == 0:
+            raise ConfigError(f"{what}: cannot bind {listen}")
+        host = listen.rsplit(":", 1)[0] or "127.0.0.1"
+        return server, f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
 
     # ------------------------------------------------------------ hooks
 
@@ -165,22 +214,19 @@ class Service:
             await self.pool.open(wait=True, timeout=30)
         await self.on_start()
 
-        self.server = grpc.aio.server(interceptors=[*tracing.server_interceptors(), grpcutil.ErrorInterceptor(),
-                                                    grpcutil.GateInterceptor(self.gate)],
-                                      options=[("grpc.so_reuseport", 0),
-                                               ("grpc.max_receive_message_length", self.max_receive_bytes()),
-                                               ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                                               *grpcutil.SERVER_KEEPALIVE_OPTIONS])
+        self.server, self.grpc_address = self.new_server(self.core.grpc_listen, "NOETL_GRPC_LISTEN")
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.add_servicers(self.server)
         names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
-        port = self.server.add_insecure_port(self.core.grpc_listen)
-        if port == 0:
-            raise ConfigError(f"NOETL_GRPC_LISTEN: cannot bind {self.core.grpc_listen}")
-        host = self.core.grpc_listen.rsplit(":", 1)[0] or "127.0.0.1"
-        self.grpc_address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
         await self.server.start()
+        if self.core.health_listen:
+            # plaintext, health only (probes cannot speak TLS): nothing else is served here
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            if self._health_server.add_insecure_port(self.core.health_listen) == 0:
+                raise ConfigError(f"NOETL_HEALTH_LISTEN: cannot bind {self.core.health_listen}")
+            await self._health_server.start()
 
         mhost, _, mport = self.core.metrics_listen.rpartition(":")
         self._metrics_server, _ = start_http_server(int(mport or 0), addr=mhost or "127.0.0.1")
@@ -202,6 +248,10 @@ class Service:
 
     def pool_size(self) -> int:
         return 10
+
+    def ready_info(self) -> dict[str, object]:
+        """What the role adds to its ready file (e.g. the api's worker API address)."""
+        return {}
 
     def max_receive_bytes(self) -> int:
         """The largest request message this role's gRPC server accepts."""
@@ -292,7 +342,7 @@ class Service:
             return
         data = {"role": self.role, "pid": os.getpid(), "grpc": self.grpc_address,
                 "metrics": self.metrics_address, "runtime_id": self.runtime_id,
-                "instance": self.core.instance}
+                "instance": self.core.instance, **self.ready_info()}
         tmp = self.core.ready_file + ".tmp"
         with open(tmp, "w") as fh:
             json.dump(data, fh)
@@ -317,6 +367,8 @@ class Service:
         await step("health NOT_SERVING", self.health.enter_graceful_shutdown, 1)
         if self.server is not None:
             await step("grpc stop", lambda: self.server.stop(grace), grace + 1)  # type: ignore[union-attr]
+        if self._health_server is not None:
+            await step("health port stop", lambda: self._health_server.stop(0), 2)  # type: ignore[union-attr]
         await step("role stop", self.on_stop, grace)
         if self.ownership is not None:
             await step("release shards", self._release_all, 2)
@@ -342,7 +394,7 @@ class Service:
     async def _join(self) -> None:
         self.core.require("shard_manager_target")
         if self._sm_channel is None:  # a rejoin reuses the channel
-            self._sm_channel = grpcutil.channel(self.core.shard_manager_target)
+            self._sm_channel = self.channel(self.core.shard_manager_target)
             self._sm = sm_grpc.ShardManagerServiceStub(self._sm_channel)
         assert self._sm is not None
         deadline = time.monotonic() + 60
@@ -359,6 +411,7 @@ class Service:
                 await asyncio.sleep(0.3)
         self.runtime_id = resp.runtime_id
         self.node_id = resp.node_id
+        self._member_secret = resp.member_secret
         if self.sharded:
             if self.pool is None:
                 raise ConfigError("sharded roles need NOETL_POSTGRES_DSN")
@@ -419,7 +472,8 @@ class Service:
             assigned = self._assigned
             try:
                 resp = await self._sm.Heartbeat(
-                    sm_pb2.HeartbeatRequest(runtime_id=self.runtime_id, role=self.role), timeout=interval)
+                    sm_pb2.HeartbeatRequest(runtime_id=self.runtime_id, role=self.role,
+                                            member_secret=self._member_secret), timeout=interval)
                 if resp.rejoin:
                     lost = self.ownership.clear() if self.ownership is not None else set()
                     logger.warning("shard-manager asked %s to rejoin; dropping shards %s", self.role, sorted(lost))
@@ -455,7 +509,8 @@ class Service:
     async def _leave(self) -> None:
         assert self._sm is not None
         with contextlib.suppress(grpc.RpcError):
-            await self._sm.Leave(sm_pb2.LeaveRequest(runtime_id=self.runtime_id), timeout=2)
+            await self._sm.Leave(sm_pb2.LeaveRequest(runtime_id=self.runtime_id, member_secret=self._member_secret),
+                                 timeout=2)
 
 
 def run_service(factory: Callable[[], Service]) -> int:
@@ -464,7 +519,12 @@ def run_service(factory: Callable[[], Service]) -> int:
     setup_logging(os.environ.get("NOETL_LOG_LEVEL", "INFO"))
     try:
         svc = factory()
+        svc.configure_security(load(AuthSettings), load(TlsSettings))
         tracing.setup(load(TracingSettings), role=svc.role, instance=svc.core.instance)
+        if svc.hardened:
+            harden.forget_secret_env()
+            if not harden.not_dumpable():
+                logging.getLogger("noetl").warning("could not mark the process not dumpable (prctl)")
     except ConfigError as exc:
         logging.getLogger("noetl").error("%s", exc)
         print(f"error: {exc}", flush=True)

@@ -141,10 +141,10 @@ def provoke_rejections(api: Api, text: str, attempts: int = 6) -> int:
 class Trickle(threading.Thread):
     """Keeps executions and health checks flowing while expressions are queried."""
 
-    def __init__(self, home: Path, api_target: str, text: str) -> None:
+    def __init__(self, home: Path, api_target: str, text: str, token: str, ca_file: str) -> None:
         super().__init__(name="trickle", daemon=True)
         self.home, self.text = home, text
-        self.api = Api(api_target)
+        self.api = Api(api_target, token=token, ca_file=ca_file)
         self.stop_event = threading.Event()
         self.errors: list[str] = []
 
@@ -197,7 +197,7 @@ def live(rendered: dict[str, str], image_venv: Path) -> Iterator[Live]:
     try:
         with prometheus_server(home / "prometheus", scrape_targets(home), rules_file(rendered["live"])) as prom:
             live = Live(state, prom)
-            api = Api(state.api)
+            api = Api(state.api, token=state.tokens.get("admin", ""), ca_file=state.ca_file)
             try:
                 hello = (PLAYBOOKS / "hello_world/hello_world.yaml")
                 cli = subprocess.run(
@@ -210,7 +210,8 @@ def live(rendered: dict[str, str], image_venv: Path) -> Iterator[Live]:
                 live.rejected = provoke_rejections(api, (REPO / "examples" / "hello_world.yaml").read_text())
             finally:
                 api.close()
-            trickle = Trickle(home, state.api, (REPO / "examples" / "hello_world.yaml").read_text())
+            trickle = Trickle(home, state.api, (REPO / "examples" / "hello_world.yaml").read_text(),
+                              state.tokens.get("admin", ""), state.ca_file)
             trickle.start()
             yield live
     finally:

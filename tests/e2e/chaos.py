@@ -243,7 +243,8 @@ def process_of(state: devstack.StackState, instance: str) -> ServiceProcess:
 def api_without(state: devstack.StackState, *skip: ServiceProcess) -> Api:
     """A client of the api replicas except ``skip`` (a SIGSTOPped replica accepts
     connections but never answers, so round robin alone would stall on it)."""
-    return Api(target_of([p.grpc for p in state.processes("api") if p not in skip]))
+    return Api(target_of([p.grpc for p in state.processes("api") if p not in skip]),
+               token=state.tokens.get("admin", ""), ca_file=state.ca_file)
 
 
 def log_has(proc: ServiceProcess, pattern: str) -> bool:

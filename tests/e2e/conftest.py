@@ -25,7 +25,7 @@ def stack() -> Iterator[devstack.StackState]:
     os.chmod(home, 0o755)
     state = start_stack(home)
     try:
-        api = Api(state.api)
+        api = Api(state.api, token=state.tokens.get("admin", ""), ca_file=state.ca_file)
         dsn = state.postgres_dsn
         for name in CREDENTIALS:
             api.credentials.PutCredential(catalog_pb2.PutCredentialRequest(

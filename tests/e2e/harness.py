@@ -52,7 +52,7 @@ class Outcome:
 class Runner:
     def __init__(self, state: devstack.StackState) -> None:
         self.state = state
-        self.api = Api(state.api)
+        self.api = Api(state.api, token=state.tokens.get("admin", ""), ca_file=state.ca_file)
 
     def submit(self, text: str, payload: dict[str, Any] | None = None, *, key: str = "",
                timeout: float = 0.0) -> execution_pb2.SubmitExecutionResponse:
@@ -93,7 +93,8 @@ class Runner:
     def cli(self, *args: str, timeout: float = 120.0) -> Any:
         import subprocess
 
-        env = {**os.environ, "NOETL_API": self.state.api}
+        env = {**os.environ, "NOETL_API": self.state.api, "NOETL_TOKEN": self.state.tokens.get("admin", ""),
+               "NOETL_TLS_CA_FILE": self.state.ca_file}
         return subprocess.run([sys.executable, "-m", "noetl_cli", *args], capture_output=True, text=True,
                               env=env, timeout=timeout, cwd=str(REPO))
 

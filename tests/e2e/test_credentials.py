@@ -164,13 +164,14 @@ def add_credentials(runner: Runner) -> None:
     runner.api.credentials.PutCredential(catalog_pb2.PutCredentialRequest(
         name="e2e_pg", kind="postgres", data_json=json.dumps(fields)), timeout=10)
     # the CLI, reading the token from stdin: it never is in the process's arguments
+    env = {**os.environ, "NOETL_API": runner.state.api, "NOETL_TOKEN": runner.state.tokens.get("admin", ""),
+           "NOETL_TLS_CA_FILE": runner.state.ca_file}
     added = subprocess.run([sys.executable, "-m", "noetl_cli", "credential", "add", "e2e_api", "--kind",
                             "http_bearer"], input=TOKEN + "\n", capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "NOETL_API": runner.state.api}, cwd=str(REPO))
+                           env=env, cwd=str(REPO))
     assert added.returncode == 0 and added.stdout.strip() == "credential e2e_api created", added.stderr
     refused = subprocess.run([sys.executable, "-m", "noetl_cli", "credential", "add", "x", "--kind", "http_bearer",
-                              TOKEN], capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "NOETL_API": runner.state.api}, cwd=str(REPO))
+                              TOKEN], capture_output=True, text=True, timeout=60, env=env, cwd=str(REPO))
     assert refused.returncode == 2 and "not accepted on the command line" in refused.stderr
     assert TOKEN not in refused.stderr + refused.stdout
 

@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from chaos import HEADER, Db, moved, owner, process_of, scrape, stack_for, wait_for
 from faultproxy import FaultProxy
@@ -33,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness import Runner
 
 from noetl_cli import devstack
+from noetl_cli.supervise import open_channel
 from noetl_proto.v1 import execution_pb2
 
 pytestmark = pytest.mark.e2e
@@ -169,9 +169,9 @@ def wait_serving(state: devstack.StackState, timeout: float = 60) -> None:
     wait_for(all_serving, timeout, "every role SERVING again")
 
 
-def liveness(address: str) -> str:
+def liveness(address: str, ca_file: str) -> str:
     """The status of the ``noetl.liveness`` health service (what the chart's liveness probe asks)."""
-    with grpc.insecure_channel(address) as ch:
+    with open_channel(address, ca_file) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="noetl.liveness"), timeout=5)
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
@@ -242,7 +242,7 @@ def test_postgres_unreachable_for_20_seconds(runner: Runner, db: Db, proxy: Faul
     try:
         wait_for(lambda: health_of(state, "api") == {"NOT_SERVING"}, 30, "every api NOT_SERVING while unreachable")
         # not ready, but alive: a liveness probe must not get them restarted
-        assert {liveness(p.grpc) for p in state.processes()} == {"SERVING"}
+        assert {liveness(p.grpc, state.ca_file) for p in state.processes()} == {"SERVING"}
         # a client is told what is wrong at once, not after a timeout
         started = time.monotonic()
         with pytest.raises(Exception, match="postgres unavailable"):

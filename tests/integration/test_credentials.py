@@ -24,7 +24,7 @@ from noetl_api.credentials import CredentialStore
 from noetl_api.grants import CredentialGrants
 from noetl_api.keyring import Keyring, generate_key
 from noetl_api.servicers import WorkerServicer
-from noetl_common import grpcutil
+from noetl_common import auth, grpcutil
 from noetl_common.db import Pool
 from noetl_common.errors import ConfigError, Conflict, NotFound, Unavailable
 from noetl_proto.v1 import worker_pb2, worker_pb2_grpc
@@ -222,6 +222,21 @@ async def test_no_claim_no_credential(api: Api) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await api.stub.GetCredential(worker_pb2.GetCredentialRequest(command_id=f"{eid}:start:1"), timeout=10)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_the_claim_token_proves_the_holder(api: Api) -> None:
+    """With the api's claim key (as it runs), naming oneself as the holder is not enough:
+    the request must carry the token the claim answer gave that worker."""
+    eid = await api.execution()
+    key = b"k" * 32
+    catalog = Catalog(api.pool)
+    grants = CredentialGrants(Claims(api.pool, catalog, 30, key), catalog, CredentialStore(api.pool, sealing_keyring()))
+    command_id = f"{eid}:start:1"
+    good = auth.claim_token(key, command_id, 1, "w1")
+    assert (await grants.resolve(command_id, 1, "w1", "it_grant_a", good)).name == "it_grant_a"
+    for token in ("", auth.claim_token(key, command_id, 1, "w2"), auth.claim_token(b"x" * 32, command_id, 1, "w1")):
+        with pytest.raises(Conflict, match="the claim token does not match"):
+            await grants.resolve(command_id, 1, "w1", "it_grant_a", token)
 
 
 async def test_only_names_the_step_may_read(api: Api) -> None:

@@ -53,6 +53,7 @@ class SubmitExecutionRequest(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     PARENT_EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    PARENT_CLAIM_FIELD_NUMBER: _builtins.int
     playbook_yaml: _builtins.str
     """Inline playbook YAML: registered (or matched by content) in the catalog, then pinned."""
     payload_json: _builtins.str
@@ -63,6 +64,12 @@ class SubmitExecutionRequest(_message.Message):
     parent_execution_id: _builtins.int
     @_builtins.property
     def ref(self) -> Global___PlaybookRef: ...
+    @_builtins.property
+    def parent_claim(self) -> Global___ParentClaim:
+        """A worker submits (or cancels) only sub-playbooks of a command it holds: the claim of
+        that command, as the api handed it out (a worker token without it is refused).
+        """
+
     def __init__(
         self,
         *,
@@ -72,16 +79,47 @@ class SubmitExecutionRequest(_message.Message):
         idempotency_key: _builtins.str = ...,
         timeout_seconds: _builtins.float = ...,
         parent_execution_id: _builtins.int = ...,
+        parent_claim: Global___ParentClaim | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "ref", b"ref"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["parent_claim", b"parent_claim", "playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "parent_execution_id", b"parent_execution_id", "payload_json", b"payload_json", "playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "ref", b"ref", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "parent_claim", b"parent_claim", "parent_execution_id", b"parent_execution_id", "payload_json", b"payload_json", "playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "ref", b"ref", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_playbook: _TypeAlias = _typing.Literal["ref", "playbook_yaml"]  # noqa: Y015
     _WhichOneofArgType_playbook: _TypeAlias = _typing.Literal["playbook", b"playbook"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_playbook) -> _WhichOneofReturnType_playbook | None: ...
 
 Global___SubmitExecutionRequest: _TypeAlias = SubmitExecutionRequest  # noqa: Y015
+
+@_typing.final
+class ParentClaim(_message.Message):
+    """The claim of a command of the parent execution (Command.claim_token and what it covers)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMAND_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    CLAIM_TOKEN_FIELD_NUMBER: _builtins.int
+    command_id: _builtins.str
+    attempt: _builtins.int
+    worker_id: _builtins.str
+    claim_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        command_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        worker_id: _builtins.str = ...,
+        claim_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "claim_token", b"claim_token", "command_id", b"command_id", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ParentClaim: _TypeAlias = ParentClaim  # noqa: Y015
 
 @_typing.final
 class SubmitExecutionResponse(_message.Message):
@@ -361,17 +399,23 @@ class CancelExecutionRequest(_message.Message):
 
     EXECUTION_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    PARENT_CLAIM_FIELD_NUMBER: _builtins.int
     execution_id: _builtins.int
     reason: _builtins.str
+    @_builtins.property
+    def parent_claim(self) -> Global___ParentClaim:
+        """Required of a worker token: the claim of a command of the execution's parent."""
+
     def __init__(
         self,
         *,
         execution_id: _builtins.int = ...,
         reason: _builtins.str = ...,
+        parent_claim: Global___ParentClaim | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["parent_claim", b"parent_claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id", "parent_claim", b"parent_claim", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -71,6 +71,7 @@ class Command(_message.Message):
     CONTEXT_JSON_FIELD_NUMBER: _builtins.int
     LEASE_UNTIL_FIELD_NUMBER: _builtins.int
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    CLAIM_TOKEN_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     execution_id: _builtins.int
     shard_id: _builtins.int
@@ -85,6 +86,10 @@ class Command(_message.Message):
     """
     timeout_seconds: _builtins.float
     """Per-task timeout the worker enforces, 0 = none."""
+    claim_token: _builtins.str
+    """Proof of this claim (an HMAC of command id, attempt and worker by the api): the
+    worker's CallResult must echo it, or the engine does not accept the result.
+    """
     @_builtins.property
     def lease_until(self) -> _timestamp_pb2.Timestamp:
         """Claim lease expiry; the worker renews before it passes."""
@@ -102,10 +107,11 @@ class Command(_message.Message):
         context_json: _builtins.str = ...,
         lease_until: _timestamp_pb2.Timestamp | None = ...,
         timeout_seconds: _builtins.float = ...,
+        claim_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_until", b"lease_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command_id", b"command_id", "context_json", b"context_json", "execution_id", b"execution_id", "kind", b"kind", "lease_until", b"lease_until", "shard_id", b"shard_id", "spec_json", b"spec_json", "step", b"step", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "claim_token", b"claim_token", "command_id", b"command_id", "context_json", b"context_json", "execution_id", b"execution_id", "kind", b"kind", "lease_until", b"lease_until", "shard_id", b"shard_id", "spec_json", b"spec_json", "step", b"step", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -125,6 +131,7 @@ class CallResult(_message.Message):
     ENVELOPE_FIELD_NUMBER: _builtins.int
     SET_JSON_FIELD_NUMBER: _builtins.int
     FINISHED_AT_FIELD_NUMBER: _builtins.int
+    CLAIM_TOKEN_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     execution_id: _builtins.int
     step: _builtins.str
@@ -132,6 +139,8 @@ class CallResult(_message.Message):
     worker_id: _builtins.str
     set_json: _builtins.str
     """ctx / iter updates made by task policies (`set: ctx.x`), JSON object text."""
+    claim_token: _builtins.str
+    """The claim_token of the Command this result is for."""
     @_builtins.property
     def envelope(self) -> _common_pb2.ResultEnvelope: ...
     @_builtins.property
@@ -147,10 +156,11 @@ class CallResult(_message.Message):
         envelope: _common_pb2.ResultEnvelope | None = ...,
         set_json: _builtins.str = ...,
         finished_at: _timestamp_pb2.Timestamp | None = ...,
+        claim_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["envelope", b"envelope", "finished_at", b"finished_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command_id", b"command_id", "envelope", b"envelope", "execution_id", b"execution_id", "finished_at", b"finished_at", "set_json", b"set_json", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "claim_token", b"claim_token", "command_id", b"command_id", "envelope", b"envelope", "execution_id", b"execution_id", "finished_at", b"finished_at", "set_json", b"set_json", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

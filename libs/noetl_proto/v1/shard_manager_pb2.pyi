@@ -89,12 +89,17 @@ class JoinResponse(_message.Message):
     HEARTBEAT_SECONDS_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     ASSIGNMENTS_FIELD_NUMBER: _builtins.int
+    MEMBER_SECRET_FIELD_NUMBER: _builtins.int
     runtime_id: _builtins.int
     node_id: _builtins.int
     """Unique among live runtimes; used as the snowflake node id."""
     shard_count: _builtins.int
     heartbeat_seconds: _builtins.float
     lease_seconds: _builtins.float
+    member_secret: _builtins.str
+    """This membership's secret: Heartbeat and Leave of this runtime id must present it
+    (so a caller cannot keep another member alive or evict it).
+    """
     @_builtins.property
     def assignments(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardAssignment]: ...
     def __init__(
@@ -106,10 +111,11 @@ class JoinResponse(_message.Message):
         heartbeat_seconds: _builtins.float = ...,
         lease_seconds: _builtins.float = ...,
         assignments: _abc.Iterable[Global___ShardAssignment] | None = ...,
+        member_secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "heartbeat_seconds", b"heartbeat_seconds", "lease_seconds", b"lease_seconds", "node_id", b"node_id", "runtime_id", b"runtime_id", "shard_count", b"shard_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "heartbeat_seconds", b"heartbeat_seconds", "lease_seconds", b"lease_seconds", "member_secret", b"member_secret", "node_id", b"node_id", "runtime_id", b"runtime_id", "shard_count", b"shard_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -121,17 +127,20 @@ class HeartbeatRequest(_message.Message):
 
     RUNTIME_ID_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    MEMBER_SECRET_FIELD_NUMBER: _builtins.int
     runtime_id: _builtins.int
     role: _builtins.str
+    member_secret: _builtins.str
     def __init__(
         self,
         *,
         runtime_id: _builtins.int = ...,
         role: _builtins.str = ...,
+        member_secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["role", b"role", "runtime_id", b"runtime_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["member_secret", b"member_secret", "role", b"role", "runtime_id", b"runtime_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -166,15 +175,18 @@ class LeaveRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUNTIME_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_SECRET_FIELD_NUMBER: _builtins.int
     runtime_id: _builtins.int
+    member_secret: _builtins.str
     def __init__(
         self,
         *,
         runtime_id: _builtins.int = ...,
+        member_secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["runtime_id", b"runtime_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["member_secret", b"member_secret", "runtime_id", b"runtime_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

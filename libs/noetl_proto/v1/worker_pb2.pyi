@@ -236,11 +236,14 @@ class GetCredentialRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    CLAIM_TOKEN_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     attempt: _builtins.int
     worker_id: _builtins.str
     name: _builtins.str
     """The stored credential's name."""
+    claim_token: _builtins.str
+    """The claim's token (Command.claim_token): the proof that the caller holds the claim."""
     def __init__(
         self,
         *,
@@ -248,10 +251,11 @@ class GetCredentialRequest(_message.Message):
         attempt: _builtins.int = ...,
         worker_id: _builtins.str = ...,
         name: _builtins.str = ...,
+        claim_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command_id", b"command_id", "name", b"name", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "claim_token", b"claim_token", "command_id", b"command_id", "name", b"name", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -87,8 +87,8 @@ class WorkerServiceServicer:
 
     def GetCredential(self, request, context):
         """A stored credential, decrypted, for a command attempt the calling worker holds:
-        answered only while the command is claimed by `worker_id` as `attempt`
-        (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
+        answered only while the command is claimed by `worker_id` as `attempt`, proven by the
+        claim's token (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
         (PERMISSION_DENIED otherwise: named by the step, or by its playbook when the step
         chooses one at run time; docs/ARCHITECTURE.md "Credentials"). NOT_FOUND for an
         unknown command or credential. The answer is the only place a secret travels.

@@ -47,8 +47,8 @@ class WorkerServiceStub:
     """
     GetCredential: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetCredentialRequest, _worker_pb2.GetCredentialResponse]
     """A stored credential, decrypted, for a command attempt the calling worker holds:
-    answered only while the command is claimed by `worker_id` as `attempt`
-    (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
+    answered only while the command is claimed by `worker_id` as `attempt`, proven by the
+    claim's token (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
     (PERMISSION_DENIED otherwise: named by the step, or by its playbook when the step
     chooses one at run time; docs/ARCHITECTURE.md "Credentials"). NOT_FOUND for an
     unknown command or credential. The answer is the only place a secret travels.
@@ -73,8 +73,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """
     GetCredential: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetCredentialRequest, _worker_pb2.GetCredentialResponse]  # type: ignore[assignment]
     """A stored credential, decrypted, for a command attempt the calling worker holds:
-    answered only while the command is claimed by `worker_id` as `attempt`
-    (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
+    answered only while the command is claimed by `worker_id` as `attempt`, proven by the
+    claim's token (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
     (PERMISSION_DENIED otherwise: named by the step, or by its playbook when the step
     chooses one at run time; docs/ARCHITECTURE.md "Credentials"). NOT_FOUND for an
     unknown command or credential. The answer is the only place a secret travels.
@@ -120,8 +120,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.GetCredentialResponse, _abc.Awaitable[_worker_pb2.GetCredentialResponse]]:
         """A stored credential, decrypted, for a command attempt the calling worker holds:
-        answered only while the command is claimed by `worker_id` as `attempt`
-        (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
+        answered only while the command is claimed by `worker_id` as `attempt`, proven by the
+        claim's token (FAILED_PRECONDITION otherwise) and only for a name the command's step may read
         (PERMISSION_DENIED otherwise: named by the step, or by its playbook when the step
         chooses one at run time; docs/ARCHITECTURE.md "Credentials"). NOT_FOUND for an
         unknown command or credential. The answer is the only place a secret travels.

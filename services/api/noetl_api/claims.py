@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from noetl_common import auth
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import Conflict, NoetlError, NotFound
 from noetl_dsl import merged_workload
@@ -58,13 +59,16 @@ class Claimed:
     row: dict[str, Any]
     spec: dict[str, Any]
     context: dict[str, Any]
+    # the proof of this claim its result must echo (auth.claim_token)
+    claim_token: str = ""
 
 
 class Claims:
-    def __init__(self, pool: Pool, catalog: Catalog, lease_sec: float) -> None:
+    def __init__(self, pool: Pool, catalog: Catalog, lease_sec: float, claim_key: bytes = b"") -> None:
         self._pool = pool
         self._catalog = catalog
         self._lease = lease_sec
+        self.claim_key = claim_key
         self._workloads: dict[int, dict[str, Any]] = {}
 
     async def claim(self, command_id: str, worker_id: str, attempt: int) -> Claimed:
@@ -156,7 +160,9 @@ class Claims:
             else:
                 context["iter"] = {str(loop["iterator"]): row["loop_item"], "_index": index}
             context["loop_index"] = index
-        return Claimed(row, spec, context)
+        token = auth.claim_token(self.claim_key, row["command_id"], row["attempt"], row["worker_id"]) \
+            if self.claim_key else ""
+        return Claimed(row, spec, context, token)
 
     async def holder(self, command_id: str) -> dict[str, Any] | None:
         """The command as GetCredential checks it: who holds which attempt, its step and

@@ -4,9 +4,11 @@ A worker asks for a credential by name for a command attempt it is running. The 
 answers with the opened credential only when
 
     1. the command exists                                      else NOT_FOUND
-    2. it is ``claimed`` by that worker, as that attempt       else FAILED_PRECONDITION
-       (the claim check of RenewLease: a worker that lost the
-       claim, or another worker, gets nothing)
+    2. it is ``claimed`` by that worker, as that attempt,      else FAILED_PRECONDITION
+       and the request carries that claim's token (the claim
+       check of RenewLease, plus the proof a result carries: a
+       worker that lost the claim, or another worker naming
+       itself as the holder, gets nothing)
     3. the command's step may read that name                   else PERMISSION_DENIED
        (``noetl_dsl.credrefs``: the step's own references,
        rendered with the execution's workload; the cursor the
@@ -28,7 +30,8 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from noetl_common.errors import Conflict, NoetlError, NotFound
+from noetl_common import auth
+from noetl_common.errors import Conflict, NotFound, PermissionDenied
 from noetl_dsl import merged_workload
 from noetl_dsl.credrefs import Grant, playbook_names, reference_of, step_grant
 
@@ -43,7 +46,7 @@ REQUESTS = Counter("noetl_credential_requests_total", "GetCredential answers by 
 GRANT_CACHE_ITEMS = 4096
 
 
-class CredentialDenied(NoetlError):
+class CredentialDenied(PermissionDenied):
     """The command's step may not read the credential it asked for (PERMISSION_DENIED)."""
 
 
@@ -56,10 +59,11 @@ class CredentialGrants:
         self._results = results
         self._grants: OrderedDict[tuple[int, str], tuple[Grant, frozenset[str]]] = OrderedDict()
 
-    async def resolve(self, command_id: str, attempt: int, worker_id: str, name: str) -> Credential:
+    async def resolve(self, command_id: str, attempt: int, worker_id: str, name: str,
+                      claim_token: str = "") -> Credential:
         """The opened credential, or the error of the first check that fails (docstring)."""
         try:
-            return await self._resolve(command_id, attempt, worker_id, name)
+            return await self._resolve(command_id, attempt, worker_id, name, claim_token)
         except CredentialDenied:
             REQUESTS.labels("denied").inc()
             logger.warning("credential %r refused to worker %s for command %s attempt %s: not named by its step",
@@ -74,13 +78,18 @@ class CredentialGrants:
             REQUESTS.labels("not_found").inc()
             raise
 
-    async def _resolve(self, command_id: str, attempt: int, worker_id: str, name: str) -> Credential:
+    async def _resolve(self, command_id: str, attempt: int, worker_id: str, name: str,
+                       claim_token: str) -> Credential:
         row = await self._claims.holder(command_id)
         if row is None:
             raise NotFound(f"command {command_id} not found")
         if row["status"] != "claimed" or row["worker_id"] != worker_id or row["attempt"] != attempt:
             raise Conflict(f"command {command_id} attempt {attempt} is not claimed by worker {worker_id}"
                            f" (it is {row['status']}, attempt {row['attempt']})")
+        key = self._claims.claim_key
+        if key and not auth.claim_token_valid(key, claim_token, command_id, attempt, worker_id):
+            raise Conflict(f"command {command_id} attempt {attempt}: the claim token does not match (the caller"
+                           " does not hold that claim)")
         grant, named = await self._grant(row)
         cursor = row.get("cursor")
         from_cursor = reference_of(cursor.get("auth")) if isinstance(cursor, dict) else None

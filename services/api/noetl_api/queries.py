@@ -57,6 +57,14 @@ class Queries:
                 s["result_json"] = json.dumps(values.get(ref), default=str) if ref in values else ""
         return {**row, "steps": steps}
 
+    async def submitted_by(self, execution_id: int) -> int | None:
+        """The token that submitted an execution (None: unknown, or submitted without one)."""
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute("SELECT submitted_by FROM noetl.execution_request WHERE execution_id = %s",
+                                     (execution_id,))
+            row = await cur.fetchone()
+        return row["submitted_by"] if row else None
+
     async def request_cancel(self, execution_id: int, shard_id: int, reason: str) -> None:
         """Commit a cancellation (the shard's engine applies and deletes it)."""
         async with autocommit(self._pool) as conn:

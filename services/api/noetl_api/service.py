@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from nats.aio.client import Client as NATS
 
 from noetl_common import natsio
+from noetl_common.auth import runtime_secret
 from noetl_common.config import (
     CommandSettings,
     CoreSettings,
@@ -24,6 +27,8 @@ from noetl_common.service import Service
 from noetl_common.shardtasks import ShardTasks, shard_health
 from noetl_dsl import templates
 from noetl_proto.v1 import (
+    auth_pb2,
+    auth_pb2_grpc,
     catalog_pb2,
     catalog_pb2_grpc,
     execution_pb2,
@@ -43,6 +48,9 @@ from .keyring import Keyring
 from .queries import Queries
 from .servicers import CatalogServicer, CredentialServicer, ExecutionServicer, WorkerServicer
 from .submissions import Submitter
+from .tokens import AuthServicer
+
+CLAIM_KEY = "claim_key"
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +63,14 @@ STARTUP_RETRY_SEC = 60.0
 class ApiService(Service):
     role = "api"
     sharded = True
+    # the client API; WorkerService is served on its own port (NOETL_WORKER_API_LISTEN)
     service_names = (
         execution_pb2.DESCRIPTOR.services_by_name["ExecutionService"].full_name,
         catalog_pb2.DESCRIPTOR.services_by_name["CatalogService"].full_name,
         catalog_pb2.DESCRIPTOR.services_by_name["CredentialService"].full_name,
-        worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+        auth_pb2.DESCRIPTOR.services_by_name["AuthService"].full_name,
     )
+    worker_service_names = (worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,)
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, commands: CommandSettings,
                  executions: ExecutionSettings, results: ResultStoreSettings | None = None,
@@ -78,6 +88,8 @@ class ApiService(Service):
         self.nc: NATS | None = None
         self.reconnects = natsio.Reconnects()
         self.engines: ShardTasks | None = None
+        self.worker_server: grpc.aio.Server | None = None
+        self.worker_grpc_address = ""
 
     def max_receive_bytes(self) -> int:
         # Twice a playbook and a payload at their limits: a request somewhat over a limit
@@ -100,7 +112,9 @@ class ApiService(Service):
         self.results = CachedResultStore(await make_result_store(self.results_cfg, self.pool, self.js),
                                          max_items=RESULT_CACHE_ITEMS)
         self.queries = Queries(self.pool, self.results)
-        self.claims = Claims(self.pool, self.catalog, self.commands.lease_sec)
+        # the replicas' shared key of claim tokens (a result must echo its claim's)
+        self.claim_key = await runtime_secret(self.pool, CLAIM_KEY)
+        self.claims = Claims(self.pool, self.catalog, self.commands.lease_sec, self.claim_key)
         # Before serving: no plaintext credential left, every row opens with the keys given
         # (ConfigError naming NOETL_CREDENTIALS_KEYS otherwise; credentials.py).
         self.credentials = CredentialStore(self.pool, self.keyring)
@@ -111,11 +125,20 @@ class ApiService(Service):
     def add_servicers(self, server: grpc.aio.Server) -> None:
         assert self.nc is not None and self.pool is not None
         # The submitter needs the snowflake node id, known only after Join: bound in _ready().
-        self.execution_servicer = ExecutionServicer(None, self.queries, self.nc, self.js)
+        self.execution_servicer = ExecutionServicer(None, self.queries, self.nc, self.js, self.claim_key)
         execution_pb2_grpc.add_ExecutionServiceServicer_to_server(self.execution_servicer, server)
         catalog_pb2_grpc.add_CatalogServiceServicer_to_server(CatalogServicer(self.catalog), server)
         catalog_pb2_grpc.add_CredentialServiceServicer_to_server(CredentialServicer(self.credentials), server)
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.claims, self.grants), server)
+        auth_pb2_grpc.add_AuthServiceServicer_to_server(AuthServicer(self.pool), server)
+        # the worker API: its own server and port, so the client port can be the only one
+        # reachable from outside the release (docs/DEPLOY.md "Security")
+        self.worker_server, self.worker_grpc_address = self.new_server(self.core.worker_api_listen,
+                                                                       "NOETL_WORKER_API_LISTEN")
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.claims, self.grants),
+                                                            self.worker_server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.worker_server)
+        reflection.enable_server_reflection((*self.worker_service_names, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME), self.worker_server)
 
     def _ready(self) -> ShardTasks:
         """Bind what needs the Join answer (node id, shard ownership); idempotent."""
@@ -129,7 +152,8 @@ class ApiService(Service):
                 default_timeout_sec=self.executions.default_timeout_sec, admission=admission, limits=self.limits,
                 results=self.results))
             deps = EngineDeps(self.pool, self.nc, self.js, self.catalog, self.results, self.ownership,
-                              self.commands, self.executions, limits=self.limits, reconnects=self.reconnects)
+                              self.commands, self.executions, limits=self.limits, reconnects=self.reconnects,
+                              claim_key=self.claim_key)
             ownership = self.ownership
             self.engines = ShardTasks("engine", lambda shard, epoch: ShardEngine(deps, shard, epoch),
                                       still_held=lambda shard, epoch: ownership.epoch(shard) == epoch)
@@ -155,7 +179,14 @@ class ApiService(Service):
 
     async def on_serving(self) -> None:
         self._ready()
+        assert self.worker_server is not None
+        await self.worker_server.start()
+        for name in self.worker_service_names:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.spawn(self._measure_loop(), "admission-gauges")
+
+    def ready_info(self) -> dict[str, object]:
+        return {"worker_grpc": self.worker_grpc_address}
 
     async def _measure_loop(self) -> None:
         """Keep noetl_active_executions / noetl_queued_commands current without submissions."""
@@ -168,6 +199,8 @@ class ApiService(Service):
                 return
 
     async def on_stop(self) -> None:
+        if self.worker_server is not None:
+            await self.worker_server.stop(self.core.shutdown_grace_sec)
         try:
             if self.engines is not None:
                 await self.engines.stop_all()

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 from nats.aio.client import Client as NATS
 
-from noetl_common import natsio
-from noetl_common.errors import InvalidInput, NoetlError, NotFound, Unavailable
+from noetl_common import auth, natsio
+from noetl_common.errors import InvalidInput, NoetlError, NotFound, PermissionDenied, Unavailable
 from noetl_common.grpcutil import set_timestamp
 from noetl_proto.v1 import (
     catalog_pb2,
@@ -29,7 +29,7 @@ from noetl_proto.v1 import (
 from .catalog import Catalog, CatalogEntry
 from .claims import Claimed, Claims
 from .credentials import KINDS, CredentialStore
-from .grants import CredentialDenied, CredentialGrants
+from .grants import CredentialGrants
 from .queries import TERMINAL, Queries
 from .submissions import Submitter
 
@@ -76,12 +76,27 @@ def _entry_pb(e: CatalogEntry, with_content: bool = True) -> catalog_pb2.Catalog
     return out
 
 
+def check_parent_claim(claim_key: bytes, claim: execution_pb2.ParentClaim, parent_execution_id: int) -> None:
+    """A worker token acts on sub-playbooks only: ``claim`` must be a claim the api handed
+    out (its token verifies) of a command of ``parent_execution_id``."""
+    who = auth.require_identity()
+    if who is None or who.role is not auth.Role.WORKER:
+        return
+    if not claim.claim_token or not parent_execution_id:
+        raise PermissionDenied("a worker token acts only on sub-playbooks of a command it holds (parent_claim)")
+    if not claim.command_id.startswith(f"{parent_execution_id}:") or not auth.claim_token_valid(
+            claim_key, claim.claim_token, claim.command_id, claim.attempt, claim.worker_id):
+        raise PermissionDenied("parent_claim is not a claim of a command of the parent execution")
+
+
 class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
-    def __init__(self, submitter: Submitter | None, queries: Queries, nc: NATS, js: Any) -> None:
+    def __init__(self, submitter: Submitter | None, queries: Queries, nc: NATS, js: Any,
+                 claim_key: bytes = b"") -> None:
         self._submitter_ = submitter
         self._queries = queries
         self._nc = nc
         self._js = js
+        self._claim_key = claim_key
 
     def bind(self, submitter: Submitter) -> None:
         self._submitter_ = submitter
@@ -95,6 +110,7 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
     async def SubmitExecution(self, request: execution_pb2.SubmitExecutionRequest,
                               context: grpc.aio.ServicerContext) -> execution_pb2.SubmitExecutionResponse:
         which = request.WhichOneof("playbook")
+        check_parent_claim(self._claim_key, request.parent_claim, request.parent_execution_id)
         sub = await self._submitter.submit(
             playbook_yaml=request.playbook_yaml if which == "playbook_yaml" else "",
             path=request.ref.path if which == "ref" else "", version=request.ref.version if which == "ref" else 0,
@@ -149,6 +165,8 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
         """Committed to Postgres (``noetl.cancel_request``) before it is acknowledged; the
         NATS message is a nudge (the shard's engine sweeps committed cancellations)."""
         row = await self._queries.execution(request.execution_id)
+        check_parent_claim(self._claim_key, request.parent_claim, row.get("parent_execution_id") or 0)
+        auth.own_or_admin(await self._queries.submitted_by(request.execution_id))
         if row["status"] in TERMINAL:
             return execution_pb2.CancelExecutionResponse(accepted=False)
         reason = request.reason or "cancelled by request"
@@ -252,7 +270,7 @@ def _command_pb(got: Claimed) -> messages_pb2.Command:
         command_id=row["command_id"], execution_id=row["execution_id"], shard_id=row["shard_id"],
         step=row["step"], attempt=row["attempt"], kind=row["kind"],
         spec_json=json.dumps(got.spec, default=str), context_json=json.dumps(got.context, default=str),
-        timeout_seconds=row["timeout_sec"] or 0.0)
+        timeout_seconds=row["timeout_sec"] or 0.0, claim_token=got.claim_token)
     set_timestamp(cmd.lease_until, row["lease_until"])
     return cmd
 
@@ -315,10 +333,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise InvalidInput("command_id, worker_id and name are required")
         if self._grants is None:
             raise Unavailable("this api does not serve credentials")
-        try:
-            cred = await self._grants.resolve(request.command_id, request.attempt, request.worker_id, request.name)
-        except CredentialDenied as exc:  # no project error maps to PERMISSION_DENIED (grpcutil.STATUS_FOR)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        cred = await self._grants.resolve(request.command_id, request.attempt, request.worker_id, request.name,
+                                          request.claim_token)
         return worker_pb2.GetCredentialResponse(name=cred.name, kind=cred.kind, data_json=json.dumps(cred.data))
 
 

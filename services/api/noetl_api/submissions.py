@@ -14,7 +14,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from noetl_common import natsio, tracing
+from noetl_common import auth, natsio, tracing
 from noetl_common.config import LimitSettings
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NoetlError, NotFound, PlaybookInvalid
@@ -122,13 +122,14 @@ class Submitter:
             cur = await conn.execute(
                 "INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
                 " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent, depth,"
-                " workload_ref_id, payload_bytes)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " workload_ref_id, payload_bytes, submitted_by)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id",
                 (execution_id, shard, entry.catalog_id, json.dumps(payload), idempotency_key or None,
                  parent_execution_id or None, parent_step or None, timeout,
                  # the engine continues this trace for every command (engine/traces.py)
-                 tracing.current_traceparent(), depth, workload_ref, size),
+                 tracing.current_traceparent(), depth, workload_ref, size,
+                 who.token_id if (who := auth.require_identity()) is not None else None),
             )
             inserted = await cur.fetchone()
         if inserted is None:  # lost an idempotency race to a concurrent retry

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 from prometheus_client import Counter
 
+from noetl_common.auth import token_sha256
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError
 
@@ -36,26 +38,32 @@ class Membership:
         self.roles = tuple(roles)  # the sharded roles this leader assigns
 
     async def join(self, role: str, instance: str, address: str, metrics: str, pid: int) -> dict[str, Any]:
+        """A new membership; the row carries ``member_secret`` (returned once, its hash kept):
+        Heartbeat and Leave of the runtime id must present it."""
+        secret = secrets.token_urlsafe(24)
         async with transaction(self._pool) as conn:
             await conn.execute("SELECT pg_advisory_xact_lock(%s)", (JOIN_LOCK,))
             cur = await conn.execute(
-                "INSERT INTO noetl.runtime (role, instance, address, metrics_address, pid, node_id)"
-                " SELECT %s, %s, %s, %s, %s, min(n) FROM generate_series(0, 1022) n"
+                "INSERT INTO noetl.runtime (role, instance, address, metrics_address, pid, node_id,"
+                " member_secret_sha256)"
+                " SELECT %s, %s, %s, %s, %s, min(n), %s FROM generate_series(0, 1022) n"
                 " WHERE n NOT IN (SELECT node_id FROM noetl.runtime WHERE status = 'alive' AND node_id IS NOT NULL)"
                 " RETURNING runtime_id, node_id",
-                (role, instance, address, metrics, pid),
+                (role, instance, address, metrics, pid, token_sha256(secret)),
             )
             row = await cur.fetchone()
         assert row is not None
         logger.info("joined %s %s runtime_id=%s node_id=%s", role, instance, row["runtime_id"], row["node_id"])
-        return row
+        return {**row, "member_secret": secret}
 
-    async def heartbeat(self, runtime_id: int) -> bool:
-        """Record liveness; False when the member is unknown or was declared dead."""
+    async def heartbeat(self, runtime_id: int, member_secret: str | None = None) -> bool:
+        """Record liveness; False when the member is unknown, was declared dead, or (with
+        ``member_secret``) the secret is not that membership's."""
         async with transaction(self._pool) as conn:
             cur = await conn.execute(
                 "UPDATE noetl.runtime SET heartbeat_at = now() WHERE runtime_id = %s AND status = 'alive'"
-                " RETURNING runtime_id", (runtime_id,))
+                " AND (%s::text IS NULL OR member_secret_sha256 = %s) RETURNING runtime_id",
+                (runtime_id, member_secret, token_sha256(member_secret or "")))
             return await cur.fetchone() is not None
 
     async def assignments(self, role: str, runtime_id: int) -> list[dict[str, Any]]:
@@ -65,12 +73,20 @@ class Membership:
                 " WHERE role = %s AND owner_runtime_id = %s ORDER BY shard_id", (role, runtime_id))
             return list(await cur.fetchall())
 
-    async def leave(self, runtime_id: int) -> None:
+    async def leave(self, runtime_id: int, member_secret: str | None = None) -> bool:
+        """End a membership (its shards are freed); with ``member_secret``, only when it is
+        that membership's. Returns whether it left."""
         async with transaction(self._pool) as conn:
-            await conn.execute("UPDATE noetl.runtime SET status = 'left' WHERE runtime_id = %s", (runtime_id,))
+            cur = await conn.execute(
+                "UPDATE noetl.runtime SET status = 'left' WHERE runtime_id = %s"
+                " AND (%s::text IS NULL OR member_secret_sha256 = %s) RETURNING runtime_id",
+                (runtime_id, member_secret, token_sha256(member_secret or "")))
+            if await cur.fetchone() is None:
+                return False
             await conn.execute(
                 "UPDATE noetl.shard_lease SET owner_runtime_id = NULL, leased_until = NULL, updated_at = now()"
                 " WHERE owner_runtime_id = %s", (runtime_id,))
+        return True
 
     async def describe(self, role: str) -> dict[str, Any]:
         async with self._pool.connection() as conn:

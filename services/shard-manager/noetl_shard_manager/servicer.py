@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 import grpc
 
+from noetl_common import auth
 from noetl_common.config import ShardSettings
-from noetl_common.errors import InvalidInput
+from noetl_common.errors import InvalidInput, PermissionDenied
 from noetl_common.grpcutil import set_timestamp
 from noetl_proto.v1 import shard_manager_pb2 as pb
 from noetl_proto.v1 import shard_manager_pb2_grpc
@@ -24,17 +25,21 @@ class ShardManagerServicer(shard_manager_pb2_grpc.ShardManagerServiceServicer):
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
         if not request.role or not request.instance:
             raise InvalidInput("role and instance are required")
+        who = auth.require_identity()
+        if who is not None and who.role is auth.Role.WORKER and request.role != "worker":
+            raise PermissionDenied(f"a worker token may join as a worker only, not as {request.role!r}")
         row = await self._m.join(request.role, request.instance, request.address, request.metrics_address,
                                  request.pid)
         self._on_change()
         out = pb.JoinResponse(runtime_id=row["runtime_id"], node_id=row["node_id"], shard_count=self._cfg.count,
-                              heartbeat_seconds=self._cfg.heartbeat_sec, lease_seconds=self._cfg.lease_sec)
+                              heartbeat_seconds=self._cfg.heartbeat_sec, lease_seconds=self._cfg.lease_sec,
+                              member_secret=row["member_secret"])
         for a in await self._m.assignments(request.role, row["runtime_id"]):
             set_timestamp(out.assignments.add(shard_id=a["shard_id"], epoch=a["epoch"]).leased_until, a["leased_until"])
         return out
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
-        if not await self._m.heartbeat(request.runtime_id):
+        if not await self._m.heartbeat(request.runtime_id, request.member_secret):
             return pb.HeartbeatResponse(rejoin=True)
         out = pb.HeartbeatResponse()
         for a in await self._m.assignments(request.role, request.runtime_id):
@@ -42,7 +47,8 @@ class ShardManagerServicer(shard_manager_pb2_grpc.ShardManagerServiceServicer):
         return out
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
-        await self._m.leave(request.runtime_id)
+        if not await self._m.leave(request.runtime_id, request.member_secret):
+            raise PermissionDenied(f"runtime {request.runtime_id}: not this membership (its member secret is needed)")
         self._on_change()
         return pb.LeaveResponse()
 

@@ -9,6 +9,7 @@ NOETL_LIMIT_RESULT_BYTES.
 
 from __future__ import annotations
 
+from noetl_common import harden
 from noetl_common.config import (
     CommandSettings,
     CoreSettings,
@@ -33,6 +34,8 @@ def build() -> WorkerService:
 
 
 def main() -> int:
+    # before anything else (no thread yet): /proc/<pid>/environ must not show the secrets
+    harden.reexec_without_secrets_in_environ()
     return run_service(build)
 
 

@@ -145,8 +145,9 @@ class TaskCaller:
 
     def __init__(self, command: messages_pb2.Command, spec: Mapping[str, Any], tools: Tools, *,
                  timeout: float | None, cancelled: asyncio.Event | None = None, key_prefix: str = "",
-                 secrets: CommandSecrets | None = None) -> None:
+                 worker_id: str = "", secrets: CommandSecrets | None = None) -> None:
         self.command = command
+        self.worker_id = worker_id
         self.tools = tools
         self.secrets = secrets
         self.timeout = timeout
@@ -160,7 +161,7 @@ class TaskCaller:
         n = self._runs[name] = self._runs.get(name, 0) + 1
         key = f"{self.prefix}#{name}" + (f"#{n}" if n > 1 else "")
         return CallInfo(self.command.execution_id, self.command.command_id, self.command.step, key, self.cancelled,
-                        self.secrets)
+                        self.command.attempt, self.worker_id, self.command.claim_token, self.secrets)
 
     async def __call__(self, task: Mapping[str, Any], scope: RenderContext) -> ToolOutcome:
         name = str(scope.get("_task") or task.get("name") or "task")
@@ -213,7 +214,7 @@ def build_call_result(command: messages_pb2.Command, env: Mapping[str, Any], *, 
         attempt=command.attempt, worker_id=worker_id,
         envelope=envelope_to_proto(env, error_details=error_details),
         set_json=encode_json(dict(set_updates) if set_updates else {"ctx": {}, "iter": {}}).decode(),
-        finished_at=_now())
+        finished_at=_now(), claim_token=command.claim_token)
 
 
 def error_result(command: messages_pb2.Command, code: str, message: str, *, worker_id: str,
@@ -293,7 +294,7 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
         return prepared
     spec, _, tasks, scope = prepared
     caller = TaskCaller(command, spec, tools, timeout=command.timeout_seconds or default_timeout or None,
-                        cancelled=cancelled, secrets=secrets)
+                        cancelled=cancelled, worker_id=worker_id, secrets=secrets)
     persister = _Persister(store, command, infra_retry_sec)
     try:
         result: PipelineResult = await run_pipeline(tasks, scope, caller, on_result=persister.record,

@@ -59,7 +59,7 @@ from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
-from noetl_common import grpcutil, natsio, tracing
+from noetl_common import natsio, tracing
 from noetl_common.coalesce import Coalescer
 from noetl_common.config import (
     CommandSettings,
@@ -157,6 +157,7 @@ class _Run:
 class WorkerService(Service):
     role = "worker"
     sharded = False
+    hardened = True  # tasks run as this process's user: no secret in its environment
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, command: CommandSettings,
                  worker: WorkerSettings, *, tools: Tools | None = None, store: ResultStore | None = None,
@@ -182,6 +183,7 @@ class WorkerService(Service):
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
         self.api_channel: grpc.aio.Channel | None = None
+        self.worker_api_channel: grpc.aio.Channel | None = None
         self.api: worker_pb2_grpc.WorkerServiceStub | None = None
         self._slots: list[asyncio.Task[Any]] = []
         self._idle: set[int] = set()
@@ -219,8 +221,10 @@ class WorkerService(Service):
             # result above NOETL_LIMIT_RESULT_BYTES (the task's RESULT_TOO_LARGE).
             self.store = await make_result_store(self.results_cfg, self.pool, self.js, lru_items=RESULT_CACHE_ITEMS,
                                                  max_result_bytes=result_bytes)
-        self.api_channel = grpcutil.channel(self.core.api_target)
-        self.api = worker_pb2_grpc.WorkerServiceStub(self.api_channel)
+        # claims, lease renewals and credentials on the api's worker port; sub-playbooks on its client port
+        self.api_channel = self.channel(self.core.api_target)
+        self.worker_api_channel = self.channel(self.core.worker_api_target or self.core.api_target)
+        self.api = worker_pb2_grpc.WorkerServiceStub(self.worker_api_channel)
         if self.credentials is None:
             self.credentials = Credentials(api_fetch(self.api, self.worker_id))
         for handler in logging.getLogger().handlers:
@@ -321,6 +325,8 @@ class WorkerService(Service):
                 await asyncio.wait_for(self.nc.drain(), timeout=2.0)
         if self.api_channel is not None:
             await self.api_channel.close()
+        if self.worker_api_channel is not None:
+            await self.worker_api_channel.close()
         if self.credentials is not None:
             self.credentials.clear()
         for handler in logging.getLogger().handlers:
@@ -461,7 +467,7 @@ class WorkerService(Service):
         # while it runs: log lines of any origin are masked with it).
         redactor = Redactor()
         secrets = CommandSecrets(self.credentials, Holder(command.command_id, command.attempt, command.execution_id,
-                                                          command.step), redactor)
+                                                          command.step, command.claim_token), redactor)
         self.secrets_in_use.register(redactor)
         try:
             work: Awaitable[messages_pb2.CallResult]

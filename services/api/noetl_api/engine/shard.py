@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
 
-from noetl_common import faults, natsio
+from noetl_common import auth, faults, natsio
 from noetl_common.config import CommandSettings, ExecutionSettings, LimitSettings
 from noetl_common.db import Pool, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
@@ -59,6 +59,9 @@ QUARANTINED = Counter("noetl_engine_quarantined_total",
 STREAM_RESETS = Counter("noetl_engine_stream_resets_total",
                         "Times an engine found the events stream behind its recorded position (messages lost or"
                         " the stream recreated) and resumed at the stream's end", ["shard"])
+FORGED = Counter("noetl_engine_forged_results_total",
+                 "Results ignored because they did not carry their claim's token (not from the worker that"
+                 " holds the claim of that attempt)", ["shard"])
 RESUBSCRIBES = Counter("noetl_engine_resubscribes_total",
                        "Engine consumers re-created after a NATS reconnect", ["shard"])
 
@@ -84,6 +87,8 @@ class EngineDeps:
     commands: CommandSettings
     executions: ExecutionSettings
     limits: LimitSettings = field(default_factory=LimitSettings.model_construct)
+    # Results must echo their claim's token (auth.claim_token); empty: not checked.
+    claim_key: bytes = b""
     reconnects: natsio.Reconnects = field(default_factory=natsio.Reconnects)
     workloads: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)
     traces: EngineTraces = field(default_factory=EngineTraces)
@@ -217,7 +222,8 @@ class ShardEngine:
             start = await self._stream_went_back(last, self._received)
         await self._subscribe(start)
         self._generation = generation
-        RESUBSCRIBES.labels(str(self.shard)).inc()
+        RESUBSCRIBES.labels(str(self.shard))
+        FORGED.labels(str(self.shard)).inc()
         logger.info("engine shard %s consuming again from stream position %s", self.shard, start)
         if self._reset_to is not None:
             await self._run_batch([], self._reset_to)
@@ -268,6 +274,7 @@ class ShardEngine:
         QUARANTINED.labels(str(self.shard))
         STREAM_RESETS.labels(str(self.shard))
         RESUBSCRIBES.labels(str(self.shard))
+        FORGED.labels(str(self.shard))
         stream_seq = int(row["stream_seq"])
         last = await self._stream_last_seq()
         self._replay_until = last
@@ -540,6 +547,12 @@ class ShardEngine:
         flow = compiled.flow
         if inp.kind == "call_result":
             r = inp.msg
+            if self.d.claim_key and not auth.claim_token_valid(self.d.claim_key, r.claim_token, r.command_id,
+                                                                r.attempt, r.worker_id):
+                FORGED.labels(str(self.shard)).inc()
+                logger.warning("result for %s attempt %s from %r without a valid claim token ignored",
+                               r.command_id, r.attempt, r.worker_id)
+                return None
             envelope = envelope_from_proto(r.envelope)
             res = CallResultInput(r.command_id, r.attempt, envelope,
                                   json.loads(r.set_json) if r.set_json else {}, r.worker_id)

@@ -25,6 +25,10 @@ class CallInfo:
     step: str
     key: str
     cancelled: asyncio.Event | None = None
+    # the claim this call runs under (a sub-playbook's submission proves it with it)
+    attempt: int = 0
+    worker_id: str = ""
+    claim_token: str = ""
     secrets: CommandSecrets | None = None
 
     @property

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from noetl_common import grpcutil
-from noetl_common.errors import Conflict, NoetlError, NotFound
+from noetl_common.errors import Conflict, NoetlError, NotFound, PermissionDenied
 from noetl_common.redact import Redactor, dsn_passwords
 from noetl_common.retry import retry_transient
 from noetl_proto.v1 import worker_pb2
@@ -40,7 +40,7 @@ CREDENTIAL_CALL_TIMEOUT_SEC = 10.0
 CACHE_TTL_SEC = 10.0
 
 
-class CredentialDenied(NoetlError):
+class CredentialDenied(PermissionDenied):
     """The api refused: the command's step may not read this credential."""
 
 
@@ -52,6 +52,7 @@ class Holder:
     attempt: int
     execution_id: int
     step: str
+    claim_token: str = ""  # the claim's proof (Command.claim_token), shown to the api
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +76,7 @@ def api_fetch(stub: Any, worker_id: str, *, retry_sec: float = CREDENTIAL_RETRY_
 
     async def fetch(holder: Holder, name: str) -> StoredCredential:
         request = worker_pb2.GetCredentialRequest(command_id=holder.command_id, attempt=holder.attempt,
-                                                  worker_id=worker_id, name=name)
+                                                  worker_id=worker_id, name=name, claim_token=holder.claim_token)
 
         async def call() -> Any:
             try:

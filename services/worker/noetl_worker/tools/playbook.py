@@ -57,6 +57,15 @@ _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
                         grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
+def _parent_claim(call: CallInfo | None) -> execution_pb2.ParentClaim | None:
+    """The claim a sub-playbook's submission (or cancellation) runs under: a worker token
+    may act only on children of a command it holds."""
+    if call is None or not call.claim_token:
+        return None
+    return execution_pb2.ParentClaim(command_id=call.command_id, attempt=call.attempt, worker_id=call.worker_id,
+                                     claim_token=call.claim_token)
+
+
 def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
     return exc.code() if hasattr(exc, "code") else None
 
@@ -137,11 +146,11 @@ class PlaybookTool:
                         execution = await self._results(child)
                 except asyncio.CancelledError:
                     if call is not None and call.is_cancelled:
-                        await self._cancel_detached(child, f"parent command {call.command_id} was cancelled")
+                        await self._cancel_detached(child, f"parent command {call.command_id} was cancelled", call)
                     raise
         except TimeoutError:
             if child:
-                await self._cancel_child(child, "the parent task timed out")
+                await self._cancel_child(child, "the parent task timed out", call)
             what = f" (child execution {child})" if child else ""
             return ToolOutcome.failure(TIMEOUT, f"sub-playbook {path!r}{what} did not finish within "
                                        f"{timeout_sec or 0:g} s", kind="TimeoutError", retryable=True)
@@ -171,7 +180,7 @@ class PlaybookTool:
             ref=execution_pb2.PlaybookRef(path=path, version=version), payload_json=payload,
             idempotency_key=call.key if call is not None else "",
             parent_execution_id=call.execution_id if call is not None else 0,
-            timeout_seconds=timeout_sec or 0.0)
+            timeout_seconds=timeout_sec or 0.0, parent_claim=_parent_claim(call))
         delay = self.poll_sec
         for attempt in range(1, SUBMIT_ATTEMPTS + 1):
             try:
@@ -248,18 +257,19 @@ class PlaybookTool:
             await self._sleep(delay)
             delay = min(delay * 2, self.poll_cap_sec)
 
-    async def _cancel_child(self, child: int, reason: str) -> None:
+    async def _cancel_child(self, child: int, reason: str, call: CallInfo | None = None) -> None:
         try:
             response = await self.api.CancelExecution(
-                execution_pb2.CancelExecutionRequest(execution_id=child, reason=reason), timeout=self.rpc_timeout)
+                execution_pb2.CancelExecutionRequest(execution_id=child, reason=reason,
+                                                     parent_claim=_parent_claim(call)), timeout=self.rpc_timeout)
             logger.info("cancelled child execution %s (%s): accepted=%s", child, reason, response.accepted)
         except grpc.RpcError as exc:
             logger.warning("cancelling child execution %s failed (%s): %s", child, _code(exc), _details(exc))
 
-    async def _cancel_detached(self, child: int, reason: str) -> None:
+    async def _cancel_detached(self, child: int, reason: str, call: CallInfo | None = None) -> None:
         """Cancel the child from a task that is itself being cancelled: the call runs in
         its own task (waited for a few seconds) so a second cancel cannot cut it short."""
-        task = asyncio.ensure_future(self._cancel_child(child, reason))
+        task = asyncio.ensure_future(self._cancel_child(child, reason, call))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         with contextlib.suppress(BaseException):

@@ -1,0 +1,46 @@
+"""A role serving TLS also serves grpc.health.v1 alone on a plaintext port when
+NOETL_HEALTH_LISTEN is set (the kubelet's gRPC probes cannot speak TLS): there, health
+answers and nothing else is served; the main port refuses plaintext."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+from noetl_cli import stackcerts
+from noetl_cli.supervise import health_check
+from noetl_common.config import CoreSettings, ShardSettings, TlsSettings
+from noetl_common.service import Service
+
+
+class Probe(Service):
+    role = "probe"
+    joins = False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_health_alone_on_a_plaintext_port_beside_a_tls_server(tmp_path: Path) -> None:
+    certs = stackcerts.ensure(tmp_path)
+    health = f"127.0.0.1:{free_port()}"
+    svc = Probe(CoreSettings(health_listen=health, instance="probe-0"), ShardSettings())
+    svc.configure_security(svc.auth, TlsSettings(ca_file=str(certs["ca"]), cert_file=str(certs["cert"]),
+                                                 key_file=str(certs["key"])))
+    runner = asyncio.ensure_future(svc.run())
+    try:
+        for _ in range(200):
+            if svc.grpc_address:
+                break
+            await asyncio.sleep(0.02)
+        ca = str(certs["ca"])
+        checks = await asyncio.to_thread(lambda: (health_check(health, 3), health_check(svc.grpc_address, 3),
+                                                  health_check(svc.grpc_address, 3, ca)))
+        assert checks == ("SERVING", "UNREACHABLE", "SERVING"), checks
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(runner, 20)
