@@ -148,7 +148,12 @@ async def test_join_allocates_distinct_node_ids(server: Server, rows: Rows, pool
     assert len(alive) == len({r["node_id"] for r in alive})  # unique among every live member
 
     # a member that left frees its node id; a new member never shares a live one
-    await server.stub.Leave(pb.LeaveRequest(runtime_id=joined[0].runtime_id), timeout=10)
+    # a Leave must carry the membership's secret: without it nobody is evicted
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await server.stub.Leave(pb.LeaveRequest(runtime_id=joined[0].runtime_id, member_secret="guess"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    await server.stub.Leave(pb.LeaveRequest(runtime_id=joined[0].runtime_id, member_secret=joined[0].member_secret),
+                            timeout=10)
     again = await grpc_join(server, rows, "member-again")
     assert again.node_id not in nodes[1:]
 
@@ -165,8 +170,12 @@ async def test_heartbeat_describe_leave(server: Server, rows: Rows) -> None:
     assert not a.assignments  # nothing assigned before the leader rebalances
     assert await server.membership.rebalance() == 8
 
-    beats = [await server.stub.Heartbeat(pb.HeartbeatRequest(runtime_id=m.runtime_id, role=server.role), timeout=10)
+    beats = [await server.stub.Heartbeat(pb.HeartbeatRequest(runtime_id=m.runtime_id, role=server.role,
+                                                             member_secret=m.member_secret), timeout=10)
              for m in (a, b)]
+    # another membership's heartbeat without its secret does not keep it alive
+    assert (await server.stub.Heartbeat(pb.HeartbeatRequest(runtime_id=a.runtime_id, role=server.role),
+                                        timeout=10)).rejoin
     held = [{x.shard_id: x.epoch for x in h.assignments} for h in beats]
     assert sorted([*held[0], *held[1]]) == list(range(8)) and len(held[0]) == len(held[1]) == 4
     assert all(x.epoch == 1 and x.HasField("leased_until") for h in beats for x in h.assignments)
@@ -178,16 +187,18 @@ async def test_heartbeat_describe_leave(server: Server, rows: Rows) -> None:
     assert {s.owner_instance for s in described.shards} == {"a", "b"}
 
     server.changed.clear()
-    await server.stub.Leave(pb.LeaveRequest(runtime_id=a.runtime_id), timeout=10)
+    await server.stub.Leave(pb.LeaveRequest(runtime_id=a.runtime_id, member_secret=a.member_secret), timeout=10)
     assert server.changed.is_set()
-    gone = await server.stub.Heartbeat(pb.HeartbeatRequest(runtime_id=a.runtime_id, role=server.role), timeout=10)
+    gone = await server.stub.Heartbeat(pb.HeartbeatRequest(runtime_id=a.runtime_id, role=server.role,
+                                                           member_secret=a.member_secret), timeout=10)
     assert gone.rejoin
     described = await server.stub.Describe(pb.DescribeRequest(role=server.role), timeout=10)
     assert {m.runtime_id: m.alive for m in described.members} == {a.runtime_id: False, b.runtime_id: True}
     assert {s.shard_id for s in described.shards if s.owner_runtime_id == 0} == set(held[0])
 
     assert await server.membership.rebalance() == 4
-    after = await server.stub.Heartbeat(pb.HeartbeatRequest(runtime_id=b.runtime_id, role=server.role), timeout=10)
+    after = await server.stub.Heartbeat(pb.HeartbeatRequest(runtime_id=b.runtime_id, role=server.role,
+                                                            member_secret=b.member_secret), timeout=10)
     assert {x.shard_id: x.epoch for x in after.assignments} == {**dict.fromkeys(held[0], 2),
                                                                **dict.fromkeys(held[1], 1)}
 
@@ -227,6 +238,13 @@ async def test_one_leader_and_takeover_after_the_lease(pool: Pool, rows: Rows) -
 
 
 # ---------------------------------------------------------------- rebalancing
+
+
+async def wait_postmaster_older_than(pool: Pool, seconds: float) -> None:
+    rows = await fetch(pool, "SELECT extract(epoch FROM now() - pg_postmaster_start_time()) AS age")
+    age = float(rows[0]["age"])
+    if age < seconds:
+        await asyncio.sleep(seconds - age)
 
 
 async def test_rebalance_assigns_every_shard_evenly_and_moves_the_minimum(pool: Pool, rows: Rows) -> None:
@@ -273,6 +291,12 @@ async def test_rebalance_assigns_every_shard_evenly_and_moves_the_minimum(pool: 
                            (stale,))
         await conn.commit()
     theirs = {s for s, (o, _) in left.items() if o == stale}
+    # nobody is declared dead within a lease of Postgres's own start (a restart is everyone's
+    # missed heartbeat); this server is younger than 30 s, so a leader with a 2 s lease judges
+    await wait_postmaster_older_than(pool, 2.0)
+    m = Membership(pool, shard_count=12, lease_sec=2.0, roles=(role, other))
+    for alive in (members[2], newcomer, *others):
+        assert await m.heartbeat(alive)
     assert await m.rebalance() == len(theirs) == 4
     dead = await leases(pool, role)
     assert {s for s in dead if dead[s][0] != left[s][0]} == theirs
