@@ -391,6 +391,23 @@ def test_install_refuses_a_missing_secret_or_key(tmp_path: Any, secret: dict[str
         assert proc.returncode == 0, proc.stderr
 
 
+def test_secret_checks_glue_with_lookups_stood_in(tmp_path: Any) -> None:
+    """noetl.checkSecrets as `helm install` runs it: the two `lookup`s replaced in a copy of
+    the chart (a cluster whose namespace has no Secrets), the first required Secret is named."""
+    chart = tmp_path / "noetl"
+    shutil.copytree(CHART, chart)
+    helpers = chart / "templates" / "_helpers.tpl"
+    text = helpers.read_text()
+    sa = 'lookup "v1" "ServiceAccount" .Release.Namespace "default"'
+    secret = '(lookup "v1" "Secret" $.Release.Namespace $name)'
+    assert text.count(sa) == 1 and text.count(secret) == 1
+    helpers.write_text(text.replace(sa, 'dict "kind" "ServiceAccount"').replace(secret, "(dict)"))
+    proc = run([tool("helm"), "template", "noetl", str(chart), "-n", NAMESPACE], check=False, timeout=60)
+    assert proc.returncode != 0 and 'Secret "noetl-credentials-key" (credentials.existingSecret, credentials.keysKey) not found' in proc.stderr, \
+        proc.stderr
+    helm("template", "noetl", str(chart), "-n", NAMESPACE, "--set", "secretChecks=false")
+
+
 def test_secret_checks_run_only_against_a_cluster() -> None:
     """`helm template` (no cluster: lookups return nothing) renders; the checks look up the
     namespace's `default` ServiceAccount first, and can be switched off."""
