@@ -326,11 +326,11 @@ def test_notes_tell_how_to_submit_a_first_execution(tmp_path: Any) -> None:
                "--show-only", "templates/notes-for-test.yaml").stdout
     text = yaml.safe_load(out)["data"]["notes"]
     assert f"kubectl -n {NAMESPACE} port-forward svc/noetl-api 50051:50051" in text, text
-    assert "noetl-rt run examples/hello_world.yaml --api 127.0.0.1:50051" in text, text
+    assert "noetl-rt run examples/hello_world.yaml --api localhost:50051" in text, text
     assert f"kubectl -n {NAMESPACE} scale deploy/noetl-worker --replicas=4" in text, text
     # the admin token and the CA the CLI needs with the default (secure) values
-    assert f"kubectl -n {NAMESPACE} get secret noetl-auth -o jsonpath='{{.data.admin}}'" in text, text
-    assert "NOETL_TLS_SERVER_NAME=noetl-api.noetl.svc" in text, text
+    assert f"export NOETL_TOKEN=$(kubectl -n {NAMESPACE} get secret noetl-auth -o jsonpath='{{.data.admin}}'" in text, text
+    assert "export NOETL_TLS_CA_FILE=" in text, text
     assert (REPO / "examples" / "hello_world.yaml").exists()
 
 

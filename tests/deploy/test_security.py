@@ -247,7 +247,13 @@ def test_migration_job_registers_each_token_with_its_role(rendered: dict[str, st
     assert _register_lines(job) == {**{r: "service" for r in ROLES if r != "worker"}, "worker": "worker",
                                     "admin": "admin"}
     script = c["command"][2]
-    assert 'noetl-rt token register --role "$2" --name "$name" --exist-ok < "/etc/noetl/auth/$1"' in script
+    assert 'noetl-rt token register --role "$2" --name "$name" < "/etc/noetl/auth/$1"' in script
+    # idempotent on upgrades: the runtime's refusal of a known token (noetl_common.auth) is success
+    import inspect
+
+    from noetl_common import auth
+    assert "a live token has that name, or the token is known" in inspect.getsource(auth.register_token)
+    assert '*"a live token has that name, or the token is known"*) echo' in script
     assert script.index("noetl-rt migrate") < script.index("register api")
     auth = next(v for v in pod["volumes"] if v["name"] == "auth")["secret"]
     assert auth["secretName"] == (vals["auth"]["existingSecret"] or "noetl-auth")
@@ -290,7 +296,10 @@ def test_certificates_name_only_their_roles_services(rendered: dict[str, str]) -
         names = [f"{s}{suffix}" for s in services
                  for suffix in ("", f".{NAMESPACE}", f".{NAMESPACE}.svc", f".{NAMESPACE}.svc.cluster.local")]
         if role == "api":
-            names += vals["tls"]["certManager"]["extraDnsNames"]
+            names += ["localhost", *vals["tls"]["certManager"]["extraDnsNames"]]
+            assert spec["ipAddresses"] == ["127.0.0.1"]  # the CLI through kubectl port-forward
+        else:
+            assert "ipAddresses" not in spec, role
         assert spec["dnsNames"] == names, role
         assert {"server auth", "client auth"} <= set(spec["usages"])
         assert spec["issuerRef"] == vals["tls"]["certManager"]["issuerRef"]
@@ -304,6 +313,10 @@ def test_certificates_name_only_their_roles_services(rendered: dict[str, str]) -
                 assert host in certs[f"noetl-{target.group(1)}"]["dnsNames"], (role, name)
     # a worker's certificate cannot pose as another role
     assert not [n for n in certs["noetl-worker"]["dnsNames"] if "worker" not in n]
+    docs = documents(helm("template", "noetl", str(CHART), "-n", NAMESPACE, "--values", str(CHART / "ci" / "mtls-values.yaml"),
+                          "--set", "tls.certManager.apiLocalhost=false").stdout)
+    api = find(docs, "Certificate", "noetl-api")["spec"]
+    assert "localhost" not in api["dnsNames"] and "ipAddresses" not in api
 
 
 # ---------------------------------------------------------------- refusals
