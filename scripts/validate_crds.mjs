@@ -1,7 +1,7 @@
-// Validate prometheus-operator custom resources (ServiceMonitor, PrometheusRule) against
-// the JSON schemas of the operator's monitoring.coreos.com/v1 API types, as compiled by
-// the npm package @kubernetes-models/prometheus-operator (installed into .tools/node by
-// scripts/deploy_tools.sh).
+// Validate the chart's custom resources against the JSON schemas of their API types, as
+// compiled by the npm packages @kubernetes-models/prometheus-operator (ServiceMonitor,
+// PrometheusRule: monitoring.coreos.com/v1) and @kubernetes-models/cert-manager
+// (Certificate: cert-manager.io/v1), installed into .tools/node by scripts/deploy_tools.sh.
 //
 //   node scripts/validate_crds.mjs < resources.json     # a JSON array of objects
 //
@@ -13,11 +13,17 @@ import path from "node:path";
 
 const root = process.env.NOETL_TOOLS_NODE || path.resolve(process.cwd(), ".tools/node");
 const require = createRequire(path.join(root, "package.json"));
-const pkgDir = path.dirname(require.resolve("@kubernetes-models/prometheus-operator/package.json"));
 const kinds = {};
-for (const kind of ["ServiceMonitor", "PrometheusRule", "PodMonitor"]) {
-  const mod = await import(pathToFileURL(path.join(pkgDir, "monitoring.coreos.com/v1", `${kind}.js`)).href);
-  kinds[`monitoring.coreos.com/v1/${kind}`] = mod[kind];
+const models = [
+  ["@kubernetes-models/prometheus-operator", "monitoring.coreos.com/v1", ["ServiceMonitor", "PrometheusRule", "PodMonitor"]],
+  ["@kubernetes-models/cert-manager", "cert-manager.io/v1", ["Certificate", "Issuer", "ClusterIssuer"]],
+];
+for (const [pkg, group, names] of models) {
+  const pkgDir = path.dirname(require.resolve(`${pkg}/package.json`));
+  for (const kind of names) {
+    const mod = await import(pathToFileURL(path.join(pkgDir, group, `${kind}.js`)).href);
+    kinds[`${group}/${kind}`] = mod[kind];
+  }
 }
 
 const objects = JSON.parse(readFileSync(0, "utf8"));

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from deploytools import REPO, render, run
+from deploytools import REPO, VALUES, render, run
 
 # What the Dockerfile copies into the builder stage, besides pyproject.toml.
 DOCKER_COPY_DIRS = ("libs", "services", "deploy/docker")
@@ -26,7 +26,7 @@ if os.environ.get("NOETL_CHECK_DEPLOY", "") in ("", "0"):
 @pytest.fixture(scope="session")
 def rendered() -> dict[str, str]:
     """helm template output for each values set (see deploytools.VALUES)."""
-    return {name: render(name) for name in ("default", "scale-3", "live")}
+    return {name: render(name) for name in VALUES}
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from deploytools import (
     CHART,
     K8S_VERSIONS,
     NAMESPACE,
+    PLANNED_SETTINGS,
     REPO,
     ROLE_KEYS,
     ROLES,
@@ -29,8 +30,8 @@ from deploytools import (
     values_of,
 )
 
-VALUE_SETS = ("default", "scale-3")
-CRD_GROUP = "monitoring.coreos.com/"
+VALUE_SETS = ("default", "scale-3", "mtls", "plaintext")
+CRD_GROUPS = ("monitoring.coreos.com/", "cert-manager.io/")
 
 
 def _values_args(name: str) -> list[str]:
@@ -48,7 +49,7 @@ def test_helm_lint_strict(values: str) -> None:
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_rendered_objects_validate_against_kubernetes_schemas(rendered: dict[str, str], values: str, version: str,
                                                               tmp_path: Any) -> None:
-    docs = [d for d in documents(rendered[values]) if not d["apiVersion"].startswith(CRD_GROUP)]
+    docs = [d for d in documents(rendered[values]) if not d["apiVersion"].startswith(CRD_GROUPS)]
     path = tmp_path / "objects.yaml"
     path.write_text(yaml.safe_dump_all(docs))
     proc = run([tool("kubernetes-validate"), "--kubernetes-version", version, "--strict", str(path)],
@@ -58,23 +59,28 @@ def test_rendered_objects_validate_against_kubernetes_schemas(rendered: dict[str
     assert len(passed) == len(docs), proc.stdout  # every object had a schema and passed it
 
 
-def test_custom_resources_validate_against_crd_schemas(rendered: dict[str, str]) -> None:
+@pytest.mark.parametrize(("values", "kinds"), [("scale-3", ["PrometheusRule", "ServiceMonitor"]),
+                                               ("mtls", ["Certificate"] * len(ROLES) + ["ServiceMonitor"])])
+def test_custom_resources_validate_against_crd_schemas(rendered: dict[str, str], values: str,
+                                                       kinds: list[str]) -> None:
     """ServiceMonitor and PrometheusRule against the prometheus-operator monitoring.coreos.com/v1
-    schemas (@kubernetes-models/prometheus-operator): types, required fields, enums, patterns
-    (e.g. durations). Those schemas do not reject unknown fields."""
-    crs = [d for d in documents(rendered["scale-3"]) if d["apiVersion"].startswith(CRD_GROUP)]
-    assert sorted(d["kind"] for d in crs) == ["PrometheusRule", "ServiceMonitor"]
-    node_modules = TOOLS / "node" / "node_modules" / "@kubernetes-models" / "prometheus-operator"
-    assert node_modules.exists(), "run `make deploy-tools` (npm @kubernetes-models/prometheus-operator)"
+    schemas (@kubernetes-models/prometheus-operator), the cert-manager Certificates against
+    cert-manager.io/v1 (@kubernetes-models/cert-manager): types, required fields, enums,
+    patterns (e.g. durations, key usages). Those schemas do not reject unknown fields."""
+    crs = [d for d in documents(rendered[values]) if d["apiVersion"].startswith(CRD_GROUPS)]
+    assert sorted(d["kind"] for d in crs) == kinds
+    for package in ("prometheus-operator", "cert-manager"):
+        node_modules = TOOLS / "node" / "node_modules" / "@kubernetes-models" / package
+        assert node_modules.exists(), f"run `make deploy-tools` (npm @kubernetes-models/{package})"
     proc = subprocess.run(["node", str(REPO / "scripts" / "validate_crds.mjs")], input=json.dumps(crs),
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("OK ") == 2, proc.stdout
+    assert proc.stdout.count("OK ") == len(kinds), proc.stdout
 
 
 def test_optional_custom_resources_are_off_by_default(rendered: dict[str, str]) -> None:
     kinds = {d["kind"] for d in documents(rendered["default"])}
-    assert not {"ServiceMonitor", "PrometheusRule"} & kinds
+    assert not {"ServiceMonitor", "PrometheusRule", "Certificate"} & kinds
 
 
 def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -107,21 +113,36 @@ def test_one_deployment_per_role_wired_for_the_runtime(rendered: dict[str, str],
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         assert c["resources"] == rv["resources"]
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports == {"grpc": grpc_port, "metrics": metrics_port}
+        tls = vals["tls"]["enabled"]
+        expected_ports = {"grpc": grpc_port, "metrics": metrics_port}
+        if tls:
+            expected_ports["health"] = vals["ports"]["health"]
+        if role == "api":
+            expected_ports["worker-api"] = vals["ports"]["workerApi"]
+        assert ports == expected_ports, role
         env = _env(c)
         # listen where the probes and Services look
         assert env["NOETL_GRPC_LISTEN"]["value"] == f"0.0.0.0:{grpc_port}"
         assert env["NOETL_METRICS_LISTEN"]["value"] == f"0.0.0.0:{metrics_port}"
+        # the kubelet's gRPC probes cannot speak TLS: with TLS on they ask the plaintext
+        # health-only port, else the gRPC port
+        probe_port = vals["ports"]["health"] if tls else grpc_port
+        if tls:
+            assert env["NOETL_HEALTH_LISTEN"]["value"] == f"0.0.0.0:{probe_port}", role
+        else:
+            assert "NOETL_HEALTH_LISTEN" not in env, role
         for probe in ("startupProbe", "readinessProbe"):
-            assert c[probe]["grpc"] == {"port": grpc_port}, (role, probe)
+            assert c[probe]["grpc"] == {"port": probe_port}, (role, probe)
         # liveness asks the health service that stays SERVING while the process answers: an
         # outage of Postgres makes replicas unready, it does not restart them
-        assert c["livenessProbe"]["grpc"] == {"port": grpc_port, "service": "noetl.liveness"}, role
+        assert c["livenessProbe"]["grpc"] == {"port": probe_port, "service": "noetl.liveness"}, role
         assert env["NOETL_INSTANCE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         # credentials only from Secrets
         dsn = env["NOETL_POSTGRES_DSN"]
-        assert dsn["valueFrom"]["secretKeyRef"] == {"name": vals["postgres"]["existingSecret"],
-                                                    "key": vals["postgres"]["dsnKey"]}
+        pg = vals["postgres"]
+        assert dsn["valueFrom"]["secretKeyRef"] == {
+            "name": pg["roleSecrets"].get(ROLE_KEYS[role], pg["existingSecret"]),
+            "key": pg["dsnKeys"][ROLE_KEYS[role]]}, role
         if "NOETL_NATS_URL" in env and vals["nats"]["existingSecret"]:
             assert "secretKeyRef" in env["NOETL_NATS_URL"]["valueFrom"]
         for name, entry in env.items():
@@ -129,28 +150,32 @@ def test_one_deployment_per_role_wired_for_the_runtime(rendered: dict[str, str],
                 assert "@" not in entry["value"] and "password" not in entry["value"].lower(), (role, name)
         assert c["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
         # gRPC targets: dns:/// over a headless Service exposing the gRPC port
-        targets = {"NOETL_SHARD_MANAGER_TARGET": "shard-manager"} if role != "shard-manager" else {}
+        targets = {"NOETL_SHARD_MANAGER_TARGET": ("shard-manager", "grpc")} if role != "shard-manager" else {}
         if role == "worker":
-            targets["NOETL_API_TARGET"] = "api"
+            targets["NOETL_API_TARGET"] = ("api", "grpc")
+            targets["NOETL_WORKER_API_TARGET"] = ("api", "worker-api")
             assert env["NOETL_WORKER_CONCURRENCY"]["value"] == str(rv["concurrency"])
-        for name, target_role in targets.items():
+        for name, (target_role, port_name) in targets.items():
             svc_name = f"noetl-{target_role}-headless"
-            assert env[name]["value"] == f"dns:///{svc_name}.{NAMESPACE}.svc.cluster.local:{grpc_port}"
+            port = next(p for p in find(docs, "Deployment", f"noetl-{target_role}")["spec"]["template"]["spec"][
+                "containers"][0]["ports"] if p["name"] == port_name)["containerPort"]
+            assert env[name]["value"] == f"dns:///{svc_name}.{NAMESPACE}.svc.cluster.local:{port}"
             svc = services[svc_name]
             assert svc["spec"]["clusterIP"] == "None"
             assert svc["spec"]["selector"].items() <= find(docs, "Deployment", f"noetl-{target_role}")[
                 "spec"]["template"]["metadata"]["labels"].items()
-            assert {"name": "grpc", "port": grpc_port} .items() <= next(
-                p for p in svc["spec"]["ports"] if p["name"] == "grpc").items()
+            assert {"name": port_name, "port": port, "targetPort": port_name}.items() <= next(
+                p for p in svc["spec"]["ports"] if p["name"] == port_name).items()
         # every role's metrics port is behind its headless Service
         svc = services[f"noetl-{role}-headless"]
         assert any(p["name"] == "metrics" and p["port"] == metrics_port for p in svc["spec"]["ports"])
         # PodDisruptionBudget
         pdb = find(docs, "PodDisruptionBudget", f"noetl-{role}")
         assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
-    # the clients' Service
+    # the clients' Service: the client port only (the WorkerService is for the workers)
     api = services["noetl-api"]
-    assert api["spec"]["type"] == "ClusterIP" and api["spec"]["ports"][0]["targetPort"] == "grpc"
+    assert api["spec"]["type"] == "ClusterIP"
+    assert [p["targetPort"] for p in api["spec"]["ports"]] == ["grpc"]
 
 
 def test_scale_3_values_scale_every_role(rendered: dict[str, str]) -> None:
@@ -168,9 +193,16 @@ def test_migration_job_is_a_pre_install_and_pre_upgrade_hook(rendered: dict[str,
     assert "before-hook-creation" in ann["helm.sh/hook-delete-policy"]
     pod = job["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["command"] == ["noetl-rt", "migrate"]
+    vals = values_of(values)
+    if vals["auth"]["enabled"] and vals["auth"]["register"]:
+        # migrate, then register the tokens (test_security.py checks which)
+        assert c["command"][:2] == ["sh", "-ec"] and c["command"][2].startswith("noetl-rt migrate\n"), c["command"]
+    else:
+        assert c["command"] == ["noetl-rt", "migrate"]
     assert c["image"] == find(docs, "Deployment", "noetl-api")["spec"]["template"]["spec"]["containers"][0]["image"]
-    assert "secretKeyRef" in _env(c)["NOETL_POSTGRES_DSN"]["valueFrom"]
+    # the schema owner's DSN
+    assert _env(c)["NOETL_POSTGRES_DSN"]["valueFrom"]["secretKeyRef"] == {
+        "name": vals["postgres"]["existingSecret"], "key": vals["postgres"]["ownerDsnKey"]}
     # a pre-install hook runs before the release's ConfigMap/ServiceAccount exist
     assert "envFrom" not in c and "serviceAccountName" not in pod
 
@@ -207,15 +239,18 @@ def test_config_map_settings_are_known_and_valid(rendered: dict[str, str]) -> No
 
     classes = [cfg.CoreSettings, cfg.ShardSettings, cfg.CommandSettings, cfg.ExecutionSettings,
                cfg.ProjectionSettings, cfg.CheckpointSettings, cfg.CompactorSettings, cfg.ResultStoreSettings,
-               cfg.WorkerSettings, cfg.TracingSettings]
+               cfg.WorkerSettings, cfg.TracingSettings, cfg.AuthSettings, cfg.TlsSettings, cfg.CredentialSettings,
+               cfg.NatsSettings, cfg.LimitSettings]
     known = {f"{c.model_config.get('env_prefix', '')}{f}".upper() for c in classes for f in c.model_fields}
+    # a planned name must not be read already (then it belongs out of PLANNED_SETTINGS)
+    assert not PLANNED_SETTINGS & known, sorted(PLANNED_SETTINGS & known)
     for values in (*VALUE_SETS, "live"):
         docs = documents(rendered[values])
         env: dict[str, str] = dict(find(docs, "ConfigMap", f"{NAMESPACE}-config")["data"])
         for dep in by_kind(docs, "Deployment"):
             for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]:
                 env.setdefault(e["name"], e.get("value", "placeholder"))
-        unknown = sorted(n for n in env if n.startswith("NOETL_") and n not in known)
+        unknown = sorted(n for n in env if n.startswith("NOETL_") and n not in known | PLANNED_SETTINGS)
         assert not unknown, f"{values}: settings the runtime does not read: {unknown}"
         env.update({"NOETL_RESULT_S3_ACCESS_KEY": "a", "NOETL_RESULT_S3_SECRET_KEY": "s"})
         saved = dict(os.environ)
@@ -260,6 +295,15 @@ def test_values_schema_refuses_credentials_and_chart_owned_settings() -> None:
         "config.NOETL_OTEL_EXPORTER=console": "NOETL_OTEL_EXPORTER",
         "worker.replicas=-1": "worker.replicas",
         "api.bogus=1": "bogus",
+        "config.NOETL_AUTH_TOKEN=noetl_x": "NOETL_AUTH_TOKEN",
+        "config.NOETL_CREDENTIALS_KEYS=k1:AAAA": "NOETL_CREDENTIALS_KEYS",
+        "config.NOETL_AUTH_ENABLED=false": "NOETL_AUTH_ENABLED",
+        "worker.env.NOETL_TLS_CA_FILE=/tmp/ca.crt": "NOETL_TLS_CA_FILE",
+        "api.env.NOETL_WORKER_API_LISTEN=0.0.0.0:1": "NOETL_WORKER_API_LISTEN",
+        "nats.urlKeys.worker=": "nats.urlKeys.worker",
+        "postgres.dsnKeys.worker=": "postgres.dsnKeys.worker",
+        "tls.certManager.privateKey.algorithm=DSA": "tls.certManager.privateKey.algorithm",
+        "networkPolicy.bogus=1": "bogus",
     }
     for setting, why in bad.items():
         proc = run([tool("helm"), "template", "x", str(CHART), "--set", setting], check=False, timeout=60)
@@ -282,8 +326,11 @@ def test_notes_tell_how_to_submit_a_first_execution(tmp_path: Any) -> None:
                "--show-only", "templates/notes-for-test.yaml").stdout
     text = yaml.safe_load(out)["data"]["notes"]
     assert f"kubectl -n {NAMESPACE} port-forward svc/noetl-api 50051:50051" in text, text
-    assert "noetl-rt run examples/hello_world.yaml --api 127.0.0.1:50051" in text, text
+    assert "noetl-rt run examples/hello_world.yaml --api localhost:50051" in text, text
     assert f"kubectl -n {NAMESPACE} scale deploy/noetl-worker --replicas=4" in text, text
+    # the admin token and the CA the CLI needs with the default (secure) values
+    assert f"export NOETL_TOKEN=$(kubectl -n {NAMESPACE} get secret noetl-auth -o jsonpath='{{.data.admin}}'" in text, text
+    assert "export NOETL_TLS_CA_FILE=" in text, text
     assert (REPO / "examples" / "hello_world.yaml").exists()
 
 

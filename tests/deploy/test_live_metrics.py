@@ -70,9 +70,15 @@ CONFORMANCE = (
 )
 TERMINAL = {common_pb2.EXECUTION_STATUS_COMPLETED, common_pb2.EXECUTION_STATUS_FAILED,
             common_pb2.EXECUTION_STATUS_CANCELLED}
-# Set by the local stack itself (loopback addresses, its own Postgres/NATS), not the chart.
+# Set by the local stack itself (loopback addresses, its own Postgres/NATS, its own
+# certificates and tokens), not the chart: the chart's listen addresses are per pod and its
+# TLS files are paths in a pod.
 STACK_DECIDES = {"NOETL_GRPC_LISTEN", "NOETL_METRICS_LISTEN", "NOETL_INSTANCE", "NOETL_SHARD_MANAGER_TARGET",
-                 "NOETL_API_TARGET", "NOETL_POSTGRES_DSN", "NOETL_NATS_URL", "NOETL_READY_FILE"}
+                 "NOETL_API_TARGET", "NOETL_POSTGRES_DSN", "NOETL_NATS_URL", "NOETL_READY_FILE",
+                 "NOETL_WORKER_API_LISTEN", "NOETL_WORKER_API_TARGET", "NOETL_HEALTH_LISTEN",
+                 "NOETL_AUTH_ENABLED", "NOETL_AUTH_TOKEN", "NOETL_CREDENTIALS_KEYS",
+                 "NOETL_TLS_CA_FILE", "NOETL_TLS_CERT_FILE", "NOETL_TLS_KEY_FILE", "NOETL_TLS_CLIENT_AUTH",
+                 "NOETL_TLS_SERVER_NAME", "NOETL_NATS_TLS_CA_FILE", "NOETL_NATS_CREDS_FILE"}
 QUERY_DEADLINE_SEC = float(os.environ.get("NOETL_CHECK_DEPLOY_QUERY_SEC", "300"))
 
 

@@ -85,28 +85,131 @@ app.kubernetes.io/component: {{ .role }}
 {{- printf "dns:///%s.%s.svc.%s:%d" (include "noetl.headlessName" .) .root.Release.Namespace .root.Values.clusterDomain (int .root.Values.ports.grpc) -}}
 {{- end -}}
 
+{{/* The workers' target of the api's WorkerService: its own port on the same headless Service. */}}
+{{- define "noetl.workerApiTarget" -}}
+{{- printf "dns:///%s.%s.svc.%s:%d" (include "noetl.headlessName" (dict "root" . "role" "api")) .Release.Namespace .Values.clusterDomain (int .Values.ports.workerApi) -}}
+{{- end -}}
+
 {{- define "noetl.configName" -}}
 {{- printf "%s-config" (include "noetl.fullname" .) -}}
 {{- end -}}
 
-{{/* Environment entries for the runtime's credentials. Context: dict "root" $ "role" ROLE */}}
+{{/* Mount points of the files the chart gives the pods. */}}
+{{- define "noetl.paths" -}}
+tls: /etc/noetl/tls
+auth: /etc/noetl/auth
+postgresCa: /etc/noetl/postgres-ca
+natsCa: /etc/noetl/nats-ca
+natsCreds: /etc/noetl/nats
+{{- end -}}
+
+{{/* Secret of the release's tokens (generated unless auth.existingSecret). */}}
+{{- define "noetl.authSecretName" -}}
+{{- default (printf "%s-auth" (include "noetl.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/* Keys of the tokens Secret: one per role, and admin. */}}
+{{- define "noetl.tokenKeys" -}}
+{{ include "noetl.roles" . }} admin
+{{- end -}}
+
+{{/* The token role (noetl_common.auth.Role) of a release role's token. */}}
+{{- define "noetl.tokenRole" -}}
+{{- if eq . "worker" -}}worker{{- else if eq . "admin" -}}admin{{- else -}}service{{- end -}}
+{{- end -}}
+
+{{/* A role's TLS Secret. Context: dict "root" $ "role" ROLE */}}
+{{- define "noetl.tlsSecretName" -}}
+{{- $tls := .root.Values.tls -}}
+{{- if $tls.certManager.enabled -}}
+{{- printf "%s-tls" (include "noetl.roleFullname" .) -}}
+{{- else -}}
+{{- default $tls.existingSecret (index $tls.roleSecrets (include "noetl.roleKey" .role)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret holding a role's DSN. Context: dict "root" $ "role" ROLE */}}
+{{- define "noetl.postgresSecretName" -}}
+{{- $pg := .root.Values.postgres -}}
+{{- default $pg.existingSecret (index $pg.roleSecrets (include "noetl.roleKey" .role)) -}}
+{{- end -}}
+
+{{/* DNS names of a role's Services (the names its clients dial), one per line.
+     Context: dict "root" $ "role" ROLE */}}
+{{- define "noetl.serviceDnsNames" -}}
+{{- $ns := .root.Release.Namespace -}}
+{{- $domain := .root.Values.clusterDomain -}}
+{{- $names := list (include "noetl.headlessName" .) -}}
+{{- if eq .role "api" -}}
+{{- $names = append $names (include "noetl.roleFullname" .) -}}
+{{- end -}}
+{{- range $names }}
+{{ . }}
+{{ . }}.{{ $ns }}
+{{ . }}.{{ $ns }}.svc
+{{ . }}.{{ $ns }}.svc.{{ $domain }}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment entries for the runtime's identity, TLS and credentials: each role gets
+     only what it uses. Context: dict "root" $ "role" ROLE */}}
 {{- define "noetl.credentialEnv" -}}
 {{- $v := .root.Values -}}
+{{- $paths := include "noetl.paths" . | fromYaml -}}
+{{- $roleKey := include "noetl.roleKey" .role -}}
 - name: NOETL_POSTGRES_DSN
   valueFrom:
     secretKeyRef:
-      name: {{ $v.postgres.existingSecret }}
-      key: {{ $v.postgres.dsnKey }}
+      name: {{ include "noetl.postgresSecretName" . }}
+      key: {{ index $v.postgres.dsnKeys $roleKey }}
+- name: NOETL_AUTH_ENABLED
+  value: {{ $v.auth.enabled | quote }}
+{{- if $v.auth.enabled }}
+- name: NOETL_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "noetl.authSecretName" .root }}
+      key: {{ .role }}
+{{- end }}
+{{- if $v.tls.enabled }}
+- name: NOETL_TLS_CA_FILE
+  value: {{ printf "%s/ca.crt" $paths.tls | quote }}
+- name: NOETL_TLS_CERT_FILE
+  value: {{ printf "%s/tls.crt" $paths.tls | quote }}
+- name: NOETL_TLS_KEY_FILE
+  value: {{ printf "%s/tls.key" $paths.tls | quote }}
+- name: NOETL_TLS_CLIENT_AUTH
+  value: {{ $v.tls.clientAuth | quote }}
+{{- with $v.tls.serverName }}
+- name: NOETL_TLS_SERVER_NAME
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- if eq .role "api" }}
+- name: NOETL_CREDENTIALS_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.credentials.existingSecret }}
+      key: {{ $v.credentials.keysKey }}
+{{- end }}
 {{- if has .role (splitList " " (include "noetl.natsRoles" .root)) }}
 {{- if $v.nats.existingSecret }}
 - name: NOETL_NATS_URL
   valueFrom:
     secretKeyRef:
       name: {{ $v.nats.existingSecret }}
-      key: {{ $v.nats.urlKey }}
+      key: {{ index $v.nats.urlKeys $roleKey }}
 {{- else }}
 - name: NOETL_NATS_URL
   value: {{ $v.nats.url | quote }}
+{{- end }}
+{{- if $v.nats.ca.existingSecret }}
+- name: NOETL_NATS_TLS_CA_FILE
+  value: {{ printf "%s/ca.crt" $paths.natsCa | quote }}
+{{- end }}
+{{- if $v.nats.credsSecret }}
+- name: NOETL_NATS_CREDS_FILE
+  value: {{ printf "%s/nats.creds" $paths.natsCreds | quote }}
 {{- end }}
 {{- end }}
 {{- if and $v.resultStore.s3.existingSecret (has .role (splitList " " (include "noetl.resultStoreRoles" .root))) }}
@@ -130,9 +233,231 @@ app.kubernetes.io/component: {{ .role }}
 {{- end }}
 {{- end -}}
 
+{{/* volumeMounts and volumes (two YAML lists under the keys "mounts" and "volumes") of the
+     Secret files a role needs: its TLS certificate, the Postgres CA, the NATS CA and its own
+     NATS creds file. Context: dict "root" $ "role" ROLE */}}
+{{- define "noetl.secretVolumes" -}}
+{{- $v := .root.Values -}}
+{{- $paths := include "noetl.paths" . | fromYaml -}}
+{{- $nats := has .role (splitList " " (include "noetl.natsRoles" .root)) -}}
+mounts:
+{{- if $v.tls.enabled }}
+  - {name: tls, mountPath: {{ $paths.tls }}, readOnly: true}
+{{- end }}
+{{- if $v.postgres.ca.existingSecret }}
+  - {name: postgres-ca, mountPath: {{ $paths.postgresCa }}, readOnly: true}
+{{- end }}
+{{- if and $nats $v.nats.ca.existingSecret }}
+  - {name: nats-ca, mountPath: {{ $paths.natsCa }}, readOnly: true}
+{{- end }}
+{{- if and $nats $v.nats.credsSecret }}
+  - {name: nats-creds, mountPath: {{ $paths.natsCreds }}, readOnly: true}
+{{- end }}
+volumes:
+{{- if $v.tls.enabled }}
+  - name: tls
+    secret:
+      secretName: {{ include "noetl.tlsSecretName" . }}
+      defaultMode: 0440
+      items:
+        - {key: tls.crt, path: tls.crt}
+        - {key: tls.key, path: tls.key}
+        - {key: ca.crt, path: ca.crt}
+{{- end }}
+{{- if $v.postgres.ca.existingSecret }}
+  - name: postgres-ca
+    secret:
+      secretName: {{ $v.postgres.ca.existingSecret }}
+      defaultMode: 0444
+      items:
+        - {key: {{ $v.postgres.ca.key }}, path: ca.crt}
+{{- end }}
+{{- if and $nats $v.nats.ca.existingSecret }}
+  - name: nats-ca
+    secret:
+      secretName: {{ $v.nats.ca.existingSecret }}
+      defaultMode: 0444
+      items:
+        - {key: {{ $v.nats.ca.key }}, path: ca.crt}
+{{- end }}
+{{- if and $nats $v.nats.credsSecret }}
+  - name: nats-creds
+    secret:
+      secretName: {{ $v.nats.credsSecret }}
+      defaultMode: 0440
+      items:
+        - {key: {{ printf "%s.creds" .role }}, path: nats.creds}
+{{- end }}
+{{- end -}}
+
 {{/* Label matcher every alert expression carries. */}}
 {{- define "noetl.alertSelector" -}}
 {{- if .Values.metrics.prometheusRule.matchNamespace -}}
 namespace={{ .Release.Namespace | quote }}
 {{- end -}}
+{{- end -}}
+
+{{/* ---------------------------------------------------------------- checks
+     Refuse to render values the runtime cannot run with, naming the value. */}}
+{{- define "noetl.validate" -}}
+{{- $v := .Values -}}
+{{- $ports := dict -}}
+{{- range $name := list "grpc" "workerApi" "health" "metrics" -}}
+{{- $p := toString (index $v.ports $name) -}}
+{{- if hasKey $ports $p -}}
+{{- fail (printf "ports.%s and ports.%s are both %s: every port must differ" (get $ports $p) $name $p) -}}
+{{- end -}}
+{{- $_ := set $ports $p $name -}}
+{{- end -}}
+{{- range $role := splitList " " (include "noetl.roles" .) -}}
+{{- $key := include "noetl.roleKey" $role -}}
+{{- if not (include "noetl.postgresSecretName" (dict "root" $ "role" $role)) -}}
+{{- fail (printf "postgres.existingSecret is empty (and postgres.roleSecrets.%s is not set): the %s role needs its Postgres DSN from a Secret (docs/DEPLOY.md \"Security\")" $key $role) -}}
+{{- end -}}
+{{- if not (index $v.postgres.dsnKeys $key) -}}
+{{- fail (printf "postgres.dsnKeys.%s is empty: name the key of the %s role's DSN in its Secret" $key $role) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.migration.enabled (not $v.postgres.existingSecret) -}}
+{{- fail "postgres.existingSecret is empty: the migration Job reads the owner DSN (postgres.ownerDsnKey) from it" -}}
+{{- end -}}
+{{- if and $v.migration.enabled (not $v.postgres.ownerDsnKey) -}}
+{{- fail "postgres.ownerDsnKey is empty: the migration Job needs the schema owner's DSN" -}}
+{{- end -}}
+{{- if not $v.credentials.existingSecret -}}
+{{- fail "credentials.existingSecret is empty: the api encrypts stored credentials with the master key NOETL_CREDENTIALS_KEYS from a Secret (docs/DEPLOY.md \"Credentials master key\" shows how to create it)" -}}
+{{- end -}}
+{{- if not $v.credentials.keysKey -}}
+{{- fail "credentials.keysKey is empty: name the key of NOETL_CREDENTIALS_KEYS in credentials.existingSecret" -}}
+{{- end -}}
+{{- if and $v.tls.clientAuth (not $v.tls.enabled) -}}
+{{- fail "tls.clientAuth needs tls.enabled: mutual TLS is TLS with client certificates" -}}
+{{- end -}}
+{{- if and $v.tls.certManager.enabled (not $v.tls.enabled) -}}
+{{- fail "tls.certManager.enabled needs tls.enabled" -}}
+{{- end -}}
+{{- if $v.tls.enabled -}}
+{{- if $v.tls.certManager.enabled -}}
+{{- if not $v.tls.certManager.issuerRef.name -}}
+{{- fail "tls.certManager.issuerRef.name is empty: name the cert-manager Issuer (or ClusterIssuer: issuerRef.kind) that signs the roles' certificates" -}}
+{{- end -}}
+{{- else -}}
+{{- range $role := splitList " " (include "noetl.roles" .) -}}
+{{- if not (include "noetl.tlsSecretName" (dict "root" $ "role" $role)) -}}
+{{- fail (printf "tls.existingSecret is empty (and tls.roleSecrets.%s is not set): TLS is on (tls.enabled) and the %s role needs a kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt, or set tls.certManager.enabled (docs/DEPLOY.md \"Certificates\")" (include "noetl.roleKey" $role) $role) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.auth.enabled $v.auth.register (not $v.migration.enabled) -}}
+{{- fail "auth.register needs migration.enabled: the migration Job registers the tokens; set auth.register=false and register them yourself (docs/DEPLOY.md \"Tokens\")" -}}
+{{- end -}}
+{{- if $v.nats.existingSecret -}}
+{{- range $role := splitList " " (include "noetl.natsRoles" .) -}}
+{{- if not (index $v.nats.urlKeys (include "noetl.roleKey" $role)) -}}
+{{- fail (printf "nats.urlKeys.%s is empty: name the key of the %s role's NATS URL in nats.existingSecret" (include "noetl.roleKey" $role) $role) -}}
+{{- end -}}
+{{- end -}}
+{{- else if not $v.nats.url -}}
+{{- fail "nats.url is empty and nats.existingSecret is not set: the roles need a NATS URL" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secrets the release reads and the keys it needs of each, as YAML:
+     {<secret>: [{key: K, value: <the value naming it>}, ...]}. Secrets the chart or
+     cert-manager creates are not listed. */}}
+{{- define "noetl.requiredSecrets" -}}
+{{- $v := .Values -}}
+{{- $need := dict -}}
+{{- $add := list -}}
+{{- range $role := splitList " " (include "noetl.roles" .) -}}
+{{- $ctx := dict "root" $ "role" $role -}}
+{{- $key := include "noetl.roleKey" $role -}}
+{{- $sec := include "noetl.postgresSecretName" $ctx -}}
+{{- $why := ternary (printf "postgres.roleSecrets.%s" $key) "postgres.existingSecret" (hasKey $v.postgres.roleSecrets $key) -}}
+{{- $add = append $add (list $sec (index $v.postgres.dsnKeys $key) (printf "%s, postgres.dsnKeys.%s" $why $key)) -}}
+{{- if and $v.tls.enabled (not $v.tls.certManager.enabled) -}}
+{{- $why := ternary (printf "tls.roleSecrets.%s" $key) "tls.existingSecret" (hasKey $v.tls.roleSecrets $key) -}}
+{{- range $k := list "tls.crt" "tls.key" "ca.crt" -}}
+{{- $add = append $add (list (include "noetl.tlsSecretName" $ctx) $k $why) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if $v.migration.enabled -}}
+{{- $add = append $add (list $v.postgres.existingSecret $v.postgres.ownerDsnKey "postgres.existingSecret, postgres.ownerDsnKey") -}}
+{{- end -}}
+{{- if $v.postgres.ca.existingSecret -}}
+{{- $add = append $add (list $v.postgres.ca.existingSecret $v.postgres.ca.key "postgres.ca.existingSecret, postgres.ca.key") -}}
+{{- end -}}
+{{- $add = append $add (list $v.credentials.existingSecret $v.credentials.keysKey "credentials.existingSecret, credentials.keysKey") -}}
+{{- if and $v.auth.enabled $v.auth.existingSecret -}}
+{{- range $k := splitList " " (include "noetl.roles" .) -}}
+{{- $add = append $add (list $v.auth.existingSecret $k "auth.existingSecret") -}}
+{{- end -}}
+{{- if and $v.auth.register $v.auth.bootstrapAdmin -}}
+{{- $add = append $add (list $v.auth.existingSecret "admin" "auth.existingSecret, auth.bootstrapAdmin") -}}
+{{- end -}}
+{{- end -}}
+{{- range $role := splitList " " (include "noetl.natsRoles" .) -}}
+{{- $key := include "noetl.roleKey" $role -}}
+{{- if $v.nats.existingSecret -}}
+{{- $add = append $add (list $v.nats.existingSecret (index $v.nats.urlKeys $key) (printf "nats.existingSecret, nats.urlKeys.%s" $key)) -}}
+{{- end -}}
+{{- if $v.nats.credsSecret -}}
+{{- $add = append $add (list $v.nats.credsSecret (printf "%s.creds" $role) "nats.credsSecret") -}}
+{{- end -}}
+{{- end -}}
+{{- if $v.nats.ca.existingSecret -}}
+{{- $add = append $add (list $v.nats.ca.existingSecret $v.nats.ca.key "nats.ca.existingSecret, nats.ca.key") -}}
+{{- end -}}
+{{- if $v.resultStore.s3.existingSecret -}}
+{{- $add = append $add (list $v.resultStore.s3.existingSecret $v.resultStore.s3.accessKeyKey "resultStore.s3.existingSecret, resultStore.s3.accessKeyKey") -}}
+{{- $add = append $add (list $v.resultStore.s3.existingSecret $v.resultStore.s3.secretKeyKey "resultStore.s3.existingSecret, resultStore.s3.secretKeyKey") -}}
+{{- end -}}
+{{- if and $v.tracing.existingSecret (eq $v.tracing.exporter "otlp") -}}
+{{- $add = append $add (list $v.tracing.existingSecret $v.tracing.headersKey "tracing.existingSecret, tracing.headersKey") -}}
+{{- end -}}
+{{- range $entry := $add -}}
+{{- $sec := index $entry 0 -}}
+{{- $have := get $need $sec | default list -}}
+{{- $item := dict "key" (index $entry 1) "value" (index $entry 2) -}}
+{{- if not (has $item $have) -}}
+{{- $_ := set $need $sec (append $have $item) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $need -}}
+{{- end -}}
+
+{{/* Fail unless `secret` (a looked-up Secret, empty when missing) has every key `needs`
+     lists. Context: dict "name" NAME "needs" LIST "secret" OBJECT "namespace" NS */}}
+{{- define "noetl.checkSecret" -}}
+{{- $values := list -}}
+{{- range .needs -}}{{- $values = append $values .value -}}{{- end -}}
+{{- if not .secret -}}
+{{- fail (printf "Secret %q (%s) not found in namespace %q: create it first (docs/DEPLOY.md \"Security\"), or set secretChecks=false" .name (join "; " (uniq $values)) .namespace) -}}
+{{- end -}}
+{{- $data := merge (dict) (.secret.data | default dict) (.secret.stringData | default dict) -}}
+{{- range .needs -}}
+{{- if not (hasKey $data .key) -}}
+{{- fail (printf "Secret %q has no key %q (%s) in namespace %q" $.name .key .value $.namespace) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* At install/upgrade (connected to a cluster: the namespace's `default` ServiceAccount
+     can be looked up), check every required Secret and key; `helm template` skips it. */}}
+{{- define "noetl.checkSecrets" -}}
+{{- if .Values.secretChecks -}}
+{{- if lookup "v1" "ServiceAccount" .Release.Namespace "default" -}}
+{{- range $name, $needs := include "noetl.requiredSecrets" . | fromYaml -}}
+{{- include "noetl.checkSecret" (dict "name" $name "needs" $needs "secret" (lookup "v1" "Secret" $.Release.Namespace $name) "namespace" $.Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The port of a parsed URL (urlParse): explicit, else 443 for https, 80 for http. */}}
+{{- define "noetl.urlPort" -}}
+{{- $hostPort := splitList ":" .host -}}
+{{- if gt (len $hostPort) 1 -}}{{ last $hostPort }}{{- else if eq .scheme "http" -}}80{{- else -}}443{{- end -}}
 {{- end -}}
