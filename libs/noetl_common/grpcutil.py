@@ -242,9 +242,22 @@ def channel(target: str, *, token: str = "", tls: TlsSettings | None = None) -> 
     if creds is None:
         return grpc.aio.insecure_channel(target, interceptors=interceptors, options=options)
     assert tls is not None
-    if tls.server_name:
-        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    server_name = tls.server_name or _first_host(target)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(target, creds, interceptors=interceptors, options=options)
+
+
+def _first_host(target: str) -> str:
+    """The name to verify the servers of an address-list target by (``ipv4:H:P1,H:P2``:
+    gRPC would check the whole list as one name); "" for other targets (gRPC checks the
+    target's own host)."""
+    scheme, _, addresses = target.partition(":")
+    if scheme not in ("ipv4", "ipv6") or not addresses:
+        return ""
+    first = addresses.split(",")[0]
+    host = first.rsplit(":", 1)[0] if first.count(":") == 1 or first.startswith("[") else first
+    return host.strip("[]")
 
 
 def _read(path: str) -> bytes:

@@ -44,3 +44,38 @@ async def test_health_alone_on_a_plaintext_port_beside_a_tls_server(tmp_path: Pa
     finally:
         svc.request_stop()
         await asyncio.wait_for(runner, 20)
+
+
+async def test_a_replica_list_target_verifies_each_replica_by_its_address(tmp_path: Path) -> None:
+    """``ipv4:H:P1,H:P2`` (the local stack's several shard-managers): gRPC would check the
+    whole list as one host name; the channel verifies each replica as H."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from noetl_common import grpcutil
+
+    certs = stackcerts.ensure(tmp_path)
+    tls = TlsSettings(ca_file=str(certs["ca"]), cert_file=str(certs["cert"]), key_file=str(certs["key"]))
+    probes = [Probe(CoreSettings(instance=f"probe-{i}"), ShardSettings()) for i in range(2)]
+    runners = []
+    for svc in probes:
+        svc.configure_security(svc.auth, tls)
+        runners.append(asyncio.ensure_future(svc.run()))
+    try:
+        for _ in range(200):
+            if all(svc.grpc_address for svc in probes):
+                break
+            await asyncio.sleep(0.02)
+        target = "ipv4:" + ",".join(svc.grpc_address for svc in probes)
+        channel = grpcutil.channel(target, tls=TlsSettings(ca_file=str(certs["ca"])))
+        try:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for _ in range(4):  # round robin: both replicas answer
+                answer = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await channel.close()
+    finally:
+        for svc in probes:
+            svc.request_stop()
+        for runner in runners:
+            await asyncio.wait_for(runner, 20)
