@@ -100,7 +100,10 @@ class Api:
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ]
-        # TLS trusting ca_file when given (the local stack's CA, NOETL_TLS_CA_FILE)
+        # TLS trusting ca_file when given (the local stack's CA, NOETL_TLS_CA_FILE); a replica
+        # list (ipv4:H:P1,H:P2) is verified as H
+        if ca_file and (name := grpcutil.tls_target_name(target)):
+            options.append(("grpc.ssl_target_name_override", name))
         self._raw_channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(_read_ca(ca_file)),
                                                  options=options) if ca_file
                              else grpc.insecure_channel(target, options=options))

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from noetl_common.errors import NoetlError
+from noetl_common.grpcutil import tls_target_name
 
 from .localstack import group_members, pid_alive
 
@@ -82,7 +83,9 @@ def log_tail(path: str | Path, lines: int = 40, max_bytes: int = 64 * 1024) -> s
 def open_channel(address: str, ca_file: str = "") -> grpc.Channel:
     """A blocking channel to ``address``: TLS trusting ``ca_file`` when given, else plaintext."""
     if ca_file:
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca_file).read_bytes()))
+        name = tls_target_name(address)
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca_file).read_bytes()),
+                                   options=[("grpc.ssl_target_name_override", name)] if name else None)
     return grpc.insecure_channel(address)
 
 

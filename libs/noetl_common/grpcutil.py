@@ -242,13 +242,13 @@ def channel(target: str, *, token: str = "", tls: TlsSettings | None = None) -> 
     if creds is None:
         return grpc.aio.insecure_channel(target, interceptors=interceptors, options=options)
     assert tls is not None
-    server_name = tls.server_name or _first_host(target)
+    server_name = tls.server_name or tls_target_name(target)
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(target, creds, interceptors=interceptors, options=options)
 
 
-def _first_host(target: str) -> str:
+def tls_target_name(target: str) -> str:
     """The name to verify the servers of an address-list target by (``ipv4:H:P1,H:P2``:
     gRPC would check the whole list as one name); "" for other targets (gRPC checks the
     target's own host)."""

@@ -208,7 +208,9 @@ def live(rendered: dict[str, str], image_venv: Path) -> Iterator[Live]:
                 hello = (PLAYBOOKS / "hello_world/hello_world.yaml")
                 cli = subprocess.run(
                     [sys.executable, "-m", "noetl_cli", "run", str(hello), "--json", "--timeout", "180",
-                     "--api", state.api], capture_output=True, text=True, timeout=240, cwd=REPO)
+                     "--api", state.api], capture_output=True, text=True, timeout=240, cwd=REPO,
+                    env={**os.environ, "NOETL_TOKEN": state.tokens.get("admin", ""),
+                         "NOETL_TLS_CA_FILE": state.ca_file})
                 live.outcomes["cli: hello_world"] = json.loads(cli.stdout)["status"] if cli.stdout else cli.stderr
                 for rel, payload in CONFORMANCE:
                     eid = submit(api, (PLAYBOOKS / rel).read_text(), payload)
