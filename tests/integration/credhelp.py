@@ -29,7 +29,7 @@ async def put_credentials(pool: Any, credentials: dict[str, tuple[str, dict[str,
 def store_fetch(pool: Any) -> Fetch:
     """A worker's credential Fetch that opens stored credentials itself (the api's
     CredentialStore over the real table and key), for tool tests without an api: what
-    GetCredential answers, without its claim check (tests: test_credentials.py)."""
+    GetCredential answers, without its claim check (tests: test_credential_store.py)."""
     store = CredentialStore(pool, sealing_keyring(), cache_sec=0)
 
     async def fetch(holder: Holder, name: str) -> StoredCredential:
