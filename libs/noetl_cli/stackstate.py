@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nats.aio.client import Client as NATS
+
+from noetl_common import natsio
 from noetl_common.errors import InvalidInput
 
 from . import localstack, stackcerts, stackinfra, stacknats, stacksecrets
@@ -143,6 +146,11 @@ class StackState:
         its permissions, ``natsperms``); the plain URL for a stack without NATS users.
         Connect with ``natsio.connect(url, name=..., ca_file=state.ca_file)``."""
         return stacknats.user_url(self.nats_url, self.dev_dir, user) or self.nats_url
+
+    async def nats_connect(self, name: str, user: str = "admin") -> NATS:
+        """A NATS client of this stack as ``user`` (TLS trusting the stack's CA); the caller
+        closes it."""
+        return await natsio.connect(self.nats_user_url(user), name=name, ca_file=self.ca_file)
 
     def role_env(self, proc: ServiceProcess, grpc_listen: str = "127.0.0.1:0",
                  worker_listen: str = "127.0.0.1:0") -> dict[str, str]:
