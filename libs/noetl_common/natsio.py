@@ -27,6 +27,8 @@ endless retry.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import ssl
 from collections.abc import Callable
@@ -226,13 +228,22 @@ async def connect(url: str, *, name: str, reconnects: Reconnects | None = None, 
             **options,
         )
     except ConfigError:
-        await nc.close()
+        connected = True  # from here on errors are only logged
+        await _abandon(nc)
         raise
     except (NatsError, OSError) as exc:
-        await nc.close()
+        connected = True
+        await _abandon(nc)
         raise translate(exc) from exc
     connected = True
     return nc
+
+
+async def _abandon(nc: NATS) -> None:
+    """Close a client whose first connection failed (a transport left by a failed TLS
+    handshake may never report closed: bounded)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), 2.0)
 
 
 def _readable(path: str) -> bool:
