@@ -236,6 +236,11 @@ async def connect(url: str, *, name: str, reconnects: Reconnects | None = None, 
         await _abandon(nc)
         raise translate(exc) from exc
     connected = True
+    if tls is not None and not nc._server_info.get("tls_required"):
+        # nats-py upgrades to TLS only when the server asks: refuse a server that did not.
+        await _abandon(nc)
+        raise ConfigError(f"nats at {redact(url)} does not require TLS but NOETL_NATS_TLS_CA_FILE is set: "
+                          "refusing a plaintext connection")
     return nc
 
 

@@ -126,3 +126,13 @@ def test_the_printed_authorization_block_is_a_valid_server_config(tmp_path: Path
     out = subprocess.run([localstack.nats_server_binary(), "-t", "-c", str(conf)], env=env, capture_output=True,
                          text=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+async def test_a_client_with_a_ca_refuses_a_server_that_does_not_require_tls(
+        secured: Secured, tmp_path: Path) -> None:
+    plain = localstack.start_nats(tmp_path / "plain")
+    try:
+        with pytest.raises(ConfigError, match="does not require TLS"):
+            await natsio.connect(plain.url, name="test-downgrade", ca_file=secured.ca)
+    finally:
+        plain.stop()
