@@ -30,7 +30,7 @@ def _nats_config(args: argparse.Namespace) -> int:
     from its environment; nothing secret is printed."""
     from noetl_common import natsperms
 
-    sys.stdout.write(natsperms.authorization_block(kv_bucket=args.kv_bucket))
+    sys.stdout.write(natsperms.authorization_block(kv_bucket=args.kv_bucket, user_prefix=args.user_prefix))
     return 0
 
 
@@ -213,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "its subject permissions (docs/DEPLOY.md \"Security\")")
     p.add_argument("--kv-bucket", default="noetl_results", metavar="NAME",
                    help="the result cache's KV bucket (NOETL_RESULT_KV_BUCKET; default noetl_results)")
+    p.add_argument("--user-prefix", default="noetl_", metavar="PREFIX",
+                   help="prefix of the user names (default noetl_: users noetl_api, noetl_worker, ...)")
     p.set_defaults(handler=_nats_config)
 
     dev = sub.add_parser("dev", help="the embedded local stack").add_subparsers(dest="action", metavar="ACTION")

@@ -148,9 +148,9 @@ def allowed(perms: Permissions, subject: str, *, publish: bool) -> bool:
 
 
 def authorization_block(passwords: Mapping[str, str] | None = None, *,
-                        kv_bucket: str = DEFAULT_KV_BUCKET) -> str:
-    """A NATS server ``authorization`` block: one user per role (named as the role) and
-    ``admin``, with their permissions. A password from ``passwords`` is written as given
+                        kv_bucket: str = DEFAULT_KV_BUCKET, user_prefix: str = "") -> str:
+    """A NATS server ``authorization`` block: one user per role (``user_prefix`` + the
+    role) and ``admin``, with their permissions. A password from ``passwords`` is written as given
     (a bcrypt hash from ``nats server passwd`` works too); a role without one gets a
     variable reference, ``$NOETL_NATS_PASSWORD_<ROLE>``, that nats-server resolves from
     its environment. Strings are JSON-quoted (NATS config accepts them; ``$`` inside
@@ -161,7 +161,7 @@ def authorization_block(passwords: Mapping[str, str] | None = None, *,
         secret = passwords.get(user)
         password = json.dumps(secret) if secret else f"$NOETL_NATS_PASSWORD_{user.upper()}"
         lines += [
-            f"    {{user: {json.dumps(user)}, password: {password}, permissions: {{",
+            f"    {{user: {json.dumps(user_prefix + user)}, password: {password}, permissions: {{",
             f"      publish: {{allow: {json.dumps(list(perms.publish))}}}",
             f"      subscribe: {{allow: {json.dumps(list(perms.subscribe))}}}",
             "    }}",

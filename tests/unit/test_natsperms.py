@@ -105,6 +105,7 @@ def test_the_authorization_block_names_every_user_and_hides_missing_passwords() 
         assert f'{{user: "{user}"' in text
     assert '"s3cret"' in text and "$NOETL_NATS_PASSWORD_API" in text
     assert '"$KV.cache1.>"' in text and "noetl_results" not in text
+    assert '{user: "noetl_worker"' in natsperms.authorization_block(user_prefix="noetl_")
 
 
 def test_redact_hides_passwords() -> None:
