@@ -236,11 +236,12 @@ async def connect(url: str, *, name: str, reconnects: Reconnects | None = None, 
         await _abandon(nc)
         raise translate(exc) from exc
     connected = True
-    if tls is not None and not nc._server_info.get("tls_required"):
+    wants_tls = tls is not None or any(u.strip().startswith("tls://") for u in url.split(","))
+    if wants_tls and not nc._server_info.get("tls_required"):
         # nats-py upgrades to TLS only when the server asks: refuse a server that did not.
         await _abandon(nc)
-        raise ConfigError(f"nats at {redact(url)} does not require TLS but NOETL_NATS_TLS_CA_FILE is set: "
-                          "refusing a plaintext connection")
+        raise ConfigError(f"nats at {redact(url)} does not require TLS (a tls:// URL or "
+                          "NOETL_NATS_TLS_CA_FILE asks for it): refusing a plaintext connection")
     return nc
 
 

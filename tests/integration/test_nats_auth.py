@@ -134,5 +134,7 @@ async def test_a_client_with_a_ca_refuses_a_server_that_does_not_require_tls(
     try:
         with pytest.raises(ConfigError, match="does not require TLS"):
             await natsio.connect(plain.url, name="test-downgrade", ca_file=secured.ca)
+        with pytest.raises(ConfigError, match="does not require TLS"):
+            await natsio.connect(plain.url.replace("nats://", "tls://"), name="test-downgrade-url")
     finally:
         plain.stop()
