@@ -35,6 +35,7 @@ import psycopg
 from noetl_cli import devstack, localstack
 from noetl_cli.client import Api
 from noetl_cli.supervise import ServiceProcess, target_of
+from noetl_common import natsio
 from noetl_proto.v1 import common_pb2, execution_pb2
 
 from .progress import Progress
@@ -274,8 +275,8 @@ class BenchStack:
         import nats
 
         async def read() -> dict[str, int]:
-            nc = await nats.connect(self.st.nats_url, name="noetl-bench", allow_reconnect=False,
-                                    connect_timeout=5)
+            nc = await nats.connect(self.st.nats_user_url(), name="noetl-bench", allow_reconnect=False,
+                                    connect_timeout=5, tls=natsio.tls_context(self.st.ca_file))
             try:
                 js = nc.jetstream()
                 out = {}

@@ -31,11 +31,15 @@ CLAIM = ("UPDATE bench_limits_work SET status = 'claimed' WHERE id = (SELECT id 
 CLAIM_ROWS = 200_000
 
 
-async def _nats(url: str, seconds: float) -> dict[str, Any]:
+async def _nats(url: str, ca_file: str, seconds: float) -> dict[str, Any]:
     import nats
     from nats.js.api import StorageType, StreamConfig
 
-    nc = await nats.connect(url, name="noetl-bench-limits", allow_reconnect=False, connect_timeout=5)
+    from noetl_common import natsio
+
+    # the stack's NATS speaks TLS only (as in production); the admin user may create a stream
+    nc = await nats.connect(url, name="noetl-bench-limits", allow_reconnect=False, connect_timeout=5,
+                            tls=natsio.tls_context(ca_file))
     try:
         js = nc.jetstream()
         await js.add_stream(StreamConfig(name=STREAM, subjects=["bench.limits.>"], storage=StorageType.FILE,
@@ -145,7 +149,7 @@ async def _claims(dsn: str, seconds: float, conns: int) -> tuple[float, int]:
 def run(ctx: Ctx) -> dict[str, Any]:
     stack, secs = ctx.stack, ctx.plan.limits_seconds
     ctx.progress.start("raw limits: NATS JetStream publishes")
-    out: dict[str, Any] = asyncio.run(_nats(stack.st.nats_url, secs))
+    out: dict[str, Any] = asyncio.run(_nats(stack.st.nats_user_url(), stack.st.ca_file, secs))
     dsn = stack.st.postgres_dsn
     for conns in (1, 8):
         ctx.progress.start(f"raw limits: Postgres single-row commits, {conns} connection(s)")

@@ -42,7 +42,7 @@ from typing import Any
 from noetl_common import db
 from noetl_common.errors import Conflict, InvalidInput, NotFound
 
-from . import localstack, stackcerts, stackinfra, stacksecrets
+from . import localstack, stackcerts, stackinfra, stacknats, stacksecrets
 from .home import dev_dir
 from .stackstate import Progress, StackState, clean_home, quiet, teardown
 from .supervise import (
@@ -193,7 +193,7 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
             state.role_postgres_dsn = "" if dsn == pg.dsn else dsn
         state.save()
         say(f"postgres ready (port {pg.port})")
-        nats = localstack.start_nats(state.dev_dir / "nats")
+        nats = stacknats.start(state.dev_dir)  # TLS and a user per role (stacknats.py)
         state.nats = stackinfra.record(nats)
         state.nats_url = nats.url
         state.save()
@@ -204,7 +204,7 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
         say(f"tokens issued (admin token for the CLI in {stacksecrets.path(state.dev_dir)})")
         tls = stackcerts.ensure(state.dev_dir)
         say(f"TLS certificates made (CA {tls['ca']})")
-        stackinfra.ensure_streams(state.nats_url)
+        stackinfra.ensure_streams(state.nats_user_url(), state.ca_file)
         say("nats streams ready")
 
         for stage in STAGES:

@@ -247,10 +247,12 @@ class NatsServer:
     store_dir: str
     pid: int
     log: str
+    # the configuration file it runs with (TLS, users: stacknats.py); "" = flags only
+    config: str = ""
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.config else 'nats'}://127.0.0.1:{self.port}"
 
     def stop(self, timeout: float = 10.0) -> None:
         stop_pid(self.pid, timeout)
@@ -259,10 +261,12 @@ class NatsServer:
         return asdict(self)
 
 
-def start_nats(root: str | Path, *, port: int | None = None) -> NatsServer:
+def start_nats(root: str | Path, *, port: int | None = None, config: str | Path = "") -> NatsServer:
     """Start ``nats-server -js`` with its store under ``root`` (an existing store is kept:
     streams and messages survive a restart); returns once it accepts clients. With
-    ``port`` given and taken by another process, raises ``PortTaken`` naming it."""
+    ``port`` given and taken by another process, raises ``PortTaken`` naming it. With
+    ``config`` (a file naming the same port and store: stacknats.py), the server runs with
+    it (TLS, users) instead of plain flags."""
     root = Path(root).resolve()
     store = root / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
@@ -274,7 +278,8 @@ def start_nats(root: str | Path, *, port: int | None = None) -> NatsServer:
     port = port or free_port()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store),
+            [nats_server_binary(), *(["-c", str(config)] if config else
+                                     ["-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]),
              "--ports_file_dir", str(ports_dir)],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -284,7 +289,7 @@ def start_nats(root: str | Path, *, port: int | None = None) -> NatsServer:
             raise Unavailable(f"nats-server exited with {proc.returncode}: {log.read_text()[-2000:]}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             if s.recv(4096).startswith(b"INFO"):
-                return NatsServer(port, str(store), proc.pid, str(log))
+                return NatsServer(port, str(store), proc.pid, str(log), str(config))
         time.sleep(0.05)
     proc.kill()
     raise Unavailable("nats-server did not start within 20s")

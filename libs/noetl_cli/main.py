@@ -25,6 +25,15 @@ from .output import CliError, eprint
 Handler = Callable[[argparse.Namespace], int]
 
 
+def _nats_config(args: argparse.Namespace) -> int:
+    """Passwords are variable references ($NOETL_NATS_PASSWORD_<ROLE>) nats-server resolves
+    from its environment; nothing secret is printed."""
+    from noetl_common import natsperms
+
+    sys.stdout.write(natsperms.authorization_block(kv_bucket=args.kv_bucket, user_prefix=args.user_prefix))
+    return 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -199,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("migrate", parents=[home_only], help="apply database migrations")
     p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")
     p.set_defaults(handler=lambda a: devcmd.migrate(_home(a), dsn=a.dsn))
+
+    p = sub.add_parser("nats-config", help="print the NATS server's authorization block: a user per role with "
+                       "its subject permissions (docs/DEPLOY.md \"Security\")")
+    p.add_argument("--kv-bucket", default="noetl_results", metavar="NAME",
+                   help="the result cache's KV bucket (NOETL_RESULT_KV_BUCKET; default noetl_results)")
+    p.add_argument("--user-prefix", default="noetl_", metavar="PREFIX",
+                   help="prefix of the user names (default noetl_: users noetl_api, noetl_worker, ...)")
+    p.set_defaults(handler=_nats_config)
 
     dev = sub.add_parser("dev", help="the embedded local stack").add_subparsers(dest="action", metavar="ACTION")
     dev.required = True

@@ -125,11 +125,12 @@ def kill_postgres(info: Mapping[str, Any]) -> int:
 
 def start_nats(info: Mapping[str, Any]) -> dict[str, Any]:
     """Start the recorded NATS again (JetStream on): same store directory and port.
-    Returns its new record once it accepts clients."""
+    Returns its new record once it accepts clients. A server recorded with a
+    configuration file (TLS, users: stacknats.py) is started with it again."""
     store, port = str(info.get("store_dir") or ""), int(info.get("port") or 0)
     if not store or not port:
         raise Conflict("no nats recorded for this stack (its store directory or port is unknown)")
-    return record(localstack.start_nats(Path(store).parent, port=port))
+    return record(localstack.start_nats(Path(store).parent, port=port, config=str(info.get("config") or "")))
 
 
 def stop_nats(info: Mapping[str, Any], timeout: float = 10.0) -> None:
@@ -143,23 +144,27 @@ def kill_nats(info: Mapping[str, Any]) -> int:
     return _kill(info, "nats")
 
 
-def ensure_streams(url: str) -> None:
-    """Create or update the runtime's JetStream streams on the NATS at ``url`` (on a
-    private event loop, so it works under a running loop too)."""
+def ensure_streams(url: str, ca_file: str = "") -> None:
+    """Create or update the runtime's JetStream streams on the NATS at ``url`` (a user
+    allowed to: the stack's admin; TLS trusting ``ca_file``), on a private event loop, so
+    it works under a running loop too."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(lambda: asyncio.run(_ensure_streams(url))).result()
+        pool.submit(lambda: asyncio.run(_ensure_streams(url, ca_file))).result()
 
 
-async def _ensure_streams(url: str) -> None:
+async def _ensure_streams(url: str, ca_file: str) -> None:
     # natsio logs a warning when the connection closes; this one closes on purpose.
-    nats_log = logging.getLogger(natsio.__name__)
-    level = nats_log.level
+    # asyncio warns about closing a TLS transport ("returning true from eof_received()").
+    nats_log, asyncio_log = logging.getLogger(natsio.__name__), logging.getLogger("asyncio")
+    level, asyncio_level = nats_log.level, asyncio_log.level
     nats_log.setLevel(logging.ERROR)
+    asyncio_log.setLevel(logging.ERROR)
     try:
-        nc = await natsio.connect(url, name="noetl-rt-dev")
+        nc = await natsio.connect(url, name="noetl-rt-dev", ca_file=ca_file)
         try:
             await natsio.ensure_streams(nc.jetstream())
         finally:
             await nc.drain()
     finally:
         nats_log.setLevel(level)
+        asyncio_log.setLevel(asyncio_level)

@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nats.aio.client import Client as NATS
+
+from noetl_common import natsio
 from noetl_common.errors import InvalidInput
 
-from . import localstack, stackcerts, stackinfra, stacksecrets
+from . import localstack, stackcerts, stackinfra, stacknats, stacksecrets
 from .home import dev_dir, read_state, state_path, write_state
 from .supervise import (
     ROLES,
@@ -138,6 +141,17 @@ class StackState:
         """The stack's tokens by role (admin, service, worker): ``stacksecrets``."""
         return stacksecrets.tokens(self.dev_dir)
 
+    def nats_user_url(self, user: str = "admin") -> str:
+        """The NATS URL with ``user``'s credentials (``admin``: everything; a role's own:
+        its permissions, ``natsperms``); the plain URL for a stack without NATS users.
+        Connect with ``natsio.connect(url, name=..., ca_file=state.ca_file)``."""
+        return stacknats.user_url(self.nats_url, self.dev_dir, user) or self.nats_url
+
+    async def nats_connect(self, name: str, user: str = "admin") -> NATS:
+        """A NATS client of this stack as ``user`` (TLS trusting the stack's CA); the caller
+        closes it."""
+        return await natsio.connect(self.nats_user_url(user), name=name, ca_file=self.ca_file)
+
     def role_env(self, proc: ServiceProcess, grpc_listen: str = "127.0.0.1:0",
                  worker_listen: str = "127.0.0.1:0") -> dict[str, str]:
         """os.environ (so user NOETL_* settings pass through) plus what the stack decides:
@@ -163,6 +177,7 @@ class StackState:
             "NOETL_TLS_KEY_FILE": str(self.tls["key"]),
             "PYTHONUNBUFFERED": "1",
         })
+        env.update(stacknats.role_env(self.nats_url, self.dev_dir, proc.role))  # its own NATS user, TLS
         # The credentials' master key is the api's alone (the stack's own unless the caller
         # gave one); no other role gets it.
         keys = env.pop(CREDENTIALS_KEYS, None)
@@ -289,7 +304,7 @@ class StackState:
             restarted.append("postgres")
         if not self.nats_alive():
             pid = self.start_nats()
-            stackinfra.ensure_streams(self.nats_url)
+            stackinfra.ensure_streams(self.nats_user_url(), self.ca_file)
             say(f"nats restarted in place (port {self.nats.get('port')}, pid {pid}; streams kept)")
             restarted.append("nats")
         extra = tuple(r for r in self.services if r not in ROLES)
@@ -331,7 +346,8 @@ class StackState:
 
     def client_env(self) -> dict[str, str]:
         """Environment for a client of this stack (``noetl-rt`` commands, tests)."""
-        return {"NOETL_API": self.api, "NOETL_POSTGRES_DSN": self.postgres_dsn, "NOETL_NATS_URL": self.nats_url,
+        return {"NOETL_API": self.api, "NOETL_POSTGRES_DSN": self.postgres_dsn,
+                "NOETL_NATS_URL": self.nats_user_url(), "NOETL_NATS_TLS_CA_FILE": self.ca_file,
                 "NOETL_HOME": str(self.home), "NOETL_TOKEN": self.tokens.get("admin", ""),
                 "NOETL_TLS_CA_FILE": self.ca_file}
 

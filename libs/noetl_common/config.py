@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Literal, TypeVar
+from typing import Literal, TypedDict, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,13 +25,29 @@ def _env(prefix: str) -> SettingsConfigDict:
     return SettingsConfigDict(env_prefix=prefix, extra="ignore", allow_inf_nan=False)
 
 
+class NatsClientOptions(TypedDict):
+    """The security keyword arguments of ``natsio.connect`` (``CoreSettings.nats_options``)."""
+
+    ca_file: str
+    creds_file: str
+    cert_file: str
+    key_file: str
+
+
 class CoreSettings(BaseSettings):
     """Endpoints and identity shared by every role (``NOETL_*``)."""
 
     model_config = _env("NOETL_")
 
     postgres_dsn: str = Field(default="", description="libpq connection string of the runtime database")
-    nats_url: str = Field(default="", description="NATS server URL(s), comma separated")
+    nats_url: str = Field(default="", description="NATS server URL(s), comma separated; may carry user:password@")
+    # NATS client security (docs/DEPLOY.md "Security"): a creds file (user JWT + nkey
+    # seed), the CA that signs the NATS server's certificate (TLS on when set), and an
+    # optional client certificate for a server that verifies clients.
+    nats_creds_file: str = Field(default="", description="NATS creds file (NOETL_NATS_CREDS_FILE)")
+    nats_tls_ca_file: str = Field(default="", description="CA of the NATS server's certificate (TLS on when set)")
+    nats_tls_cert_file: str = Field(default="", description="client certificate for NATS (with the key file)")
+    nats_tls_key_file: str = Field(default="", description="client key for NATS")
     shard_manager_target: str = Field(default="", description="gRPC target of the shard-manager")
     api_target: str = Field(default="", description="gRPC target of the api role's client API (CLI, sub-playbooks)")
     # The api serves WorkerService (claims, lease renewals, credentials for claimed
@@ -49,6 +65,11 @@ class CoreSettings(BaseSettings):
     shutdown_grace_sec: float = Field(default=5.0, gt=0)
     # Tests only: a file of armed fault points (noetl_common.faults).
     faults_file: str = ""
+
+    def nats_options(self) -> NatsClientOptions:
+        """The keyword arguments of ``natsio.connect`` these settings give."""
+        return {"ca_file": self.nats_tls_ca_file, "creds_file": self.nats_creds_file,
+                "cert_file": self.nats_tls_cert_file, "key_file": self.nats_tls_key_file}
 
     def require(self, *names: str) -> None:
         missing = [f"NOETL_{n.upper()}" for n in names if not getattr(self, n)]

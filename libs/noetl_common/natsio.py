@@ -13,16 +13,30 @@ Core (non-JetStream) subjects carry hints only, never facts:
   ``noetl.projector.{shard}``        new events were appended to a shard
   ``noetl.checkpointer.{shard}``     the projection passed a checkpoint barrier of a shard
   ``noetl.cancel.{shard}``           commands were cancelled: {"command_ids": [...]}
+
+Replies (JetStream API answers, pulled and pushed messages) come to ``_INBOX.{role}.>``
+(``inbox_prefix``), so a role's NATS user may subscribe to its own replies only.
+Each role's NATS permissions are data in ``natsperms.py``.
+
+Security: the URL may carry ``user:password@`` (never logged: ``redact``), a creds file
+(JWT + nkey seed) is ``creds_file``, and ``ca_file`` makes the connection TLS, verifying the
+server against that CA (``cert_file``/``key_file`` present a client certificate). An
+authorization violation at the first connection is a ``ConfigError`` naming it, not an
+endless retry.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
-import nats
 from nats.aio.client import Client as NATS
+from nats.errors import AuthorizationError
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -37,7 +51,7 @@ from nats.js.errors import NotFoundError
 from opentelemetry.context import Context
 
 from . import tracing
-from .errors import NoetlError, Unavailable
+from .errors import ConfigError, NoetlError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -53,32 +67,77 @@ KIND_EXPIRED = "expired"
 KIND_BARRIER = "barrier"
 
 
-def events_subject(shard: int, kind: str) -> str:
+def events_subject(shard: int | str, kind: str) -> str:
     return f"noetl.events.{shard}.{kind}"
 
 
-def events_filter(shard: int) -> str:
+def events_filter(shard: int | str) -> str:
     return f"noetl.events.{shard}.>"
 
 
-def commands_subject(shard: int) -> str:
+def commands_subject(shard: int | str) -> str:
     return f"noetl.commands.{shard}"
 
 
-def progress_subject(execution_id: int) -> str:
+def progress_subject(execution_id: int | str) -> str:
     return f"noetl.progress.{execution_id}"
 
 
-def projector_subject(shard: int) -> str:
+def projector_subject(shard: int | str) -> str:
     return f"noetl.projector.{shard}"
 
 
-def checkpointer_subject(shard: int) -> str:
+def checkpointer_subject(shard: int | str) -> str:
     return f"noetl.checkpointer.{shard}"
 
 
-def cancel_subject(shard: int) -> str:
+def cancel_subject(shard: int | str) -> str:
     return f"noetl.cancel.{shard}"
+
+
+def cancel_filter() -> str:
+    """Every shard's cancel hints (workers hold commands of any shard)."""
+    return cancel_subject("*")
+
+
+def inbox_prefix(role: str) -> str:
+    """Where a role's replies come: its NATS user may subscribe here and nowhere else
+    under ``_INBOX``."""
+    return f"_INBOX.{role}"
+
+
+def redact(url: str) -> str:
+    """``url`` (comma-separated URLs) with any password replaced by ``***``."""
+    out = []
+    for one in url.split(","):
+        one = one.strip()
+        parts = urlsplit(one if "://" in one else f"nats://{one}")
+        if parts.password is not None:
+            host = parts.hostname or ""
+            netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+            one = urlunsplit(parts._replace(netloc=netloc))
+        out.append(one)
+    return ",".join(out)
+
+
+def _is_auth_violation(exc: BaseException) -> bool:
+    return isinstance(exc, AuthorizationError) or "authorization violation" in str(exc).lower()
+
+
+def tls_context(ca_file: str = "", cert_file: str = "", key_file: str = "") -> ssl.SSLContext | None:
+    """A client TLS context verifying the server against ``ca_file`` (and presenting
+    ``cert_file``/``key_file`` when given); None when none is set (plaintext)."""
+    if not (ca_file or cert_file):
+        return None
+    if bool(cert_file) != bool(key_file):
+        raise ConfigError("NOETL_NATS_TLS_CERT_FILE and NOETL_NATS_TLS_KEY_FILE go together")
+    try:
+        ctx = ssl.create_default_context(cafile=ca_file or None)
+        if cert_file:
+            ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"NATS TLS files not usable: {exc}") from exc
+    return ctx
 
 
 def translate(exc: BaseException) -> NoetlError:
@@ -113,11 +172,31 @@ class Reconnects:
                 logger.exception("nats reconnect listener failed")
 
 
-async def connect(url: str, *, name: str, reconnects: Reconnects | None = None) -> NATS:
+async def connect(url: str, *, name: str, reconnects: Reconnects | None = None, role: str = "",
+                  ca_file: str = "", creds_file: str = "", cert_file: str = "", key_file: str = "") -> NATS:
     """Connect with unbounded reconnects (every 0.5 s); the caller closes with ``await
-    nc.drain()``. ``reconnects`` is told about every reconnection."""
+    nc.drain()``. ``reconnects`` is told about every reconnection. ``role`` puts replies
+    under that role's inbox (``inbox_prefix``); ``ca_file`` (and ``cert_file``/``key_file``)
+    make it TLS; ``creds_file`` is a NATS creds file (user JWT and nkey seed); a user and
+    password go in the URL. The first connection refused for authorization raises
+    ``ConfigError`` (wrong or missing credentials do not get better by retrying)."""
+    tls = tls_context(ca_file, cert_file, key_file)
+    if creds_file and not _readable(creds_file):
+        raise ConfigError(f"NOETL_NATS_CREDS_FILE {creds_file} is not readable")
+    nc = NATS()
+    connected = False
 
     async def on_error(exc: Exception) -> None:
+        if _is_auth_violation(exc):
+            logger.error("nats refused this client's credentials (authorization violation) at %s: check "
+                         "the user/password in NOETL_NATS_URL or NOETL_NATS_CREDS_FILE", redact(url))
+            if not connected:
+                raise ConfigError(f"nats at {redact(url)}: authorization violation (wrong or missing "
+                                  "credentials in NOETL_NATS_URL / NOETL_NATS_CREDS_FILE)") from exc
+            return
+        if isinstance(exc, ssl.SSLCertVerificationError) and not connected:
+            raise ConfigError(f"nats at {redact(url)}: TLS certificate not trusted ({exc.verify_message}); "
+                              "check NOETL_NATS_TLS_CA_FILE") from exc
         logger.warning("nats error: %s", exc)
 
     async def on_disconnect() -> None:
@@ -128,20 +207,57 @@ async def connect(url: str, *, name: str, reconnects: Reconnects | None = None) 
         if reconnects is not None:
             reconnects.reconnected()
 
+    options: dict[str, Any] = {}
+    if tls is not None:
+        options["tls"] = tls
+    if creds_file:
+        options["user_credentials"] = creds_file
+    if role:
+        options["inbox_prefix"] = inbox_prefix(role)
     try:
-        return await nats.connect(
+        await nc.connect(
             servers=[u.strip() for u in url.split(",") if u.strip()],
             name=name,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds; typed int, a float works
             connect_timeout=5,
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
             pending_size=64 * 1024 * 1024,
+            **options,
         )
+    except ConfigError:
+        connected = True  # from here on errors are only logged
+        await _abandon(nc)
+        raise
     except (NatsError, OSError) as exc:
+        connected = True
+        await _abandon(nc)
         raise translate(exc) from exc
+    connected = True
+    wants_tls = tls is not None or any(u.strip().startswith("tls://") for u in url.split(","))
+    if wants_tls and not nc._server_info.get("tls_required"):
+        # nats-py upgrades to TLS only when the server asks: refuse a server that did not.
+        await _abandon(nc)
+        raise ConfigError(f"nats at {redact(url)} does not require TLS (a tls:// URL or "
+                          "NOETL_NATS_TLS_CA_FILE asks for it): refusing a plaintext connection")
+    return nc
+
+
+async def _abandon(nc: NATS) -> None:
+    """Close a client whose first connection failed (a transport left by a failed TLS
+    handshake may never report closed: bounded)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), 2.0)
+
+
+def _readable(path: str) -> bool:
+    try:
+        with open(path, "rb"):
+            return True
+    except OSError:
+        return False
 
 
 def stream_configs(*, events_max_age_sec: float = 7 * 86400, replicas: int = 1) -> list[StreamConfig]:
@@ -172,18 +288,24 @@ _MANAGED = ("subjects", "retention", "storage", "max_age", "duplicate_window", "
 
 
 async def ensure_streams(js: JetStreamContext, *, events_max_age_sec: float = 7 * 86400,
-                         command_ack_wait_sec: float = 30.0, replicas: int = 1) -> None:
+                         command_ack_wait_sec: float = 30.0, replicas: int = 1, manage: bool = True) -> None:
     """Create the streams and the shared worker consumer when missing (idempotent). An
     existing stream is updated only where a managed setting differs from the wanted one
     (logged), so every role's start does not re-apply, and undo, an operator's changes
-    to the rest of its configuration."""
+    to the rest of its configuration. ``manage=False`` (workers: their NATS user may not
+    create or change streams) only checks the streams exist (``Unavailable`` naming the
+    missing one) and ensures the worker consumer."""
     try:
         for cfg in stream_configs(events_max_age_sec=events_max_age_sec, replicas=replicas):
             try:
                 info = await js.stream_info(cfg.name)  # type: ignore[arg-type]
             except NotFoundError:
+                if not manage:
+                    raise Unavailable(f"nats stream {cfg.name} does not exist (yet): the api creates it") from None
                 await js.add_stream(cfg)
                 logger.info("created stream %s (replicas %s)", cfg.name, cfg.num_replicas)
+                continue
+            if not manage:
                 continue
             have = info.config
             changed = {f: (getattr(have, f), getattr(cfg, f)) for f in _MANAGED

@@ -49,7 +49,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from .errors import NoetlError, Unavailable
+from .errors import ConfigError, NoetlError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ def is_transient(exc: BaseException) -> bool:
     """True when waiting and calling again can succeed (see the module docstring)."""
     if isinstance(exc, Unavailable):
         return True
+    if isinstance(exc, ConfigError):
+        return False  # wrong settings or credentials (even when a NATS error caused it)
     if isinstance(exc, NoetlError):
         # A translated error keeps its cause: a NoetlError wrapping a transient
         # dependency error (e.g. a store error around a connection reset) is transient.

@@ -233,7 +233,8 @@ class ShardedService(Service):
 
     async def on_start(self) -> None:
         if self.uses_nats:
-            self.nc = await natsio.connect(self.core.nats_url, name=self.core.instance)
+            self.nc = await natsio.connect(self.core.nats_url, name=self.core.instance, role=self.role,
+                                           **self.core.nats_options())
 
     async def on_shards(self, gained: dict[int, int], lost: set[int]) -> None:
         await self.tasks.apply(gained, lost)

@@ -39,7 +39,7 @@ VALUES = {"default": None, "scale-3": CHART / "ci" / "scale-3-values.yaml",
           "live": HERE / "live-values.yaml"}
 # NOETL_* settings the chart sets that the runtime does not read yet (docs/DEPLOY.md
 # "Security" marks them planned); remove each name as the runtime lands it.
-PLANNED_SETTINGS = frozenset({"NOETL_NATS_TLS_CA_FILE", "NOETL_NATS_CREDS_FILE"})
+PLANNED_SETTINGS: frozenset[str] = frozenset()
 # Kubernetes versions the rendered objects are validated against (oldest supported, newest packaged).
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 

@@ -283,11 +283,11 @@ class StreamMsg:
     headers: dict[str, str]
 
 
-def stream_messages(nats_url: str, subject: str) -> list[StreamMsg]:
+def stream_messages(state: devstack.StackState, subject: str) -> list[StreamMsg]:
     """Every message stored in ``NOETL_EVENTS`` on ``subject``, oldest first (read by
-    sequence, no consumer is created)."""
+    sequence, no consumer is created), read as the stack's NATS admin."""
     async def scan() -> list[StreamMsg]:
-        nc = await natsio.connect(nats_url, name="test-scan")
+        nc = await state.nats_connect("test-scan")
         try:
             js = nc.jetstream()
             out: list[StreamMsg] = []
@@ -306,11 +306,12 @@ def stream_messages(nats_url: str, subject: str) -> list[StreamMsg]:
     return asyncio.run(scan())
 
 
-def stream_publish(nats_url: str, subject: str, data: bytes, msg_id: str) -> Any:
-    """Publish one message to JetStream with ``Nats-Msg-Id = msg_id``; returns the PubAck
-    (``duplicate`` is True when the stream's dedup window swallowed it)."""
+def stream_publish(state: devstack.StackState, subject: str, data: bytes, msg_id: str) -> Any:
+    """Publish one message to JetStream with ``Nats-Msg-Id = msg_id`` (as the stack's NATS
+    admin); returns the PubAck (``duplicate`` is True when the stream's dedup window
+    swallowed it)."""
     async def pub() -> Any:
-        nc = await natsio.connect(nats_url, name="test-publish")
+        nc = await state.nats_connect("test-publish")
         try:
             return await natsio.publish(nc.jetstream(), subject, data, msg_id=msg_id)
         finally:

@@ -51,7 +51,7 @@ def playbook(gate: Path) -> str:
 def results_of(runner: Runner, shard: int, command_id: str) -> list[StreamMsg]:
     """The CallResults published for ``command_id`` on the shard's call subject."""
     found = []
-    for msg in stream_messages(runner.state.nats_url, natsio.events_subject(shard, natsio.KIND_CALL)):
+    for msg in stream_messages(runner.state, natsio.events_subject(shard, natsio.KIND_CALL)):
         inp = messages_pb2.EngineInput.FromString(msg.data)
         if inp.WhichOneof("input") == "call_result" and inp.call_result.command_id == command_id:
             found.append(msg)
@@ -65,7 +65,7 @@ def events_of(db: Db, execution_id: int, event_type: str, command_id: str) -> li
 
 def replay(runner: Runner, original: StreamMsg, tag: str) -> None:
     """Publish ``original`` again: under its own Msg-Id JetStream drops it; under another it is stored."""
-    url = runner.state.nats_url
+    url = runner.state
     own_id = original.headers.get("Nats-Msg-Id", "")
     assert own_id, f"the worker published without a Msg-Id: {original.headers}"
     assert stream_publish(url, original.subject, original.data, own_id).duplicate is True

@@ -197,7 +197,7 @@ def test_a_long_task_is_never_reaped(runner: Runner, db: Db) -> None:
         "status": "done", "attempt": 1}
     # the reaper never even reported it to the engine
     reports = [messages_pb2.EngineInput.FromString(m.data).expired for m in
-               stream_messages(runner.state.nats_url, natsio.events_subject(shard, natsio.KIND_EXPIRED))]
+               stream_messages(runner.state, natsio.events_subject(shard, natsio.KIND_EXPIRED))]
     assert [r for r in reports if r.command_id == command] == []
     db.wait_projected()
     db.assert_projection_is_a_fold(eid)

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from harness import Runner, event_counts, start_stack
 
@@ -112,14 +111,14 @@ def cache_hits(state: devstack.StackState) -> float:
 class Purger:
     """Empties the KV bucket every few milliseconds from its own NATS connection."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, state: devstack.StackState) -> None:
+        self.state = state
         self.stop = threading.Event()
         self.purges = 0
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _run(self) -> None:
-        nc = await nats.connect(self.url)
+        nc = await self.state.nats_connect("test-purger")
         js = nc.jetstream()
         try:
             while not self.stop.is_set():
@@ -151,14 +150,14 @@ def test_emptying_the_kv_cache_mid_run_changes_nothing_but_latency(kv_stack: Run
     assert again == baseline
     assert cache_hits(kv_stack.state) > hits, "the KV cache served no read"
 
-    with Purger(kv_stack.state.nats_url) as purger:
+    with Purger(kv_stack.state) as purger:
         purged = snapshot(kv_stack, kv_stack.submit(PLAYBOOK).execution_id)
     assert purger.purges > 10
     assert purged == baseline
 
     # dropping the whole bucket mid-run: the stores read through and re-create it
     async def drop() -> None:
-        nc = await nats.connect(kv_stack.state.nats_url)
+        nc = await kv_stack.state.nats_connect("test-drop")
         try:
             await nc.jetstream().delete_key_value(BUCKET)
         finally:

@@ -169,7 +169,7 @@ def test_a_result_without_its_claim_token_is_not_accepted(runner: Runner, db: Db
     import asyncio
 
     async def publish() -> None:
-        nc = await natsio.connect(runner.state.nats_url, name="test-forger")
+        nc = await runner.state.nats_connect("test-forger")
         try:
             await natsio.publish(nc.jetstream(), natsio.events_subject(row["shard_id"], natsio.KIND_CALL),
                                  messages_pb2.EngineInput(call_result=forged).SerializeToString())

@@ -74,7 +74,6 @@ def test_stack_is_up_and_wired(stack: devstack.StackState) -> None:
     assert worker_env["NOETL_API_TARGET"] == stack.api
     assert worker_env["NOETL_SHARD_MANAGER_TARGET"] == stack.shard_manager
     assert worker_env["NOETL_POSTGRES_DSN"] == stack.postgres_dsn
-    assert worker_env["NOETL_NATS_URL"] == stack.nats_url
     assert worker_env["NOETL_INSTANCE"] == "worker-1"
     assert worker_env["NOETL_SHARD_LEASE_SEC"] == "3"
     assert worker_env["NOETL_GRPC_LISTEN"] == "127.0.0.1:0"
@@ -95,6 +94,17 @@ def test_stack_is_up_and_wired(stack: devstack.StackState) -> None:
     assert keys.startswith("local:") and len(keys) == len("local:") + 44
     assert {ready_data(p)["env"].get("NOETL_CREDENTIALS_KEYS") for p in stack.processes("api")} == {keys}
     assert all("NOETL_CREDENTIALS_KEYS" not in ready_data(p)["env"] for p in stack.processes() if p.role != "api")
+
+    # NATS: TLS, a user per role (its password in secrets.json, never in state.json); roles
+    # without NATS get no NATS URL
+    assert stack.nats_url.startswith("tls://127.0.0.1:") and "@" not in stack.nats_url
+    worker_url = worker_env["NOETL_NATS_URL"]
+    assert worker_url == stack.nats_user_url("worker") and worker_url.startswith("tls://worker:")
+    assert worker_env["NOETL_NATS_TLS_CA_FILE"] == stack.ca_file != ""
+    assert api_env["NOETL_NATS_URL"].startswith("tls://api:") and sm_env["NOETL_NATS_URL"] == ""
+    nats_conf = Path(stack.nats["config"])
+    assert oct(nats_conf.stat().st_mode & 0o777) == "0o600"
+    assert worker_url.split(":")[2].split("@")[0] not in (stack.home / "dev" / "state.json").read_text()
 
     recorded = json.loads((stack.home / "dev" / "state.json").read_text())
     assert recorded["api"] == stack.api and recorded["home"] == str(stack.home)

@@ -22,7 +22,6 @@ from noetl_cli import devstack
 from noetl_cli.localstack import group_members, pid_alive
 from noetl_cli.main import main
 from noetl_cli.ports import PortTaken
-from noetl_common import natsio
 
 pytestmark = pytest.mark.integration
 
@@ -69,8 +68,8 @@ def status_json(home: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, di
     return code, json.loads(capsys.readouterr().out)
 
 
-async def stream_names(url: str) -> list[str]:
-    nc = await natsio.connect(url, name="test-heal")
+async def stream_names(stack: devstack.StackState) -> list[str]:
+    nc = await stack.nats_connect("test-heal")
     try:
         return [s.config.name for s in await nc.jetstream().streams_info() if s.config.name]
     finally:
@@ -82,7 +81,7 @@ def test_dev_up_restarts_killed_postgres_and_nats_in_place(
     with psycopg.connect(stack.postgres_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE heal_probe (x int)")
         conn.execute("INSERT INTO heal_probe VALUES (42)")
-    streams = asyncio.run(stream_names(stack.nats_url))
+    streams = asyncio.run(stream_names(stack))
     assert streams, "the stack created its JetStream streams"
     roles = role_pids(stack)
     pg_pid, pg_port = stack.postgres["pid"], stack.postgres["port"]
@@ -122,7 +121,7 @@ def test_dev_up_restarts_killed_postgres_and_nats_in_place(
         settings = dict(conn.execute("SELECT name, setting FROM pg_settings WHERE name IN "
                                      "('fsync', 'synchronous_commit', 'full_page_writes')").fetchall())
         assert settings == {"fsync": "off", "synchronous_commit": "on", "full_page_writes": "off"}
-    assert sorted(asyncio.run(stream_names(stack.nats_url))) == sorted(streams)
+    assert sorted(asyncio.run(stream_names(stack))) == sorted(streams)
     code, doc = status_json(stack.home, capsys)
     assert code == 0 and doc["healthy"] is True
     assert doc["postgres"]["status"] == doc["nats"]["status"] == "running"

@@ -143,6 +143,7 @@ async def stack(pg_dsn: str, nats_url: str) -> AsyncIterator[Stack]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     nc = await nats.connect(nats_url)
+    await natsio.ensure_streams(nc.jetstream())  # the api's part: workers wait for the streams
     results: asyncio.Queue[Any] = asyncio.Queue()
 
     async def on_event(msg: Any) -> None:

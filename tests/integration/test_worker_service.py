@@ -156,11 +156,12 @@ async def harness(request: pytest.FixtureRequest, pg_dsn: str, nats_url: str) ->
     svc = StandaloneWorker(core, ShardSettings(), CommandSettings(lease_sec=0.6),
                            options.get("worker") or WorkerSettings(concurrency=2, python_pool=2),
                            tools=tools_factory() if tools_factory else None, limits=options.get("limits"))
+    nc = await nats.connect(nats_url)
+    await natsio.ensure_streams(nc.jetstream())  # the api's part: workers wait for the streams
     running = asyncio.ensure_future(svc.run())
     await wait_for(lambda: len(svc._slots) == 2 or running.done(), limit=30)
     assert not running.done()
 
-    nc = await nats.connect(nats_url)
     results: asyncio.Queue[Any] = asyncio.Queue()
 
     async def on_event(msg: Any) -> None:

@@ -103,10 +103,13 @@ class ApiService(Service):
     async def on_start(self) -> None:
         assert self.pool is not None
         templates.configure(self.limits)  # the engine renders `when` / `set` / loop collections
-        self.nc = await natsio.connect(self.core.nats_url, name=self.core.instance, reconnects=self.reconnects)
+        self.nc = await natsio.connect(self.core.nats_url, name=self.core.instance, reconnects=self.reconnects,
+                                       role=self.role, **self.core.nats_options())
         self.js = self.nc.jetstream()
-        await natsio.ensure_streams(self.js, command_ack_wait_sec=max(5.0, self.commands.lease_sec),
-                                    replicas=self.nats_cfg.stream_replicas)
+        await self._ensure_streams()
+        # A NATS that lost its store comes back without the streams; workers may not
+        # create them (their NATS user), the api does, at once.
+        self.reconnects.listen(self._on_reconnect)
         self.catalog = Catalog(self.pool, limits=self.limits)
         # The api reads every tier (engine templates, GetExecution with results).
         self.results = CachedResultStore(await make_result_store(self.results_cfg, self.pool, self.js),
@@ -121,6 +124,21 @@ class ApiService(Service):
         await retry_transient("checking the stored credentials", self.credentials.prepare,
                               deadline_sec=STARTUP_RETRY_SEC, initial=0.2, cap=5.0)
         self.grants = CredentialGrants(self.claims, self.catalog, self.credentials, self.results)
+
+    async def _ensure_streams(self) -> None:
+        assert self.js is not None
+        await natsio.ensure_streams(self.js, command_ack_wait_sec=max(5.0, self.commands.lease_sec),
+                                    replicas=self.nats_cfg.stream_replicas)
+
+    def _on_reconnect(self) -> None:
+        self.spawn(self._streams_after_reconnect(), "nats-streams")
+
+    async def _streams_after_reconnect(self) -> None:
+        try:
+            await retry_transient("re-creating the nats streams after a reconnect", self._ensure_streams,
+                                  deadline_sec=STARTUP_RETRY_SEC, initial=0.2, cap=2.0)
+        except Exception as exc:
+            logger.warning("nats streams not ensured after a reconnect: %s", exc)
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         assert self.nc is not None and self.pool is not None

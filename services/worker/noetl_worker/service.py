@@ -72,6 +72,7 @@ from noetl_common.config import (
 )
 from noetl_common.errors import NoetlError, Unavailable
 from noetl_common.redact import ActiveSecrets, LogFilter, Redactor
+from noetl_common.retry import retry_transient
 from noetl_common.service import Service
 from noetl_dsl import templates
 from noetl_proto.v1 import execution_pb2_grpc, messages_pb2, worker_pb2, worker_pb2_grpc
@@ -111,7 +112,8 @@ RECENT_KEEP = 20_000
 RECENT_KEEP_SEC = 300.0
 WORKER_ERROR = "WORKER_ERROR"
 # Core-NATS hints of cancelled commands, one subject per shard (natsio.cancel_subject).
-CANCEL_HINTS_SUBJECT = "noetl.cancel.>"
+CANCEL_HINTS_SUBJECT = natsio.cancel_filter()
+STREAMS_WAIT_SEC = 120.0
 CANCELLED = "cancelled"
 _LOST_CLAIM = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 _LOST_LEASE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
@@ -211,9 +213,12 @@ class WorkerService(Service):
         templates.configure(self.limits)  # every template a task renders is bounded
         assert self.pool is not None
         self.nc = await natsio.connect(self.core.nats_url, name=f"noetl-worker-{self.worker_id}",
-                                       reconnects=self.reconnects)
+                                       reconnects=self.reconnects, role=self.role, **self.core.nats_options())
         self.js = self.nc.jetstream()
-        await natsio.ensure_streams(self.js, replicas=self.nats_cfg.stream_replicas)
+        # The worker's NATS user may not create streams (the api does): wait for them.
+        await retry_transient("waiting for the nats streams",
+                              lambda: natsio.ensure_streams(self.js, manage=False),  # type: ignore[arg-type]
+                              deadline_sec=STREAMS_WAIT_SEC, initial=0.2, cap=2.0)
         self.reconnects.listen(self._on_reconnect)
         result_bytes = self.limits.result_bytes
         if self.store is None:
@@ -266,10 +271,10 @@ class WorkerService(Service):
         stream position is past the stream's end now is published again (same Msg-Id; the
         engine accepts one result per command and records any other as a duplicate)."""
         assert self.js is not None
-        for delay in (0.0, 0.2, 0.5, 1.0, 2.0, 5.0):
+        for delay in (0.0, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0):
             await asyncio.sleep(delay)
             try:
-                await natsio.ensure_streams(self.js, replicas=self.nats_cfg.stream_replicas)
+                await natsio.ensure_streams(self.js, manage=False)  # the api re-creates lost streams
                 last = int((await self.js.stream_info(natsio.EVENTS_STREAM)).state.last_seq)
                 break
             except Exception as exc:
