@@ -260,6 +260,15 @@ class Playbook(_Model):
     def step_names(self) -> list[str]:
         return [s.step for s in self.workflow]
 
+    @cached_property
+    def _step_positions(self) -> dict[str, int]:
+        return {s.step: i for i, s in reversed(list(enumerate(self.workflow)))}
+
+    def step_index(self, name: str) -> int:
+        """The position of the step called ``name`` in ``workflow`` (its first, when
+        names repeat); KeyError when there is none."""
+        return self._step_positions[name]
+
     @property
     def start_step(self) -> str:
         """The step named ``start`` if there is one, else the first step."""
