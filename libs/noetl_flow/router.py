@@ -424,6 +424,9 @@ def _error_text(envelope: Mapping[str, Any]) -> str:
     err = envelope.get("error") or {}
     msg = err.get("message") or "unknown error"
     code = err.get("code")
+    exception_type = err.get("exception_type")
+    if exception_type and code in ("TOOL_ERROR", None, ""):
+        return f"{exception_type}: {msg}"
     return f"{code}: {msg}" if code and code not in ("TOOL_ERROR",) else str(msg)
 
 
