@@ -67,3 +67,43 @@ def test_pft_flow_lands_every_row_and_its_last_step_reads_output(runner: Runner,
     assert out.steps["fetch_mds"]["visits"] == FACILITIES
     assert len(http_api.requests("/api/v1/pft/mds")) == sum(
         -(-pft_mds_count(f) // 4) for f in range(1, FACILITIES + 1))
+
+
+FAILING = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: pft_error_e2e, path: tests/e2e/pft_error}
+workflow:
+  - step: start
+    tool:
+      kind: python
+      code: |
+        def ratio(a, b):
+            return a / b
+        result = ratio(1, 0)
+    next:
+      arcs:
+        - step: recover
+          when: "{{ event.name == 'call.error' and output.error.kind == 'unknown' }}"
+          set:
+            ctx.exception: "{{ output.error.exception_type }}"
+  - step: recover
+    tool:
+      kind: python
+      input: {exception: "{{ ctx.exception }}"}
+      code: |
+        raise ValueError(f"recovered from {exception}")
+"""
+
+
+def test_a_python_error_shows_its_type_message_and_traceback(runner: Runner) -> None:
+    out = runner.run(FAILING, timeout=60)
+    assert out.status == "FAILED"
+    first, *trace = out.steps["start"]["error"].splitlines()
+    assert first == "ZeroDivisionError: division by zero"
+    assert trace[0] == "Traceback (most recent call last):" and any("in ratio" in ln for ln in trace)
+    assert out.steps["recover"]["error"].splitlines()[0] == "ValueError: recovered from ZeroDivisionError"
+    assert "ValueError: recovered from ZeroDivisionError" in out.error
+    shown = runner.cli("status", str(out.execution_id))
+    assert "start" in shown.stdout and "(ZeroDivisionError: division by zero)" in shown.stdout, shown
+    assert "Traceback (most recent call last):" in shown.stdout
