@@ -37,6 +37,7 @@ from noetl_dsl import Playbook, Step, predecessors, successors
 from noetl_dsl.templates import (
     RenderContext,
     TemplateError,
+    add_upstream_names,
     evaluate_when,
     referenced_names,
     render,
@@ -70,8 +71,10 @@ EV_DUPLICATE = "call.duplicate"
 EV_REISSUED = "command.reissued"
 EV_DEAD = "command.dead_lettered"
 EV_LOOP_DONE = loops.EV_LOOP_DONE
-# The name a step's own `set` and `next` arcs read its result by (upstream's).
+# The name a step's own `set` and `next` arcs read its result by (upstream's), and
+# upstream's Python reference's `result` (the result alone: `output.data`).
 OUTPUT = "output"
+RESULT = "result"
 
 
 @dataclass
@@ -378,8 +381,12 @@ class Flow:
         data: dict[str, Any] = dict(io.workload)
         data.update(io.values)
         data.update(workload=dict(io.workload), ctx=st.ctx, execution_id=st.execution_id, event=event)
-        if output is not None and OUTPUT not in self._names:
-            data[OUTPUT] = output
+        if output is not None:
+            if OUTPUT not in self._names:
+                data[OUTPUT] = output
+            if RESULT not in self._names and RESULT not in data:
+                data[RESULT] = output["data"]
+        add_upstream_names(data, io.workload, st.execution_id)
         return RenderContext(data, known=self._names)
 
     @staticmethod
@@ -400,8 +407,8 @@ class Flow:
             for arc in step.arcs:
                 names |= referenced_names(arc.when) | referenced_names(arc.set or {})
             cached = frozenset(n for n in names if n in self._names) | self._loop_names
-            if OUTPUT in names and OUTPUT not in self._names:
-                cached |= {step_name}  # `output` is the step's own result
+            if (OUTPUT in names and OUTPUT not in self._names) or (RESULT in names and RESULT not in self._names):
+                cached |= {step_name}  # `output` / `result` is the step's own result
             self._needs_cache[step_name] = cached
         return cached
 

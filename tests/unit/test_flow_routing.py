@@ -196,6 +196,17 @@ def test_step_set_and_arcs_read_the_steps_own_result_as_output() -> None:
     assert d.state.ctx == {"remaining": 3, "status": "ok", "arc_saw": 1}
 
 
+def test_step_set_reads_upstreams_result_vars_and_job() -> None:
+    """Upstream's Python reference also names the step's result `result`, the workload
+    `vars` and the execution `job.uuid`."""
+    text = OWN_OUTPUT.replace('ctx.status: "{{ output.status }}"',
+                              'ctx.status: "{{ output.status }}"\n      ctx.r: "{{ result.rows[0].remaining_count }}"'
+                              '\n      ctx.v: "{{ vars.limit }}"\n      ctx.j: "{{ job.uuid }}"')
+    d = Driver(Flow(parse_playbook(text)), {"limit": 5})
+    d.finish("start", ok(ref=7), values={"start": {"rows": [{"remaining_count": 0}], "row_count": 1}})
+    assert (d.state.ctx["r"], d.state.ctx["v"], d.state.ctx["j"]) == (0, 5, 1)
+
+
 def test_a_failed_steps_arcs_read_output_status_and_error() -> None:
     d = Driver(Flow(parse_playbook(OWN_OUTPUT)))
     failed = err("relation does not exist")

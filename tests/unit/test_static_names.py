@@ -62,7 +62,8 @@ def test_step_set_and_arcs_may_read_output_and_task_set_reads_its_raw_result() -
     ('{ctx.last: "{{ start.total }}"}', '{ctx.last: "{{ iter.total }}"}', "workflow[0].next.arcs[0].set"),
     ('prev: "{{ _prev }}"', 'prev: "{{ output }}"', "workflow[0].tool[1].input"),
     ('prev: "{{ _prev }}"', 'prev: "{{ result.x }}"', "workflow[0].tool[1].input"),
-    ('{page: "{{ output.page }}"}', '{page: "{{ job.uuid }}"}', "workflow[0].tool[0].set"),
+    ('{page: "{{ output.page }}"}', '{page: "{{ secret.x }}"}', "workflow[0].tool[0].set"),
+    ('{ctx.last: "{{ start.total }}"}', '{ctx.last: "{{ input_data.x }}"}', "workflow[0].next.arcs[0].set"),
 ])
 def test_names_nothing_defines_are_refused_where_they_are_read(old: str, new: str, where: str) -> None:
     assert old in BASE

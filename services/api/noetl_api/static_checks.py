@@ -10,8 +10,8 @@
   of the runtime's own names. Anything else is a typo that would fail the step later.
 * The same for what the engine renders when a step is done: the step's ``set`` and its
   arcs' ``when`` / ``set`` may read workload keys, steps and the engine's names
-  (``STEP_NAMES``: ``ctx``, ``workload``, ``execution_id``, ``event``, and ``output``,
-  the step's own result), so a playbook never fails at its last step, after an hour of
+  (``STEP_NAMES``: ``ctx``, ``workload``, ``execution_id``, ``event``, ``output``, the
+  step's own result, ``result`` (its data) and upstream's ``vars`` / ``job``), so a playbook never fails at its last step, after an hour of
   work, on a name nothing defines.
 
 The names listed here are the ones the runtime defines (``TASK_NAMES``: the worker's
@@ -32,14 +32,15 @@ from noetl_dsl.templates import _ENV, is_template
 # the worker's scope (``noetl_worker.scope``, ``pipeline``) and the keychain.
 TASK_NAMES = frozenset({
     "ctx", "workload", "execution_id", "event", "iter", "_prev", "_task", "_attempt", "loop_index",
-    "keychain",
+    "keychain", "vars", "job",
 }) | frozenset(_ENV.globals)
 # A task's own `set` also reads `output` (its raw result); its policy rules read the
 # envelope as `output` (rules are not checked here: see UNRENDERED).
 TASK_SET_NAMES = TASK_NAMES | {"output"}
 # What a step's `set` and its arcs' `when` / `set` may read besides workload keys and
 # steps: the engine's routing scope (``noetl_flow.router``).
-STEP_NAMES = frozenset({"ctx", "workload", "execution_id", "event", "output"}) | frozenset(_ENV.globals)
+STEP_NAMES = frozenset({"ctx", "workload", "execution_id", "event", "output", "result", "vars", "job"}) \
+    | frozenset(_ENV.globals)
 
 # Fields of a task that are not rendered by the runtime (code is data, policy rules are
 # evaluated with `output` in scope and checked the same way).
