@@ -150,8 +150,10 @@ def execution_summary(execution: execution_pb2.Execution, *, error: str | None =
         width = max(len(s.name) for s in execution.steps)
         lines.append("steps:")
         for s in execution.steps:
-            extra = f"  ({s.error})" if s.error else ""
+            first, *more = s.error.splitlines() or [""]
+            extra = f"  ({first})" if first else ""
             lines.append(f"  {s.name.ljust(width)}  {step_status(s.status)}{extra}")
+            lines.extend("      " + ln for ln in more)  # a python task's traceback
     results = [(s.name, parse_json_text(s.result_json)) for s in execution.steps if s.result_json]
     for name, value in results:
         lines.append(f"result of {name}:")

@@ -176,7 +176,7 @@ def _step_tasks(playbook: Playbook, step_name: str) -> list[tuple[str, dict[str,
     """(path, task) of the step's tasks and of the workbook tasks they call (directly or
     through other workbook tasks; a templated workbook name may call any of them)."""
     step = playbook.step(step_name)
-    base = f"workflow[{playbook.step_names.index(step_name)}]"
+    base = f"workflow[{playbook.step_index(step_name)}]"
     tasks = list(_tool_tasks(step.raw_tool, f"{base}.tool"))
     workbook = _workbook_tasks(playbook)
     seen: set[str] = set()
@@ -206,7 +206,7 @@ def step_refs(playbook: Playbook, step_name: str) -> list[CredentialRef]:
     if isinstance(cursor, Mapping) and "auth" in cursor:
         raw = reference_of(cursor["auth"])
         if raw is not None:
-            base = f"workflow[{playbook.step_names.index(step_name)}]"
+            base = f"workflow[{playbook.step_index(step_name)}]"
             refs.append(CredentialRef(_ref_path(cursor["auth"], f"{base}.loop.cursor.auth"), raw))
     reads = keychain_reads(playbook, step_name)
     for alias, (i, entry) in keychain_entries(playbook).items():

@@ -99,9 +99,30 @@ def normalise_next(value: Any) -> Any:
 
 
 class LoopSpec(_Model):
+    """``max_in_flight``: a positive integer, or a template the engine renders when the
+    loop starts (``'{{ workload.concurrency | int }}'``, as upstream's Python reference
+    allows); a template that renders to anything but a positive integer fails the step."""
+
     mode: LoopMode = "sequential"
-    max_in_flight: int | None = Field(default=None, ge=1)
+    max_in_flight: int | str | None = None
     policy: dict[str, Any] | None = None
+
+    @field_validator("max_in_flight", mode="before")
+    @classmethod
+    def _width(cls, value: Any) -> Any:
+        if value is None or isinstance(value, bool):
+            if isinstance(value, bool):
+                raise ValueError("max_in_flight must be a positive integer or a template")
+            return value
+        if isinstance(value, str) and "{{" in value:
+            return value
+        try:
+            width = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"max_in_flight must be a positive integer or a template, got {value!r}") from None
+        if width < 1 or (width != value and not isinstance(value, str)):
+            raise ValueError(f"max_in_flight must be a positive integer or a template, got {value!r}")
+        return width
 
 
 class Loop(_Model):
@@ -123,7 +144,8 @@ class Loop(_Model):
         return self.spec.mode
 
     @property
-    def max_in_flight(self) -> int | None:
+    def max_in_flight(self) -> int | str | None:
+        """An int, a template (rendered when the loop starts) or None."""
         return self.spec.max_in_flight
 
 
@@ -259,6 +281,15 @@ class Playbook(_Model):
     @property
     def step_names(self) -> list[str]:
         return [s.step for s in self.workflow]
+
+    @cached_property
+    def _step_positions(self) -> dict[str, int]:
+        return {s.step: i for i, s in reversed(list(enumerate(self.workflow)))}
+
+    def step_index(self, name: str) -> int:
+        """The position of the step called ``name`` in ``workflow`` (its first, when
+        names repeat); KeyError when there is none."""
+        return self._step_positions[name]
 
     @property
     def start_step(self) -> str:

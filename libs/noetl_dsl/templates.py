@@ -279,6 +279,14 @@ class RenderContext(dict[str, Any]):
         return out
 
 
+def add_upstream_names(data: dict[str, Any], workload: Mapping[str, Any], execution_id: Any) -> None:
+    """Names upstream NoETL's render contexts define besides the workload: ``vars`` (the
+    workload) and ``job`` (``{uuid, execution_id, id}``: the execution id), unless a
+    workload key or a step already has the name."""
+    data.setdefault("vars", dict(workload))
+    data.setdefault("job", {"uuid": execution_id, "execution_id": execution_id, "id": execution_id})
+
+
 def render(value: Any, ctx: Mapping[str, Any]) -> Any:
     """Render every template string inside ``value`` (dicts and lists recursively)."""
     if isinstance(value, str):

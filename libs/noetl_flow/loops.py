@@ -3,7 +3,8 @@
 Collection loop (``loop.in`` + ``iterator``, ``spec.mode`` sequential | parallel):
   * ``loop.in`` is rendered ONCE when the step is entered; the items go to the engine as
     ``Transition.loop_items`` (stored in ``noetl.loop_item``), never re-rendered;
-  * iterations are dispatched up to ``max_in_flight`` (1 when sequential), each a command
+  * iterations are dispatched up to ``max_in_flight`` (1 when sequential; a template there is
+    rendered when the loop starts, with the same scope as ``loop.in``), each a command
     ``{execution}:{step}:{visit}:{index}`` whose item the api attaches at claim time;
   * each accepted iteration result is one ``call.done``/``call.error`` event plus a row in
     ``noetl.loop_result`` (ordered by index), so the engine holds counters only;
@@ -52,10 +53,30 @@ CURSOR_KIND = "cursor"
 def template_names(step: Step) -> set[str]:
     """Names the loop's collection / cursor templates read (rendered at entry)."""
     assert step.loop is not None
-    names = referenced_names(step.loop.in_)
+    names = referenced_names(step.loop.in_) | referenced_names(step.loop.max_in_flight)
     if step.loop.cursor:
         names |= referenced_names(step.loop.cursor)
     return names
+
+
+def width(step: Step, scope: RenderContext, default: int) -> int:
+    """``loop.spec.max_in_flight``: the int, or its template rendered now (the loop is
+    starting); a LoopError (the step fails) unless it is a positive integer."""
+    assert step.loop is not None
+    raw = step.loop.max_in_flight
+    if raw is None:
+        return default
+    if isinstance(raw, int):
+        return raw
+    value = render(raw, scope)
+    try:
+        rendered = int(value) if not isinstance(value, bool) else 0
+    except (TypeError, ValueError):
+        rendered = 0
+    if rendered < 1:
+        raise LoopError(f"loop.spec.max_in_flight of step '{step.step}' rendered to {value!r}, "
+                        "expected a positive integer")
+    return rendered
 
 
 def is_cursor(step: Step) -> bool:
@@ -80,7 +101,7 @@ def start(flow: Flow, t: Transition, step: Step, run: StepRun, event: dict[str, 
             "claim": render_text(str(cursor["claim"]), scope),
             "options": render(cursor.get("options") or {}, scope),
         }
-        slots = loop.max_in_flight or 1
+        slots = width(step, scope, 1)
         run.loop = LoopRun(instance=instance, mode="cursor", iterator=iterator, total=slots, max_in_flight=slots,
                            cursor=rendered)
         t.emit(EV_STEP_ENTER, step=step.step,
@@ -88,8 +109,9 @@ def start(flow: Flow, t: Transition, step: Step, run: StepRun, event: dict[str, 
     else:
         items = _collection(render(loop.in_, scope), step.step, flow.max_loop_items)
         mode = loop.mode if loop.mode in ("sequential", "parallel") else "sequential"
-        width = 1 if mode == "sequential" else (loop.max_in_flight or DEFAULT_PARALLEL)
-        run.loop = LoopRun(instance=instance, mode=mode, iterator=iterator, total=len(items), max_in_flight=width)
+        in_flight = 1 if mode == "sequential" else width(step, scope, DEFAULT_PARALLEL)
+        run.loop = LoopRun(instance=instance, mode=mode, iterator=iterator, total=len(items),
+                           max_in_flight=in_flight)
         t.loop_items.append((instance, items))
         t.emit(EV_STEP_ENTER, step=step.step,
                meta={"visit": run.visits, "loop_instance": instance, "mode": mode, "total": len(items)})

@@ -119,8 +119,19 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
 
 
 def _message(result: Mapping[str, Any]) -> str | None:
+    """The error text of a read model: the message, prefixed by the exception class when
+    the error carries one (a python task's), followed by its traceback when it has one."""
     err = result.get("error") or {}
-    return err.get("message") if isinstance(err, Mapping) else str(err)
+    if not isinstance(err, Mapping):
+        return str(err)
+    message = err.get("message")
+    exception_type = err.get("exception_type")
+    if exception_type and isinstance(message, str) and not message.startswith(f"{exception_type}:"):
+        message = f"{exception_type}: {message}"
+    traceback = err.get("traceback")
+    if traceback and isinstance(message, str):
+        message = f"{message}\n{traceback.rstrip()}"
+    return message
 
 
 def _ts(value: Any) -> datetime | None:

@@ -9,7 +9,9 @@ Rules (NoETL canonical DSL):
   results for the same command id are recorded as ``call.duplicate`` and ignored.
 * On success: worker ``set`` updates (task policies), then the step's ``set``, then
   ``next.arcs`` (``exclusive``: the first arc whose ``when`` holds; ``inclusive``:
-  every such arc), each arc's ``set`` applied before its target is entered.
+  every such arc), each arc's ``set`` applied before its target is entered. These
+  templates read the step's own result as ``output`` (``{status, data, error}``,
+  ``output.data`` being what ``{{ <step> }}`` reads), as upstream does.
 * On failure: arcs are evaluated with ``event.name == 'call.error'``; only arcs with
   a ``when`` can fire. If none fires, the execution fails naming the step.
 * A step without ``next`` routes to the step named ``end`` when one exists
@@ -35,6 +37,7 @@ from noetl_dsl import Playbook, Step, predecessors, successors
 from noetl_dsl.templates import (
     RenderContext,
     TemplateError,
+    add_upstream_names,
     evaluate_when,
     referenced_names,
     render,
@@ -68,6 +71,10 @@ EV_DUPLICATE = "call.duplicate"
 EV_REISSUED = "command.reissued"
 EV_DEAD = "command.dead_lettered"
 EV_LOOP_DONE = loops.EV_LOOP_DONE
+# The name a step's own `set` and `next` arcs read its result by (upstream's), and
+# upstream's Python reference's `result` (the result alone: `output.data`).
+OUTPUT = "output"
+RESULT = "result"
 
 
 @dataclass
@@ -244,10 +251,11 @@ class Flow:
     def _route(self, t: Transition, step_name: str, ok: bool, io: Inputs, event: dict[str, Any]) -> None:
         st = t.state
         step = self.pb.step(step_name)
-        scope = self._scope(st, io, event)
+        own = self._own_output(st, io, step_name, ok)
+        scope = self._scope(st, io, event, own)
         if ok and step.set:
             _apply_set(st.ctx, render(step.set, scope))
-            scope = self._scope(st, io, event)
+            scope = self._scope(st, io, event, own)
         fired = 0
         for arc in self._arcs(step):
             if not ok and arc.when is None:
@@ -257,7 +265,7 @@ class Flow:
             fired += 1
             if arc.set:
                 _apply_set(st.ctx, render(arc.set, scope))
-                scope = self._scope(st, io, event)
+                scope = self._scope(st, io, event, own)
             self._arrive(t, arc.step, event, io)
             if step.next_mode == "exclusive":
                 break
@@ -368,11 +376,28 @@ class Flow:
     def _own(self, state: ExecState) -> ExecState:
         return copy.deepcopy(state) if self._copy_state else state
 
-    def _scope(self, st: ExecState, io: Inputs, event: dict[str, Any]) -> RenderContext:
+    def _scope(self, st: ExecState, io: Inputs, event: dict[str, Any],
+               output: dict[str, Any] | None = None) -> RenderContext:
         data: dict[str, Any] = dict(io.workload)
         data.update(io.values)
         data.update(workload=dict(io.workload), ctx=st.ctx, execution_id=st.execution_id, event=event)
+        if output is not None:
+            if OUTPUT not in self._names:
+                data[OUTPUT] = output
+            if RESULT not in self._names and RESULT not in data:
+                data[RESULT] = output["data"]
+        add_upstream_names(data, io.workload, st.execution_id)
         return RenderContext(data, known=self._names)
+
+    @staticmethod
+    def _own_output(st: ExecState, io: Inputs, step_name: str, ok: bool) -> dict[str, Any]:
+        """``output`` in a step's own ``set`` and arcs (upstream): ``{status, data, error}``
+        where ``data`` is the step's result (a loop's ``{results, stats}``), as
+        ``{{ <step name> }}`` reads it. Resolved only when a template names ``output``."""
+        run = st.steps.get(step_name)
+        envelope = (run.result if run is not None else None) or {}
+        return {"status": "ok" if ok else "error", "data": io.values.get(step_name),
+                "error": None if ok else envelope.get("error")}
 
     def _template_names(self, step_name: str) -> frozenset[str]:
         cached = self._needs_cache.get(step_name)
@@ -382,6 +407,8 @@ class Flow:
             for arc in step.arcs:
                 names |= referenced_names(arc.when) | referenced_names(arc.set or {})
             cached = frozenset(n for n in names if n in self._names) | self._loop_names
+            if (OUTPUT in names and OUTPUT not in self._names) or (RESULT in names and RESULT not in self._names):
+                cached |= {step_name}  # `output` / `result` is the step's own result
             self._needs_cache[step_name] = cached
         return cached
 
@@ -404,6 +431,9 @@ def _error_text(envelope: Mapping[str, Any]) -> str:
     err = envelope.get("error") or {}
     msg = err.get("message") or "unknown error"
     code = err.get("code")
+    exception_type = err.get("exception_type")
+    if exception_type and code in ("TOOL_ERROR", None, ""):
+        return f"{exception_type}: {msg}"
     return f"{code}: {msg}" if code and code not in ("TOOL_ERROR",) else str(msg)
 
 

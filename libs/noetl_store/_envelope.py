@@ -24,7 +24,7 @@ MAX_CONTEXT_KEYS = 32
 MAX_CONTEXT_STRING = 256
 MAX_ERROR_MESSAGE = 4000
 
-ERROR_FIELDS = ("code", "message", "kind", "retryable")
+ERROR_FIELDS = ("code", "message", "kind", "type", "retryable", "exception_type", "traceback", "status_code")
 
 
 def _small_scalar(value: Any) -> bool:
@@ -54,11 +54,21 @@ def context_of(value: Any) -> dict[str, Any]:
     return {}
 
 
-def error_info(code: str, message: str, *, kind: str = "", retryable: bool = False) -> dict[str, Any]:
-    """The envelope's ``error`` object (messages are capped at 4000 characters)."""
+def error_info(code: str, message: str, *, kind: str = "", retryable: bool = False, exception_type: str = "",
+               traceback: str = "", status_code: int = 0) -> dict[str, Any]:
+    """The envelope's ``error`` object (messages are capped at 4000 characters, a
+    traceback to its last 4000). ``kind`` is also readable as ``type`` (upstream reads
+    both); ``exception_type``, ``traceback`` and ``status_code`` appear only when set."""
     if len(message) > MAX_ERROR_MESSAGE:
         message = message[: MAX_ERROR_MESSAGE - 3] + "..."
-    return {"code": code, "message": message, "kind": kind, "retryable": bool(retryable)}
+    out: dict[str, Any] = {"code": code, "message": message, "kind": kind, "type": kind, "retryable": bool(retryable)}
+    if exception_type:
+        out["exception_type"] = exception_type
+    if traceback:
+        out["traceback"] = traceback if len(traceback) <= MAX_ERROR_MESSAGE else "..." + traceback[-MAX_ERROR_MESSAGE + 3:]
+    if status_code:
+        out["status_code"] = int(status_code)
+    return out
 
 
 def envelope(status: str, ref: Reference | None, parent_ref: Reference | int | None, value: Any,
@@ -73,6 +83,10 @@ def envelope(status: str, ref: Reference | None, parent_ref: Reference | int | N
         "context": context_of(value),
     }
     if error is not None:
+        http_status = error.get("status_code")
         env["error"] = error_info(str(error.get("code") or "TOOL_ERROR"), str(error.get("message") or ""),
-                                  kind=str(error.get("kind") or ""), retryable=bool(error.get("retryable")))
+                                  kind=str(error.get("kind") or ""), retryable=bool(error.get("retryable")),
+                                  exception_type=str(error.get("exception_type") or ""),
+                                  traceback=str(error.get("traceback") or ""),
+                                  status_code=http_status if isinstance(http_status, int) and not isinstance(http_status, bool) else 0)
     return env

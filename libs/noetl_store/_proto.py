@@ -33,7 +33,9 @@ def envelope_to_proto(env: Mapping[str, Any], *, error_details: Mapping[str, Any
         pb.error.CopyFrom(common_pb2.ErrorInfo(
             code=str(err.get("code") or ""), message=str(err.get("message") or ""),
             kind=str(err.get("kind") or ""), retryable=bool(err.get("retryable")),
-            details_json=json.dumps(dict(error_details), default=str) if error_details else ""))
+            details_json=json.dumps(dict(error_details), default=str) if error_details else "",
+            exception_type=str(err.get("exception_type") or ""), traceback=str(err.get("traceback") or ""),
+            status_code=int(err.get("status_code") or 0)))
     return pb
 
 
@@ -42,7 +44,8 @@ def envelope_from_proto(pb: common_pb2.ResultEnvelope) -> dict[str, Any]:
     engine records in ``noetl.event.result`` and ``noetl_flow`` reads.
 
     ``{status, reference: {ref_id, type, uri} | None, parent_ref: {ref_id} | None,
-    context[, error: {code, message, kind, retryable}]}``. An empty status reads as
+    context[, error: {code, message, kind, type, retryable[, exception_type, traceback,
+    status_code]}]}``. An empty status reads as
     ``"ok"``; a reference without a ``ref_id`` (0) reads as absent; ``error`` is present
     only when the message carries one (its ``details_json`` stays out of events).
     Context keys that look like credentials are dropped here too: a worker in another
@@ -61,5 +64,6 @@ def envelope_from_proto(pb: common_pb2.ResultEnvelope) -> dict[str, Any]:
     }
     if pb.HasField("error"):
         env["error"] = error_info(pb.error.code, pb.error.message, kind=pb.error.kind,
-                                  retryable=pb.error.retryable)
+                                  retryable=pb.error.retryable, exception_type=pb.error.exception_type,
+                                  traceback=pb.error.traceback, status_code=pb.error.status_code)
     return env

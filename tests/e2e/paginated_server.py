@@ -15,6 +15,13 @@ Endpoints:
 * ``GET /api/v1/events?cursor=..&limit=..`` -> ``{"events": [...], "next_cursor": "..." | null}``
   over ``EVENT_COUNT`` events with ids 1..35 (an empty or missing cursor is the first page)
 * ``GET /data`` -> ``DATA`` (a JSON list of records)
+* PFT-shaped (``test_pft_flow.py``): ``GET /api/v1/pft/batch/{data_type}?patientIds=1,2&
+  patientsPerFacility=N`` -> ``{"rows": [...], "rowCount"}``, a row per patient and page
+  (``pft_pages``: assessments 2-4 pages, conditions 1-3, medications 2-3, vital_signs 1,
+  demographics one row without a page); the first request for a batch whose first patient
+  id is 1 modulo ``PFT_FLAKY_EVERY`` answers 503 (a retry gets it).
+  ``GET /api/v1/pft/mds?facility=F&page=P&pageSize=S`` -> ``{"items", "page", "hasMore"}``
+  over ``pft_mds_count(F)`` assessment ids of facility F.
 
 Every request is recorded (method, path, query, time) so tests can assert what the
 runtime actually sent.
@@ -33,6 +40,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 EVENT_COUNT = 35
+PFT_DATA_TYPES = ("assessments", "conditions", "medications", "vital_signs", "demographics")
+PFT_FLAKY_EVERY = 30
 DEFAULT_LIMIT = 10
 MAX_PROBE_DELAY_SEC = 30.0
 DATA = [{"id": i, "name": f"record_{i}", "value": i * 10} for i in range(1, 4)]
@@ -40,6 +49,16 @@ DATA = [{"id": i, "name": f"record_{i}", "value": i * 10} for i in range(1, 4)]
 
 def event(i: int) -> dict[str, Any]:
     return {"id": i, "type": "test.event", "payload": {"sequence": i, "name": f"event_{i:02d}"}}
+
+
+def pft_pages(data_type: str, patient_id: int) -> int:
+    """Pages of a patient's data of one type (0: the type has no pages, one row)."""
+    return {"assessments": 2 + patient_id % 3, "conditions": 1 + patient_id % 3,
+            "medications": 2 + patient_id % 2, "vital_signs": 1}.get(data_type, 0)
+
+
+def pft_mds_count(facility: int) -> int:
+    return 7 + 3 * facility
 
 
 @dataclass
@@ -58,6 +77,7 @@ class ApiState:
     max_active: int = 0
     log: list[Request] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    failed_once: set[str] = field(default_factory=set)
 
     def stats(self) -> dict[str, int]:
         with self.lock:
@@ -124,6 +144,46 @@ def _probe(state: ApiState, query: dict[str, str]) -> tuple[int, dict[str, Any]]
                  "active_at_start": active_at_start, "started_at": started_at, "finished_at": time.time()}
 
 
+def _pft_batch(state: ApiState, data_type: str, query: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    try:
+        ids = [int(p) for p in (query.get("patientIds") or "").split(",") if p]
+        per_facility = int(query.get("patientsPerFacility") or 0)
+    except ValueError:
+        return 400, {"error": f"bad patientIds/patientsPerFacility: {query}"}
+    if data_type not in PFT_DATA_TYPES or not ids or per_facility <= 0:
+        return 400, {"error": f"bad batch request {data_type} {query}"}
+    if (ids[0] - 1) % PFT_FLAKY_EVERY == 0:
+        key = f"{data_type}:{ids[0]}"
+        with state.lock:
+            first = key not in state.failed_once
+            state.failed_once.add(key)
+        if first:
+            return 503, {"error": "try again"}
+    rows: list[dict[str, Any]] = []
+    for pid in ids:
+        facility = (pid - 1) // per_facility + 1
+        pages = pft_pages(data_type, pid)
+        if not pages:
+            rows.append({"patient_id": pid, "facility_mapping_id": facility,
+                         "payload": {"type": data_type, "patient": pid, "name": f"patient O'{pid}"}})
+        rows += [{"patient_id": pid, "facility_mapping_id": facility, "page_number": page,
+                  "payload": {"type": data_type, "patient": pid, "page": page}, "is_last_page": page == pages}
+                 for page in range(1, pages + 1)]
+    return 200, {"rows": rows, "rowCount": len(rows)}
+
+
+def _pft_mds(query: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    try:
+        facility, page, size = int(query["facility"]), int(query.get("page") or 1), int(query["pageSize"])
+    except (KeyError, ValueError):
+        return 400, {"error": f"bad mds request {query}"}
+    total = pft_mds_count(facility)
+    start = (page - 1) * size
+    items = [{"assessment_id": f"f{facility}-a{i}", "facility_mapping_id": facility}
+             for i in range(start + 1, min(start + size, total) + 1)]
+    return 200, {"items": items, "page": page, "hasMore": start + size < total}
+
+
 def _handler(state: ApiState) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -159,6 +219,10 @@ def _handler(state: ApiState) -> type[BaseHTTPRequestHandler]:
                 self._send(*_events_page(query))
             elif route == ("GET", "/data"):
                 self._send(200, DATA)
+            elif method == "GET" and parts.path.startswith("/api/v1/pft/batch/"):
+                self._send(*_pft_batch(state, parts.path.rsplit("/", 1)[1], query))
+            elif route == ("GET", "/api/v1/pft/mds"):
+                self._send(*_pft_mds(query))
             else:
                 self._send(404, {"error": f"no route {method} {parts.path}"})
 

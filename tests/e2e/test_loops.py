@@ -164,8 +164,11 @@ def test_python_retry_exception(runner: Runner) -> None:
             assert out.result("end") == {"status": "complete"}
             break
         assert out.status == "FAILED", out.error
-        match = re.fullmatch(r"Random failure \(value: (\d+)\)", out.steps["start"]["error"])
+        # the step's error: `Exception: <message>`, then the task's traceback
+        first, *trace = out.steps["start"]["error"].splitlines()
+        match = re.fullmatch(r"Exception: Random failure \(value: (\d+)\)", first)
         assert match and int(match.group(1)) < 70, out.steps["start"]["error"]
+        assert trace and trace[0] == "Traceback (most recent call last):", out.steps["start"]["error"]
         events = {e.event_type: e for e in runner.events(out.execution_id)}
         spent = (events["call.error"].created_at.ToDatetime() - events["step.enter"].created_at.ToDatetime())
         assert spent.total_seconds() >= 3.0, f"failed after {spent} without exhausting the retries"
@@ -262,9 +265,9 @@ def test_v10_canonical_example(runner: Runner, http_api: TestApi, results_table:
     # playbooks read `{{ step.data }}`), so `validate` sees the records.
     assert fetched["data"] == DATA
     assert out.status == "COMPLETED", out.error
-    # `transform` reads `prev.get("count")` from `validate_result` = the whole task output
-    # ({status, data, ...}), where `count` sits under `data`: the code computes items 0.
-    assert out.result("process_data") == {"transformed": True, "items": 0}
+    # `transform` reads `prev.get("count")` from `validate_result: "{{ output }}"`, a task's
+    # own `set`, where (as upstream) `output` is the task's raw result: the 3 records.
+    assert out.result("process_data") == {"transformed": True, "items": 3}
     # store_results: `process_data.results.transform.items` is absent, so `or [1, 2, 3]`.
     loop = out.result("store_results")
     assert loop["stats"] == {"total": 3, "success": 3, "failed": 0}

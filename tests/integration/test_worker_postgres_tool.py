@@ -101,7 +101,8 @@ async def test_syntax_error_surfaces_sqlstate_and_server_message(tool: PostgresT
     """broken_sql.yaml."""
     out = await tool.run("SELECT\n  COUNT(*) as row_count,\nFROM patient_info;", "pg_test_dsn")
     assert out.status == "error" and out.error is not None
-    assert out.error.code == "SQL_ERROR" and out.error.kind == "SyntaxError"
+    assert out.error.code == "SQL_ERROR" and out.error.exception_type == "SyntaxError"
+    assert out.error.to_dict()["pg_code"] == "42601"
     assert "42601" in out.error.message
     assert 'syntax error at or near "FROM"' in out.error.message
     assert out.error.details["sqlstate"] == "42601" and not out.error.retryable

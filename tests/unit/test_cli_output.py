@@ -134,3 +134,18 @@ def test_cluster_view_flags_shards_without_a_live_owner() -> None:
     text = output.cluster_text(view)
     assert text.splitlines()[0] == "leader: sm-0 (epoch 4)"
     assert "not held by a live member: api shards 2-4" in text
+
+
+def test_summary_shows_a_python_error_with_its_type_and_traceback() -> None:
+    from noetl_flow.projection import _message
+
+    text = _message({"status": "error", "error": {
+        "code": "TOOL_ERROR", "message": "division by zero", "exception_type": "ZeroDivisionError",
+        "traceback": 'Traceback (most recent call last):\n  File "<task>", line 1\nZeroDivisionError: division by zero\n'}})
+    assert text is not None and text.startswith("ZeroDivisionError: division by zero\nTraceback")
+    ex = execution_pb2.Execution(execution_id=1, status=common_pb2.EXECUTION_STATUS_FAILED)
+    ex.steps.add(name="calc", status=common_pb2.STEP_STATUS_FAILED, error=text)
+    lines = output.execution_summary(ex).splitlines()
+    assert "  calc  FAILED  (ZeroDivisionError: division by zero)" in lines
+    assert '        File "<task>", line 1' in lines
+    assert _message({"error": {"code": "HTTP_ERROR", "message": "GET x: HTTP 503"}}) == "GET x: HTTP 503"

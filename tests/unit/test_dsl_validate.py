@@ -256,7 +256,7 @@ def test_loop_mode_and_max_in_flight() -> None:
     steps = OK_STEP + "  loop: {in: [1], iterator: n, spec: {mode: random, max_in_flight: 0}}\n"
     assert problems(doc(steps)) == [
         ("workflow[0].loop.spec.mode", "invalid value 'random' (expected 'sequential', 'parallel' or 'cursor')"),
-        ("workflow[0].loop.spec.max_in_flight", "Input should be greater than or equal to 1"),
+        ("workflow[0].loop.spec.max_in_flight", "max_in_flight must be a positive integer or a template, got 0"),
     ]
 
 

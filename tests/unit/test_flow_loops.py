@@ -21,7 +21,7 @@ def err() -> dict[str, Any]:
             "error": {"code": "TOOL_ERROR", "message": "boom"}}
 
 
-def loop_playbook(mode: str, width: int | None = None, items: str = "{{ numbers }}", extra: str = "") -> Flow:
+def loop_playbook(mode: str, width: int | str | None = None, items: str = "{{ numbers }}", extra: str = "") -> Flow:
     spec = f"mode: {mode}" + (f", max_in_flight: {width}" if width else "")
     return Flow(parse_playbook(HEADER + f"""
 workload: {{numbers: [1, 2, 3, 4, 5]}}
@@ -231,3 +231,33 @@ def test_a_collection_over_the_limit_fails_the_step_before_any_item_is_copied() 
     r = Run(loop_playbook("parallel"))  # the default limit lets 5 items through
     r.finish(r.pending("start")[0], ok(1))
     assert r.log[-1].loop_items == [("each:1", [1, 2, 3, 4, 5])]
+
+
+def test_max_in_flight_template_is_rendered_when_the_loop_starts() -> None:
+    """The PFT flow: `max_in_flight: '{{ workload.pft_batch_concurrency | int }}'`."""
+    flow = loop_playbook("parallel", "'{{ workload.width | int }}'")
+    run = Run(flow, {"numbers": [1, 2, 3, 4, 5], "width": "3"})
+    run.finish(run.pending("start")[0], ok(1))
+    assert len(run.pending("each")) == 3
+    assert run.state.steps["each"].loop.max_in_flight == 3
+
+
+def test_max_in_flight_template_rendering_to_no_positive_integer_fails_the_step() -> None:
+    flow = loop_playbook("parallel", "'{{ workload.width }}'")
+    for bad in (0, "many", None):
+        run = Run(flow, {"numbers": [1, 2, 3], "width": bad})
+        run.finish(run.pending("start")[0], ok(1))
+        assert run.state.status == "failed"
+        assert "max_in_flight of step 'each' rendered to" in (run.state.error or "")
+
+
+def test_max_in_flight_literal_forms() -> None:
+    assert loop_playbook("parallel", 4).pb.step("each").loop.max_in_flight == 4
+    assert loop_playbook("parallel", "'4'").pb.step("each").loop.max_in_flight == 4
+    for bad in ("0", "'x'", "2.5", "true"):
+        try:
+            loop_playbook("parallel", bad)
+        except Exception as exc:  # PlaybookInvalid naming the field
+            assert "max_in_flight" in str(exc)
+        else:
+            raise AssertionError(f"max_in_flight {bad} was accepted")

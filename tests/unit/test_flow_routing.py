@@ -157,6 +157,71 @@ workflow:
     assert [c.step for c in t.commands] == ["done"]
 
 
+OWN_OUTPUT = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: o, path: o}
+workflow:
+  - step: start
+    tool: {kind: postgres, auth: pg, query: "select 1"}
+    set:
+      ctx.remaining: "{{ output.data.rows[0].remaining_count }}"
+      ctx.status: "{{ output.status }}"
+    next:
+      arcs:
+        - step: recover
+          when: "{{ output.status == 'error' and output.error.code == 'SQL_ERROR' }}"
+        - step: again
+          when: "{{ (output.data.rows[0].remaining_count | int) > 0 }}"
+          set: {ctx.arc_saw: "{{ output.data.row_count }}"}
+        - step: done
+          when: "{{ (output.data.rows[0].remaining_count | int) == 0 }}"
+  - step: again
+    tool: {kind: noop}
+  - step: recover
+    tool: {kind: noop}
+  - step: done
+    tool: {kind: noop}
+"""
+
+
+def test_step_set_and_arcs_read_the_steps_own_result_as_output() -> None:
+    """The PFT flow's steps: `set` and arcs read `output.data.rows[0]...` (upstream)."""
+    d = Driver(Flow(parse_playbook(OWN_OUTPUT)))
+    res = CallResultInput(d.command("start"), 1, ok(ref=7))
+    assert d.flow.needs(d.state, res) == {"start": {"ref_id": 7, "type": "db", "uri": "pg://result_payload/7"}}
+    value = {"rows": [{"remaining_count": 3}], "row_count": 1}
+    t = d.finish("start", ok(ref=7), values={"start": value})
+    assert [c.step for c in t.commands] == ["again"]
+    assert d.state.ctx == {"remaining": 3, "status": "ok", "arc_saw": 1}
+
+
+def test_step_set_reads_upstreams_result_vars_and_job() -> None:
+    """Upstream's Python reference also names the step's result `result`, the workload
+    `vars` and the execution `job.uuid`."""
+    text = OWN_OUTPUT.replace('ctx.status: "{{ output.status }}"',
+                              'ctx.status: "{{ output.status }}"\n      ctx.r: "{{ result.rows[0].remaining_count }}"'
+                              '\n      ctx.v: "{{ vars.limit }}"\n      ctx.j: "{{ job.uuid }}"')
+    d = Driver(Flow(parse_playbook(text)), {"limit": 5})
+    d.finish("start", ok(ref=7), values={"start": {"rows": [{"remaining_count": 0}], "row_count": 1}})
+    assert (d.state.ctx["r"], d.state.ctx["v"], d.state.ctx["j"]) == (0, 5, 1)
+
+
+def test_a_failed_steps_arcs_read_output_status_and_error() -> None:
+    d = Driver(Flow(parse_playbook(OWN_OUTPUT)))
+    failed = err("relation does not exist")
+    failed["error"]["code"] = "SQL_ERROR"
+    t = d.finish("start", failed)
+    assert [c.step for c in t.commands] == ["recover"]
+    assert "remaining" not in d.state.ctx, "a failed step's own set is not applied"
+
+
+def test_a_step_named_output_keeps_its_name() -> None:
+    d = Driver(Flow(parse_playbook(OWN_OUTPUT.replace("step: done", "step: output"))))
+    res = CallResultInput(d.command("start"), 1, ok(ref=7))
+    assert "start" not in d.flow.needs(d.state, res), "`output` is the step named output here"
+
+
 def test_policy_ctx_updates_from_worker_are_applied() -> None:
     d = Driver(flow_for("vars_test/test_vars_simple.yaml"))
     d.finish("start", ok())

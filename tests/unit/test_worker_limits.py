@@ -86,7 +86,7 @@ async def test_an_idle_interpreter_fits_well_under_the_default_limit(pool: Pytho
 
 async def test_task_code_cannot_lift_the_limit(pool: PythonPool) -> None:
     out = await pool.run("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))", {})
-    assert out.error is not None and out.error.kind == "ValueError"
+    assert out.error is not None and (out.error.exception_type, out.error.kind) == ("ValueError", "schema")
 
 
 @pytest.mark.parametrize("code", [
@@ -99,7 +99,8 @@ async def test_allocating_past_the_limit_is_memory_limit_and_the_child_is_replac
     with peak_rss_growth() as growth:
         out = await pool.run(code, {}, timeout_sec=60)
     assert out.status == "error" and out.error is not None
-    assert (out.error.code, out.error.kind, out.error.retryable) == ("MEMORY_LIMIT", "MemoryError", False)
+    assert (out.error.code, out.error.exception_type, out.error.kind, out.error.retryable) == (
+        "MEMORY_LIMIT", "MemoryError", "limit", False)
     assert out.error.message == f"python task exceeded its memory limit NOETL_WORKER_PYTHON_MEMORY_MB={MEMORY_MB}"
     assert growth["mib"] < 32  # the worker's own memory did not follow the child's
     assert (await pool.run("return 'next'", {}, timeout_sec=10)).data == "next"
@@ -223,7 +224,7 @@ async def test_a_child_that_skips_its_own_check_is_refused_from_the_frame_header
 
 async def test_error_replies_stay_small(pool: PythonPool) -> None:
     out = await pool.run("raise ValueError('m' * 10_000_000)", {})
-    assert out.error is not None and out.error.kind == "ValueError"
+    assert out.error is not None and (out.error.exception_type, out.error.kind) == ("ValueError", "schema")
     assert len(out.error.message) < 20_000 and "characters cut" in out.error.message
     assert len(out.error.details["traceback"]) < 70_000
 
@@ -234,7 +235,8 @@ async def test_tools_name_the_task_and_the_error_is_not_retryable(roomy: PythonP
                                RenderContext({"_task": "big"}), timeout_sec=60)
     assert out.error is not None
     size = 40 * MIB + 2
-    assert (out.error.code, out.error.kind, out.error.retryable) == ("RESULT_TOO_LARGE", "ResultTooLarge", False)
+    assert (out.error.code, out.error.exception_type, out.error.kind, out.error.retryable) == (
+        "RESULT_TOO_LARGE", "ResultTooLarge", "limit", False)
     assert out.error.message == f"result of task 'big' is {size} bytes; limit NOETL_LIMIT_RESULT_BYTES={RESULT_BYTES}"
     assert out.error.details == {"size_bytes": size, "size_exact": True, "limit_bytes": RESULT_BYTES,
                                  "setting": "NOETL_LIMIT_RESULT_BYTES"}

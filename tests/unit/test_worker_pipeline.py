@@ -105,9 +105,31 @@ async def test_later_tasks_see_earlier_results_prev_and_task_vars() -> None:
     assert later["validate"] == {"count": 3}
     assert later["_prev"] == {"count": 3}
     assert later["_task"] == "transform"
-    assert later["validate_result"]["status"] == "ok"
-    assert later["validate_result"]["data"] == {"count": 3}
+    # upstream: a task-level `set` binds `output` to the task's raw result, not the envelope
+    assert later["validate_result"] == {"count": 3}
     assert result.data == "t"
+
+
+async def test_task_set_reads_fields_of_the_raw_result_while_policies_see_the_envelope() -> None:
+    """A paginated fetch: the policy reads `output.data.*` (envelope), the task's own `set`
+    reads `output.*` (the raw result); both bind the same values."""
+    fetch = {"name": "fetch", "set": {"page": "{{ output.page }}", "rows": "{{ output.rows }}",
+                                      "ctx.last_page": "{{ output.page }}"},
+             **rules({"when": "{{ output.status == 'ok' and output.data.page == 2 }}",
+                      "then": {"do": "continue", "set": {"iter.seen": "{{ output.data.rows }}"}}})}
+    script = Script(fetch=[ok({"page": 2, "rows": [1, 2], "status": "raw-status"})], save=[ok()])
+    result = await run_pipeline([fetch, {"name": "save"}], scope(), script)
+    later = script.scopes[1]
+    assert (later["page"], later["rows"]) == (2, [1, 2])
+    assert later["iter"]["seen"] == [1, 2]
+    assert result.set_updates["ctx"] == {"last_page": 2}
+
+
+async def test_task_set_is_not_applied_when_the_task_fails_the_pipeline() -> None:
+    task = {"name": "a", "set": {"ctx.v": "{{ output }}"}}
+    result = await run_pipeline([task], scope(), Script(a=[err()]))
+    assert result.status == "error"
+    assert result.set_updates["ctx"] == {}
 
 
 async def test_iter_set_visible_to_next_task() -> None:

@@ -85,7 +85,7 @@ def test_envelope_error() -> None:
     env = envelope("error", None, 3, None, {"code": "TIMEOUT", "message": "m" * 5000, "kind": "TimeoutError",
                                             "retryable": True, "details": {"tb": "..."}})
     assert env["reference"] is None and env["parent_ref"] == {"ref_id": 3}
-    assert set(env["error"]) == {"code", "message", "kind", "retryable"}
+    assert set(env["error"]) == {"code", "message", "kind", "type", "retryable"}
     assert env["error"]["code"] == "TIMEOUT" and len(env["error"]["message"]) == 4000
     assert set(env) == {"status", "reference", "parent_ref", "context", "error"}
 

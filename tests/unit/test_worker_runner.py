@@ -143,9 +143,19 @@ async def test_python_error_carries_traceback_in_details(tools: Tools) -> None:
     spec = {"step": "s", "tool": {"kind": "python", "code": "raise Exception('Random failure (value: 3)')"}}
     result = await execute_command(command(spec), MemoryResultStore(), tools)
     env = env_of(result)
-    assert env["error"] == {"code": "TOOL_ERROR", "message": "Random failure (value: 3)", "kind": "Exception",
-                            "retryable": False}
+    traceback = env["error"].pop("traceback")
+    assert env["error"] == {"code": "TOOL_ERROR", "message": "Random failure (value: 3)", "kind": "unknown",
+                            "type": "unknown", "exception_type": "Exception", "retryable": False}
+    assert "Traceback" in traceback and "Exception: Random failure (value: 3)" in traceback
     assert "Traceback" in json.loads(result.envelope.error.details_json)["traceback"]
+
+
+async def test_python_errors_are_classified_the_way_upstream_policies_test_them(tools: Tools) -> None:
+    for code, kind in (("int('x')", "schema"), ("import json; json.loads('{')", "parse"),
+                       ("raise TimeoutError('slow')", "timeout"), ("raise ConnectionRefusedError('no')", "connection")):
+        spec = {"step": "s", "tool": {"kind": "python", "code": code}}
+        env = env_of(await execute_command(command(spec), MemoryResultStore(), tools))
+        assert (env["error"]["kind"], env["error"]["type"]) == (kind, kind), code
 
 
 async def test_workbook_task_defaults_overridden_by_caller_input(tools: Tools) -> None:

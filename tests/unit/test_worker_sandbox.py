@@ -134,19 +134,20 @@ async def test_unserialisable_value_is_an_error(pool: PythonPool) -> None:
 async def test_exception_becomes_error_with_kind_and_traceback(pool: PythonPool) -> None:
     out = await pool.run("x = 1\nraise ValueError(f'bad {x}')", {})
     assert out.status == "error" and out.error is not None
-    assert (out.error.code, out.error.kind, out.error.message) == ("TOOL_ERROR", "ValueError", "bad 1")
+    assert (out.error.code, out.error.exception_type, out.error.kind, out.error.message) == (
+        "TOOL_ERROR", "ValueError", "schema", "bad 1")
     assert "line 2" in out.error.details["traceback"]
     assert "sandbox.py" not in out.error.details["traceback"]
 
 
 async def test_syntax_error(pool: PythonPool) -> None:
     out = await pool.run("result = (", {})
-    assert out.error is not None and out.error.kind == "SyntaxError"
+    assert out.error is not None and out.error.exception_type == "SyntaxError"
 
 
 async def test_sys_exit_is_an_error_and_child_survives(pool: PythonPool) -> None:
     out = await pool.run("import sys\nsys.exit(3)", {})
-    assert out.error is not None and out.error.kind == "SystemExit"
+    assert out.error is not None and out.error.exception_type == "SystemExit"
     assert await value(pool, "return 1") == 1
 
 

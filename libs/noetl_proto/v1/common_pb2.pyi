@@ -109,14 +109,25 @@ class ErrorInfo(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     RETRYABLE_FIELD_NUMBER: _builtins.int
     DETAILS_JSON_FIELD_NUMBER: _builtins.int
+    EXCEPTION_TYPE_FIELD_NUMBER: _builtins.int
+    TRACEBACK_FIELD_NUMBER: _builtins.int
+    STATUS_CODE_FIELD_NUMBER: _builtins.int
     code: _builtins.str
     """Machine-readable code, e.g. "TOOL_ERROR", "TIMEOUT", "REFERENCE_NOT_AVAILABLE"."""
     message: _builtins.str
     kind: _builtins.str
-    """Exception class or error kind reported by the tool."""
+    """The kind of error as upstream NoETL's policies test it: "server_error", "rate_limit",
+    "auth", "timeout", "connection", "schema", "db_deadlock", ... ("unknown" otherwise).
+    """
     retryable: _builtins.bool
     details_json: _builtins.str
     """Extra diagnostics (traceback, SQLSTATE, HTTP status), JSON object text."""
+    exception_type: _builtins.str
+    """The exception class that carried the error, when there was one (a python task's)."""
+    traceback: _builtins.str
+    """A python task's traceback (its tail, capped), shown by GetExecution with the error."""
+    status_code: _builtins.int
+    """The HTTP status of an http task's error response (0: none)."""
     def __init__(
         self,
         *,
@@ -125,10 +136,13 @@ class ErrorInfo(_message.Message):
         kind: _builtins.str = ...,
         retryable: _builtins.bool = ...,
         details_json: _builtins.str = ...,
+        exception_type: _builtins.str = ...,
+        traceback: _builtins.str = ...,
+        status_code: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details_json", b"details_json", "kind", b"kind", "message", b"message", "retryable", b"retryable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details_json", b"details_json", "exception_type", b"exception_type", "kind", b"kind", "message", b"message", "retryable", b"retryable", "status_code", b"status_code", "traceback", b"traceback"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,6 +8,15 @@
   can exist at run time: a workload key, a step, a task of the same pipeline, a
   variable a policy or ``set`` of the same pipeline defines, a loop iterator, or one
   of the runtime's own names. Anything else is a typo that would fail the step later.
+* The same for what the engine renders when a step is done: the step's ``set`` and its
+  arcs' ``when`` / ``set`` may read workload keys, steps and the engine's names
+  (``STEP_NAMES``: ``ctx``, ``workload``, ``execution_id``, ``event``, ``output``, the
+  step's own result, ``result`` (its data) and upstream's ``vars`` / ``job``), so a playbook never fails at its last step, after an hour of
+  work, on a name nothing defines.
+
+The names listed here are the ones the runtime defines (``TASK_NAMES``: the worker's
+render scope and its pipelines; ``STEP_NAMES``: the engine's routing scope); a unit
+test checks both against the scopes themselves.
 """
 
 from __future__ import annotations
@@ -19,10 +28,19 @@ from noetl_dsl import Playbook, referenced_names, static_auth_refs
 from noetl_dsl.model import workbook_entry_task
 from noetl_dsl.templates import _ENV, is_template
 
-RUNTIME_NAMES = frozenset({
-    "ctx", "workload", "execution_id", "event", "iter", "input_data", "context", "output",
-    "_prev", "_task", "_attempt", "loop_index", "job", "result", "vars", "secret", "keychain",
+# What a task's fields may read besides workload keys, steps, tasks and set variables:
+# the worker's scope (``noetl_worker.scope``, ``pipeline``) and the keychain.
+TASK_NAMES = frozenset({
+    "ctx", "workload", "execution_id", "event", "iter", "_prev", "_task", "_attempt", "loop_index",
+    "keychain", "vars", "job",
 }) | frozenset(_ENV.globals)
+# A task's own `set` also reads `output` (its raw result); its policy rules read the
+# envelope as `output` (rules are not checked here: see UNRENDERED).
+TASK_SET_NAMES = TASK_NAMES | {"output"}
+# What a step's `set` and its arcs' `when` / `set` may read besides workload keys and
+# steps: the engine's routing scope (``noetl_flow.router``).
+STEP_NAMES = frozenset({"ctx", "workload", "execution_id", "event", "output", "result", "vars", "job"}) \
+    | frozenset(_ENV.globals)
 
 # Fields of a task that are not rendered by the runtime (code is data, policy rules are
 # evaluated with `output` in scope and checked the same way).
@@ -30,7 +48,7 @@ UNRENDERED = frozenset({"code", "code_b64", "code_base64", "kind", "name", "libs
 
 
 def defined_names(playbook: Playbook, workload: dict[str, Any]) -> set[str]:
-    names = set(workload) | set(playbook.step_names) | RUNTIME_NAMES
+    names = set(workload) | set(playbook.step_names) | TASK_NAMES
     for step in playbook.workflow:
         if step.loop is not None and step.loop.iterator:
             names.add(step.loop.iterator)
@@ -85,6 +103,8 @@ def _tasks(playbook: Playbook) -> list[tuple[str, dict[str, Any]]]:
 
 def check_templates(playbook: Playbook, workload: dict[str, Any]) -> None:
     allowed = defined_names(playbook, workload)
+    with_output = allowed | TASK_SET_NAMES
+    routing = set(workload) | set(playbook.step_names) | STEP_NAMES
     problems: list[tuple[str, str]] = []
     for i, step in enumerate(playbook.workflow):
         base = f"workflow[{i}]"
@@ -96,11 +116,25 @@ def check_templates(playbook: Playbook, workload: dict[str, Any]) -> None:
             if not isinstance(task, dict):
                 continue
             where = f"{base}.tool[{j}]" if isinstance(raw, list) else f"{base}.tool"
-            fields = {k: v for k, v in task.items() if k not in UNRENDERED and k != "spec"}
+            fields = {k: v for k, v in task.items() if k not in UNRENDERED and k not in ("spec", "set")}
             _check(where, fields, allowed, problems)
+            if isinstance(task.get("set"), dict):
+                _check(f"{where}.set", task["set"], with_output, problems)
+        _check_routing(base, step, routing, problems)
     if problems:
         path, _ = problems[0]
         raise PlaybookInvalid(path, "; ".join(f"{p}: {m}" for p, m in problems))
+
+
+def _check_routing(base: str, step: Any, allowed: set[str], problems: list[tuple[str, str]]) -> None:
+    """A step's own ``set`` and its arcs' ``when`` / ``set`` (rendered by the engine)."""
+    if step.set:
+        _check(f"{base}.set", step.set, allowed, problems)
+    for k, arc in enumerate(step.arcs):
+        if arc.when is not None:
+            _check(f"{base}.next.arcs[{k}].when", arc.when, allowed, problems)
+        if arc.set:
+            _check(f"{base}.next.arcs[{k}].set", arc.set, allowed, problems)
 
 
 def _check(path: str, value: Any, allowed: set[str], problems: list[tuple[str, str]]) -> None:

@@ -17,7 +17,9 @@ are spent falls back to that default. Rule templates see the render scope plus
 keys ``ctx.X`` / ``iter.X`` update the execution / iteration scope (reported to the
 engine); other keys define variables later tasks can read, as they read earlier
 tasks' results by task name. A task-level ``set`` (outside the policy) is applied once
-the task is done. The pipeline's value is the data of the last task that ran.
+the task is done (unless it fails the pipeline); there, as upstream, ``output`` is the
+task's raw result (``{{ output.x }}`` reads the result's ``x``), not the policy's
+envelope. The pipeline's value is the data of the last task that ran.
 """
 
 from __future__ import annotations
@@ -219,8 +221,12 @@ async def run_pipeline(tasks: Sequence[Mapping[str, Any]], scope: RenderContext,
         state.prev = outcome.data
         task_set = task.get("set")
         if isinstance(task_set, Mapping) and task_set and do != "fail":
+            # Upstream binds a task's own `set` to its raw result: `{{ output }}` is the
+            # value the tool returned (what `{{ <task name> }}` reads), not the envelope.
+            set_scope = RenderContext({**state.task_scope(name, attempt), "output": outcome.data},
+                                      known=state.known)
             try:
-                state.apply_set(task_set, rule_scope)
+                state.apply_set(task_set, set_scope)
             except TemplateError as exc:
                 return failed(TEMPLATE_ERROR, f"task '{name}' set: {exc}", "TemplateError")
 

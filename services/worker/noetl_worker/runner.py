@@ -31,7 +31,7 @@ from .pipeline import PipelineResult, TaskRun, run_pipeline
 from .scope import build_scope
 from .secrecy import KeychainError, keychain_scope, scrub_call_result, scrub_outcome
 from .tools import CallInfo, CommandSecrets, ToolOutcome, Tools
-from .tools.outcome import INVALID_COMMAND, REFERENCE_NOT_AVAILABLE, RESULT_TOO_LARGE
+from .tools.outcome import INVALID_COMMAND, REFERENCE_NOT_AVAILABLE, RESULT_TOO_LARGE, ErrorDetail
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +220,7 @@ def build_call_result(command: messages_pb2.Command, env: Mapping[str, Any], *, 
 def error_result(command: messages_pb2.Command, code: str, message: str, *, worker_id: str,
                  kind: str = "", retryable: bool = False,
                  parent: Reference | None = None) -> messages_pb2.CallResult:
-    env = envelope("error", None, parent, None,
-                   {"code": code, "message": message, "kind": kind, "retryable": retryable})
+    env = envelope("error", None, parent, None, ErrorDetail(code, message, kind, retryable).to_dict())
     return build_call_result(command, env, worker_id=worker_id)
 
 

@@ -1,9 +1,10 @@
 """The render scope of a command (what its templates may read), built from
 ``Command.context_json`` and ``spec_json`` (formats in docs/ARCHITECTURE.md).
 
-    workload keys at top level and under ``workload``; each earlier step's result by
-    step name; ``ctx``; ``execution_id``; ``event``; ``iter`` and its keys (the loop
-    iterator's value under its own name).
+    workload keys at top level and under ``workload`` (and ``vars``, upstream's name);
+    each earlier step's result by step name; ``ctx``; ``execution_id`` (and upstream's
+    ``job.uuid``); ``event``; ``iter`` and its keys (the loop iterator's value under its
+    own name).
 
 Earlier step results are resolved from the result store only for the step names the
 command's templates reference (python ``code`` is not a template and is not scanned:
@@ -18,7 +19,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from noetl_common.errors import NotFound
-from noetl_dsl.templates import RenderContext, TemplateError, is_template, referenced_names
+from noetl_dsl.templates import (
+    RenderContext,
+    TemplateError,
+    add_upstream_names,
+    is_template,
+    referenced_names,
+)
 from noetl_store import ResultStore
 
 logger = logging.getLogger(__name__)
@@ -100,4 +107,5 @@ async def build_scope(context: Mapping[str, Any], spec: Mapping[str, Any], store
     data.update(workload=dict(workload), ctx=dict(context.get("ctx") or {}),
                 execution_id=context.get("execution_id"), event=dict(context.get("event") or {}),
                 iter=dict(iter_scope) if isinstance(iter_scope, Mapping) else {})
+    add_upstream_names(data, workload, context.get("execution_id"))
     return RenderContext(data, known=known)

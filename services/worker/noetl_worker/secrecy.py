@@ -77,14 +77,15 @@ def scrub_outcome(outcome: ToolOutcome, redactor: Redactor | None) -> ToolOutcom
     """The outcome as it may be reported (module docstring)."""
     error = outcome.error
     if error is not None and error.details:
-        error = ErrorDetail(error.code, error.message, error.kind, error.retryable, mask_secret_keys(error.details))
+        error = ErrorDetail(error.code, error.message, error.kind, error.retryable, mask_secret_keys(error.details),
+                            error.exception_type)
     if not redactor:
         if error is outcome.error:
             return outcome
         return ToolOutcome(outcome.status, outcome.data, error, outcome.http, outcome.stdout)
     if error is not None:
         error = ErrorDetail(error.code, redactor.text(error.message), error.kind, error.retryable,
-                            redactor.value(error.details))
+                            redactor.value(error.details), error.exception_type)
     return ToolOutcome(outcome.status, redactor.value(outcome.data), error, outcome.http,
                        redactor.text(outcome.stdout))
 
@@ -95,6 +96,7 @@ def scrub_call_result(result: messages_pb2.CallResult, redactor: Redactor | None
         return result
     env = result.envelope
     env.error.message = redactor.text(env.error.message)
+    env.error.traceback = redactor.text(env.error.traceback)
     env.error.details_json = _scrub_json(env.error.details_json, redactor)
     env.context_json = _scrub_json(env.context_json, redactor)
     result.set_json = _scrub_json(result.set_json, redactor)

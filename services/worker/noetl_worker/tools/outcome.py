@@ -1,7 +1,15 @@
 """What a task produced: the ``output`` that task policies see.
 
-    {"status": "ok" | "error", "data": <value>, "error": {code, message, kind, retryable,
-     details} | null, "http": {"status": 200} | null}
+    {"status": "ok" | "error", "data": <value>, "error": {code, message, kind, type,
+     retryable, details[, exception_type, traceback, status_code, http_status, sqlstate]}
+     | null, "http": {"status": 200} | null}
+
+``error.kind`` (and ``error.type``, the same) is upstream's vocabulary (``errorkinds``:
+``server_error``, ``rate_limit``, ``auth``, ``timeout``, ``connection``, ...), what
+policies test; ``code`` is this runtime's own (``TIMEOUT``, ``HTTP_ERROR``,
+``MEMORY_LIMIT``, ...); ``exception_type`` the Python exception class when there is one.
+A caller may pass an exception class name as ``kind``: it becomes ``exception_type`` and
+the kind is classified from the code, the class and the details.
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from typing import Any, Literal
 
 from noetl_common.errors import ToolError
 from noetl_store import ResultTooLarge
+
+from . import errorkinds
 
 Status = Literal["ok", "error"]
 
@@ -44,10 +54,27 @@ class ErrorDetail:
     kind: str = ""
     retryable: bool = False
     details: dict[str, Any] = field(default_factory=dict)
+    exception_type: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in errorkinds.KINDS:
+            self.exception_type = self.exception_type or self.kind
+            self.kind = errorkinds.classify(self.code, self.exception_type, self.details)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "kind": self.kind,
-                "retryable": self.retryable, "details": self.details}
+        out: dict[str, Any] = {"code": self.code, "message": self.message, "kind": self.kind, "type": self.kind,
+                               "retryable": self.retryable, "details": self.details}
+        if self.exception_type:
+            out["exception_type"] = self.exception_type
+        traceback = self.details.get("traceback")
+        if isinstance(traceback, str) and traceback:
+            out["traceback"] = traceback
+        status = self.details.get("status_code")
+        if isinstance(status, int):
+            out["status_code"] = out["http_status"] = status
+        if self.details.get("sqlstate"):
+            out["sqlstate"] = out["pg_code"] = self.details["sqlstate"]
+        return out
 
     @classmethod
     def from_exception(cls, exc: BaseException, *, code: str = TOOL_ERROR) -> ErrorDetail:
