@@ -193,7 +193,7 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
             state.role_postgres_dsn = "" if dsn == pg.dsn else dsn
         state.save()
         say(f"postgres ready (port {pg.port})")
-        nats = stacknats.start(state.dev_dir)  # TLS and a user per role (stacknats.py)
+        nats = stacknats.start(state.dev_dir, {**os.environ, **state.env_overrides})  # TLS, a user per role
         state.nats = stackinfra.record(nats)
         state.nats_url = nats.url
         state.save()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import quote
 
@@ -46,22 +47,23 @@ def ensure_passwords(dev: Path) -> dict[str, str]:
     return made
 
 
-def config_text(*, port: int, store_dir: Path, tls: dict[str, Path], users: dict[str, str]) -> str:
+def config_text(*, port: int, store_dir: Path, tls: dict[str, Path], users: dict[str, str],
+                kv_bucket: str = natsperms.DEFAULT_KV_BUCKET) -> str:
     """nats-server configuration: loopback only, JetStream on, TLS required, the users."""
     return "\n".join([
         f"listen: {json.dumps(f'127.0.0.1:{port}')}",
         f"jetstream {{ store_dir: {json.dumps(str(store_dir))} }}",
         f"tls {{ cert_file: {json.dumps(str(tls['cert']))}, key_file: {json.dumps(str(tls['key']))}, timeout: 5 }}",
-        natsperms.authorization_block(users),
+        natsperms.authorization_block(users, kv_bucket=kv_bucket),
     ])
 
 
-def write_config(root: Path, *, port: int, dev: Path) -> Path:
+def write_config(root: Path, *, port: int, dev: Path, kv_bucket: str = natsperms.DEFAULT_KV_BUCKET) -> Path:
     """Write ``root/nats.conf`` (0600) for ``port``: certificates and passwords are made
     first when missing."""
     root.mkdir(parents=True, exist_ok=True)
     text = config_text(port=port, store_dir=(root / "jetstream").resolve(), tls=stackcerts.ensure(dev),
-                       users=ensure_passwords(dev))
+                       users=ensure_passwords(dev), kv_bucket=kv_bucket)
     path = root / CONFIG
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -71,11 +73,14 @@ def write_config(root: Path, *, port: int, dev: Path) -> Path:
     return path
 
 
-def start(dev: Path) -> localstack.NatsServer:
-    """Start the stack's NATS (TLS, users) under ``dev/nats`` on a free port."""
+def start(dev: Path, env: Mapping[str, str] | None = None) -> localstack.NatsServer:
+    """Start the stack's NATS (TLS, users) under ``dev/nats`` on a free port. ``env`` is
+    the roles' environment (its ``NOETL_RESULT_KV_BUCKET`` names the result KV bucket
+    the permissions grant)."""
     root = dev / "nats"
     port = localstack.free_port()
-    return localstack.start_nats(root, port=port, config=write_config(root, port=port, dev=dev))
+    bucket = (env or {}).get("NOETL_RESULT_KV_BUCKET") or natsperms.DEFAULT_KV_BUCKET
+    return localstack.start_nats(root, port=port, config=write_config(root, port=port, dev=dev, kv_bucket=bucket))
 
 
 def user_url(url: str, dev: Path, user: str) -> str:
