@@ -13,6 +13,9 @@ A credential is named by (``raw`` is a name or a template rendering to one):
             kind: credential                   (the default; the only kind this runtime has)
             credential: api_token              the stored credential (``auth`` is accepted too)
 
+    or an alias map of them (the duckdb tool: a DuckDB secret per alias)
+                                               auth: {pg_db: {credential: pg_local}}
+
 A mapping ``auth`` that holds connection fields itself (``dsn``, ``host``: an inline
 postgres connection) names no stored credential.
 
@@ -88,14 +91,30 @@ def _ref_path(value: Any, path: str) -> str:
     return path
 
 
+def alias_refs(value: Any, path: str, *, names: bool = False) -> list[CredentialRef]:
+    """The credentials of an alias map ``{alias: {credential: name}}`` (the duckdb tool's
+    several credentials; with ``names``, ``{alias: name}`` too). Empty for anything else."""
+    if not isinstance(value, Mapping) or reference_of(value) is not None:
+        return []
+    refs = []
+    for alias, item in value.items():
+        raw = reference_of(item) if isinstance(item, Mapping) else item if names and isinstance(item, str) else None
+        if raw is not None and raw.strip():
+            refs.append(CredentialRef(_ref_path(item, f"{path}.{alias}"), raw))
+    return refs
+
+
 def task_refs(task: Mapping[str, Any], path: str) -> list[CredentialRef]:
-    """The credentials one task names through ``auth`` / ``credential``."""
+    """The credentials one task names through ``auth`` / ``credential`` (a name, a mapping
+    naming one, or an alias map: :func:`alias_refs`)."""
     refs = []
     for field in CREDENTIAL_FIELDS:
         if field in task:
             raw = reference_of(task[field])
             if raw is not None:
                 refs.append(CredentialRef(_ref_path(task[field], f"{path}.{field}"), raw))
+            else:
+                refs.extend(alias_refs(task[field], f"{path}.{field}", names=task.get("kind") == "duckdb"))
     return refs
 
 
@@ -277,6 +296,6 @@ def playbook_names(playbook: Playbook, workload: Mapping[str, Any]) -> frozenset
     return frozenset(n for ref in playbook_refs(playbook) if (n := static_name(ref.raw, workload)) is not None)
 
 
-__all__ = ["CREDENTIAL_FIELDS", "KEYCHAIN", "KEYCHAIN_KINDS", "CredentialRef", "Grant", "check_keychain",
+__all__ = ["CREDENTIAL_FIELDS", "KEYCHAIN", "KEYCHAIN_KINDS", "CredentialRef", "Grant", "alias_refs", "check_keychain",
            "keychain_entries", "keychain_reads", "keychain_ref", "playbook_names", "playbook_refs",
            "reference_of", "static_name", "step_grant", "step_refs", "task_refs"]

@@ -33,6 +33,8 @@ from noetl_store import ResultTooLarge
 
 from ..metrics import TASK_SECONDS
 from .call import CallInfo
+from .duckdb import SQL_FIELDS as DUCKDB_SQL_FIELDS
+from .duckdb import DuckdbTool
 from .http import HttpTool
 from .outcome import INVALID_TASK, TEMPLATE_ERROR, TIMEOUT, TOOL_ERROR, ErrorDetail, ToolOutcome
 from .playbook import PlaybookTool
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 PLAYBOOK_FIELDS = ("path", "version", "return_step")
 HTTP_FIELDS = ("method", "url", "endpoint", "params", "headers", "json", "body", "payload", "data",
                "timeout", "follow_redirects", "auth", "credential")
+DUCKDB_FIELDS = ("database", "db_path", "params", "auth", "credential")
 MAX_WORKBOOK_DEPTH = 8
 # Python code that mentions one of these may read the `context` global.
 SCOPE_WORDS = ("context", "globals", "vars(", "eval", "exec")
@@ -92,8 +95,9 @@ class Tools:
 
     def __init__(self, *, python: PythonPool | None = None, http: HttpTool | None = None,
                  postgres: PostgresTool | None = None, playbook: PlaybookTool | None = None,
-                 cursors: CursorDrivers | None = None) -> None:
+                 cursors: CursorDrivers | None = None, duckdb: DuckdbTool | None = None) -> None:
         self.python = python
+        self.duckdb = duckdb
         self.http = http
         self.postgres = postgres
         self.playbook = playbook
@@ -198,6 +202,13 @@ class Tools:
             secrets = call.secrets if call is not None else None
             return await asyncio.wait_for(self.postgres.run(sql, auth, timeout_sec=timeout_sec, secrets=secrets),
                                           limit)
+        if kind == "duckdb":
+            if self.duckdb is None:
+                return _unsupported(kind)
+            rendered = {k: (render_text(task[k], fields) if isinstance(task[k], str) else render(task[k], fields))
+                        for k in (*DUCKDB_SQL_FIELDS, *DUCKDB_FIELDS) if k in task}
+            secrets = call.secrets if call is not None else None
+            return await self.duckdb.run(rendered, timeout_sec=timeout_sec, secrets=secrets)
         if kind == "playbook":
             if self.playbook is None:
                 return _unsupported(kind)
