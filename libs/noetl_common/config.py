@@ -319,6 +319,9 @@ class WorkerSettings(BaseSettings):
     # Where the duckdb tool keeps file databases (a task's `database` must resolve inside it)
     # and its extension directory; default: <temp dir>/noetl-duckdb-<uid>.
     duckdb_dir: str = ""
+    # The only directory `script: {source: {type: file}}` may read (a task's path resolves
+    # beside its playbook's catalog path under it); empty: file scripts are refused.
+    script_dir: str = ""
 
     def duckdb_directory(self) -> str:
         if self.duckdb_dir:

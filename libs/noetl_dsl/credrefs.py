@@ -46,7 +46,7 @@ REF_KEYS = ("credential", "key", "name")
 INLINE_CONNECTION_KEYS = ("dsn", "host", "conninfo", "url")
 KEYCHAIN = "keychain"
 KEYCHAIN_KINDS = frozenset({"credential"})
-CODE_FIELDS = frozenset({"code", "code_b64", "code_base64"})  # python code: never rendered
+CODE_FIELDS = frozenset({"code_b64", "code_base64"})  # base64 python code: never rendered (`code` is)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,11 +222,12 @@ def step_refs(playbook: Playbook, step_name: str) -> list[CredentialRef]:
     tasks = _step_tasks(playbook, step_name)
     refs = [ref for path, task in tasks for ref in task_refs(task, path)]
     cursor = step.loop.cursor if step.loop is not None else None
-    if isinstance(cursor, Mapping) and "auth" in cursor:
-        raw = reference_of(cursor["auth"])
-        if raw is not None:
-            base = f"workflow[{playbook.step_names.index(step_name)}]"
-            refs.append(CredentialRef(_ref_path(cursor["auth"], f"{base}.loop.cursor.auth"), raw))
+    if isinstance(cursor, Mapping):
+        for field in CREDENTIAL_FIELDS:  # `credential:` is accepted where `auth:` is
+            raw = reference_of(cursor.get(field))
+            if raw is not None:
+                base = f"workflow[{playbook.step_names.index(step_name)}]"
+                refs.append(CredentialRef(_ref_path(cursor[field], f"{base}.loop.cursor.{field}"), raw))
     reads = keychain_reads(playbook, step_name)
     for alias, (i, entry) in keychain_entries(playbook).items():
         if reads is None or alias in reads:

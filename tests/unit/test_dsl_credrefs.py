@@ -157,3 +157,14 @@ def test_a_duckdb_alias_map_grants_each_credential_it_names() -> None:
     assert set(static_auth_refs(pb, workload)) == {("workflow[0].tool.auth.pg_db.key", "pg_local"),
                                                    ("workflow[0].tool.auth.other", "pg_other"),
                                                    ("workflow[1].tool.auth.credential", "api_token")}
+
+
+def test_a_cursor_names_its_credential_with_credential_too() -> None:
+    text = DUCKDB_ALIASES.replace("""  - step: http""", """  - step: drain
+    loop:
+      spec: {mode: cursor}
+      cursor: {kind: postgres, credential: pg_cursor2, claim: "select 1"}
+    tool: {kind: noop}
+  - step: http""")
+    pb = parse_playbook(text)
+    assert step_grant(pb, "drain", merged_workload(pb, {})).names == frozenset({"pg_cursor2"})

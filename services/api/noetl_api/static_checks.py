@@ -24,9 +24,10 @@ RUNTIME_NAMES = frozenset({
     "_prev", "_task", "_attempt", "loop_index", "job", "result", "vars", "secret", "keychain",
 }) | frozenset(_ENV.globals)
 
-# Fields of a task that are not rendered by the runtime (code is data, policy rules are
-# evaluated with `output` in scope and checked the same way).
-UNRENDERED = frozenset({"code", "code_b64", "code_base64", "kind", "name", "libs"})
+# Fields of a task that are not rendered by the runtime (base64 code is data, policy rules
+# are evaluated with `output` in scope and checked the same way). Python `code` is rendered
+# when it holds a template (as upstream renders the whole tool config), so it is checked.
+UNRENDERED = frozenset({"code_b64", "code_base64", "kind", "name", "libs"})
 
 
 def defined_names(playbook: Playbook, workload: dict[str, Any]) -> set[str]:

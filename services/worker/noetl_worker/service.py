@@ -240,7 +240,8 @@ class WorkerService(Service):
             self.tools = Tools(python=python, http=HttpTool(max_body_bytes=result_bytes),
                                postgres=PostgresTool(pools, max_result_bytes=result_bytes),
                                playbook=PlaybookTool(execution_pb2_grpc.ExecutionServiceStub(self.api_channel)),
-                               cursors=default_drivers(pools), duckdb=duckdb)
+                               cursors=default_drivers(pools), duckdb=duckdb,
+                               script_dir=self.worker_cfg.script_dir or None)
         if self.tools.python is not None:
             await self.tools.python.start()
         await self.nc.subscribe(CANCEL_HINTS_SUBJECT, cb=self._on_cancel_hint)
