@@ -20,6 +20,8 @@ TOOL_KINDS: frozenset[str] = frozenset({"python", "http", "postgres", "duckdb", 
 
 _PYTHON_CODE_KEYS = ("code", "code_b64", "code_base64", "script")
 _SQL_KEYS = ("command", "query")
+# what else gives a task its SQL: `script:` (any kind), duckdb's `commands` (text or list) / `sql`
+_SQL_SOURCES = {"postgres": ("script",), "duckdb": ("script", "commands", "sql")}
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 
@@ -195,11 +197,16 @@ def _filled(task: dict[str, Any], keys: tuple[str, ...]) -> bool:
     return any(isinstance(task.get(k), str) and task[k].strip() for k in keys)
 
 
+def _given(task: dict[str, Any], keys: tuple[str, ...]) -> bool:
+    """A key holding text, a non-empty list (duckdb `commands`) or a mapping (`script:`)."""
+    return _filled(task, keys) or any(isinstance(task.get(k), list | dict) and task[k] for k in keys)
+
+
 def _check_kind_fields(kind: str, task: dict[str, Any], path: str, label: str, problems: Problems,
                        wb_names: set[str], step: dict[str, Any] | None) -> None:
-    if kind == "python" and not _filled(task, _PYTHON_CODE_KEYS):
+    if kind == "python" and not _given(task, _PYTHON_CODE_KEYS):
         problems.add(f"{path}.code", f"python tool requires 'code' (or 'code_b64' / 'script') ({label})")
-    elif kind in ("postgres", "duckdb") and not _filled(task, _SQL_KEYS):
+    elif kind in ("postgres", "duckdb") and not _given(task, _SQL_KEYS + _SQL_SOURCES[kind]):
         misplaced = [k for k in _SQL_KEYS if step is not None and k in step]
         hint = f", found '{misplaced[0]}' on the step itself: it belongs under 'tool'" if misplaced else ""
         problems.add(f"{path}.command",

@@ -297,3 +297,13 @@ def test_all_problems_are_collected_in_document_order() -> None:
         parse_playbook(text)
     assert info.value.path == "apiVersion"
     assert "; workflow[1].tool: tool is required (step 'b')" in info.value.message
+
+
+def test_sql_may_come_from_script_commands_or_sql() -> None:
+    for tool in ("{kind: duckdb, commands: [select 1, select 2]}", "{kind: duckdb, sql: select 1}",
+                 "{kind: duckdb, script: {path: a.sql, source: {type: file}}}",
+                 "{kind: postgres, auth: pg, script: {uri: 'https://x/a.sql'}}",
+                 "{kind: python, script: {path: a.py, source: {type: file}}}"):
+        parse_playbook(doc(f"- step: a\n  tool: {tool}\n"))
+    with pytest.raises(PlaybookInvalid, match="no sql command provided"):
+        parse_playbook(doc("- step: a\n  tool: {kind: duckdb, commands: []}\n"))
