@@ -115,6 +115,8 @@ def task_refs(task: Mapping[str, Any], path: str) -> list[CredentialRef]:
                 refs.append(CredentialRef(_ref_path(task[field], f"{path}.{field}"), raw))
             else:
                 refs.extend(alias_refs(task[field], f"{path}.{field}", names=task.get("kind") == "duckdb"))
+    if task.get("kind") == "duckdb" and "credentials" in task:  # upstream's older spelling of an alias map
+        refs.extend(alias_refs(task["credentials"], f"{path}.credentials", names=True))
     return refs
 
 

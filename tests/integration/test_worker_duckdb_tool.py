@@ -140,6 +140,10 @@ async def test_alias_map_names_the_secret_and_writes_back(tool: DuckdbTool,
     out = await tool.run({"query": sql, "auth": {"pg_db": {"credential": "duck_pg_fields"}}}, secrets=secrets)
     assert out.status == "ok", out.error
     assert out.data["rows"] == [{"total": 150}]
+    legacy = await tool.run({"query": "ATTACH '' AS pg_db (TYPE postgres, SECRET pg_db, READ_ONLY);"
+                                      "SELECT count(*) AS n FROM pg_db.public.duck_src",
+                             "credentials": {"pg_db": {"key": "duck_pg_dsn"}}}, secrets=secrets)
+    assert legacy.status == "ok" and legacy.data["rows"] == [{"n": 5}], legacy.error
     async with runtime_pool.connection() as conn:
         rows = await (await conn.execute("SELECT count(*) FROM public.duck_out")).fetchall()
     assert rows == [{"count": 5}]

@@ -168,3 +168,12 @@ def test_a_cursor_names_its_credential_with_credential_too() -> None:
   - step: http""")
     pb = parse_playbook(text)
     assert step_grant(pb, "drain", merged_workload(pb, {})).names == frozenset({"pg_cursor2"})
+
+
+def test_the_older_credentials_alias_map_of_duckdb_is_granted() -> None:
+    text = DUCKDB_ALIASES.replace("""      auth:
+        pg_db: {source: credential, type: postgres, key: "{{ workload.pg_auth }}"}
+        other: pg_other""", """      credentials:
+        pg_db: {key: pg_legacy}""")
+    pb = parse_playbook(text)
+    assert step_grant(pb, "start", merged_workload(pb, {})).names == frozenset({"pg_legacy"})

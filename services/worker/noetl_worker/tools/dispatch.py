@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 PLAYBOOK_FIELDS = ("path", "version", "return_step")
 HTTP_FIELDS = ("method", "url", "endpoint", "params", "headers", "json", "body", "payload", "data",
                "timeout", "follow_redirects", "auth", "credential")
-DUCKDB_FIELDS = ("database", "db_path", "params", "auth", "credential")
+DUCKDB_FIELDS = ("database", "db_path", "params", "auth", "credential", "credentials")
 MAX_WORKBOOK_DEPTH = 8
 # Python code that mentions one of these may read the `context` global.
 SCOPE_WORDS = ("context", "globals", "vars(", "eval", "exec")

@@ -18,7 +18,7 @@ the worker's event loop.
 
 Credentials (``auth`` or ``credential``, as for postgres): a name, a mapping naming one
 (``credential``/``key``/``name``), or an alias map ``{alias: {credential: name}}`` (or
-``{alias: name}``). Each is fetched from the api for the command (the step must name it:
+``{alias: name}``; upstream's older ``credentials: {alias: {key: name}}`` too). Each is fetched from the api for the command (the step must name it:
 ``noetl_dsl.credrefs``), its secret values go to the command's redactor, and it becomes a
 DuckDB secret named after its alias (the credential's name for a single one, which is also
 the default postgres secret). Only postgres credentials are usable (cloud object stores are
@@ -130,7 +130,7 @@ class DuckdbTool:
         params = task.get("params")
         if params is not None and not isinstance(params, list):
             return ToolOutcome.failure(INVALID_TASK, "duckdb `params` must be a list", kind="ValueError")
-        auth = task.get("auth") if task.get("auth") is not None else task.get("credential")
+        auth = next((task[k] for k in ("auth", "credential", "credentials") if task.get(k) is not None), None)
         try:
             database = database_path(task.get("database", task.get("db_path")), self.directory)
             aliases = credential_aliases(auth)
