@@ -18,6 +18,13 @@ from .model import Task, normalise_next
 
 TOOL_KINDS: frozenset[str] = frozenset({"python", "http", "postgres", "duckdb", "noop", "workbook", "playbook"})
 
+# Upstream NoETL tool kinds this runtime does not run, and what to use instead
+# (docs/CONFORMANCE.md "Tool kinds"): named in the refusal.
+NOT_BUILT: dict[str, str] = {
+    "secrets": "read a stored credential where it is used: `auth`/`credential` on the task, or a keychain entry",
+    "shell": "a python task can run the command (subprocess) in its sandbox",
+    "rhai": "use a python task",
+}
 _PYTHON_CODE_KEYS = ("code", "code_b64", "code_base64", "script")
 _SQL_KEYS = ("command", "query")
 # what else gives a task its SQL: `script:` (any kind), duckdb's `commands` (text or list) / `sql`
@@ -184,7 +191,10 @@ def _check_task(task: Any, path: str, label: str, problems: Problems, wb_names: 
         problems.add(f"{path}.kind", f"tool kind is required ({label}{hint})")
         return
     if not isinstance(kind, str) or kind not in TOOL_KINDS:
-        problems.add(f"{path}.kind", f"unknown tool kind '{kind}' (expected one of: {', '.join(sorted(TOOL_KINDS))})")
+        hint = f" (upstream NoETL's '{kind}' is not built here: {NOT_BUILT[kind]})" \
+            if isinstance(kind, str) and kind in NOT_BUILT else ""
+        problems.add(f"{path}.kind",
+                     f"unknown tool kind '{kind}' (expected one of: {', '.join(sorted(TOOL_KINDS))}){hint}")
         return
     if supported is not None and kind not in supported:
         problems.add(f"{path}.kind", f"tool kind '{kind}' is not supported by this runtime "

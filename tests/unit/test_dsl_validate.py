@@ -125,9 +125,12 @@ def test_tool_kind_required_with_hint_for_type() -> None:
 
 
 def test_unknown_tool_kind() -> None:
-    path, msg = one(doc("- step: a\n  tool: {kind: shell}\n"))
+    path, msg = one(doc("- step: a\n  tool: {kind: fortran}\n"))
     assert path == "workflow[0].tool.kind"
-    assert msg == "unknown tool kind 'shell' (expected one of: duckdb, http, noop, playbook, postgres, python, workbook)"
+    assert msg == "unknown tool kind 'fortran' (expected one of: duckdb, http, noop, playbook, postgres, python, workbook)"
+    _, msg = one(doc("- step: a\n  tool: {kind: secrets, name: api_key}\n"))
+    assert msg.startswith("unknown tool kind 'secrets' (expected one of:")
+    assert "upstream NoETL's 'secrets' is not built here: read a stored credential where it is used" in msg
 
 
 def test_unsupported_tool_kind() -> None:
