@@ -83,6 +83,8 @@ async def test_values_are_plain_json_and_params_bind(tool: DuckdbTool) -> None:
                                  "{'k': 'v'} AS s, NULL AS z, ? AS p", "params": ["x"]})
     assert out.status == "ok", out.error
     assert out.data["rows"] == [{"d": "2024-01-02", "n": 1.5, "l": [1, 2], "s": {"k": "v"}, "z": None, "p": "x"}]
+    two = await tool.run({"sql": "SELECT ?; SELECT ?", "params": [1]})
+    assert two.error is not None and two.error.code == "INVALID_TASK" and "single statement" in two.error.message
 
 
 async def test_sql_error_carries_duckdb_class_and_message(tool: DuckdbTool) -> None:

@@ -178,12 +178,14 @@ def run(spec: Mapping[str, Any]) -> dict[str, Any]:
     conn = _connect(spec)
     try:
         params = spec.get("params")
-        statements: list[Any] = [sql] if params else conn.extract_statements(sql)
+        statements = conn.extract_statements(sql)
+        if params and len(statements) != 1:
+            raise DuckdbSetupError(f"`params` bind to a single statement; the query has {len(statements)}")
         rows_result: dict[str, Any] | None = None
         changed = 0
         for statement in statements:
-            kind = "SELECT" if isinstance(statement, str) else statement.type.name
-            cur = conn.execute(statement, params) if params else conn.execute(statement)
+            kind = statement.type.name
+            cur = conn.execute(statement.query, params) if params else conn.execute(statement)
             if kind in COUNT_TYPES:
                 row = cur.fetchone()
                 changed = int(row[0]) if row and isinstance(row[0], int) else 0
