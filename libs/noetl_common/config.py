@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 from typing import Literal, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, model_validator
@@ -317,17 +316,11 @@ class WorkerSettings(BaseSettings):
     # before a result the worker holds is reported REFERENCE_NOT_AVAILABLE.
     infra_retry_sec: float = Field(default=600.0, gt=0)
     # Where the duckdb tool keeps file databases (a task's `database` must resolve inside it)
-    # and its extension directory; default: <temp dir>/noetl-duckdb-<uid>.
+    # and its extension directory; empty: <temp dir>/noetl-duckdb-<uid>.
     duckdb_dir: str = ""
     # The only directory `script: {source: {type: file}}` may read (a task's path resolves
     # beside its playbook's catalog path under it); empty: file scripts are refused.
     script_dir: str = ""
-
-    def duckdb_directory(self) -> str:
-        if self.duckdb_dir:
-            return self.duckdb_dir
-        uid = os.getuid() if hasattr(os, "getuid") else 0
-        return os.path.join(tempfile.gettempdir(), f"noetl-duckdb-{uid}")
 
 
 class TracingSettings(BaseSettings):

@@ -224,12 +224,16 @@ def step_refs(playbook: Playbook, step_name: str) -> list[CredentialRef]:
     tasks = _step_tasks(playbook, step_name)
     refs = [ref for path, task in tasks for ref in task_refs(task, path)]
     cursor = step.loop.cursor if step.loop is not None else None
-    if isinstance(cursor, Mapping):
-        for field in CREDENTIAL_FIELDS:  # `credential:` is accepted where `auth:` is
-            raw = reference_of(cursor.get(field))
-            if raw is not None:
-                base = f"workflow[{playbook.step_names.index(step_name)}]"
-                refs.append(CredentialRef(_ref_path(cursor[field], f"{base}.loop.cursor.{field}"), raw))
+    if isinstance(cursor, Mapping) and "auth" in cursor:
+        raw = reference_of(cursor["auth"])
+        if raw is not None:
+            base = f"workflow[{playbook.step_names.index(step_name)}]"
+            refs.append(CredentialRef(_ref_path(cursor["auth"], f"{base}.loop.cursor.auth"), raw))
+    if isinstance(cursor, Mapping) and "auth" not in cursor:  # `credential:` is accepted where `auth:` is
+        cred = reference_of(cursor.get("credential"))
+        if cred is not None:
+            where = f"workflow[{playbook.step_names.index(step_name)}].loop.cursor.credential"
+            refs.append(CredentialRef(_ref_path(cursor["credential"], where), cred))
     reads = keychain_reads(playbook, step_name)
     for alias, (i, entry) in keychain_entries(playbook).items():
         if reads is None or alias in reads:

@@ -95,6 +95,7 @@ from .tools import (
     Tools,
     api_fetch,
 )
+from .tools.duckdb import default_directory
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ class WorkerService(Service):
             python = PythonPool(self.worker_cfg.python_pool or self.worker_cfg.concurrency,
                                 memory_mb=self.worker_cfg.python_memory_mb, result_bytes=result_bytes)
             pools = PoolRegistry()
-            duckdb = DuckdbTool(python, self.worker_cfg.duckdb_directory(), max_result_bytes=result_bytes,
+            duckdb = DuckdbTool(python, self.worker_cfg.duckdb_dir or default_directory(), max_result_bytes=result_bytes,
                                 memory_mb=self.worker_cfg.python_memory_mb)
             self.tools = Tools(python=python, http=HttpTool(max_body_bytes=result_bytes),
                                postgres=PostgresTool(pools, max_result_bytes=result_bytes),

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,12 @@ def credential_aliases(auth: Any) -> dict[str, str] | None:
             raise ValueError(f"auth alias {alias!r} names no credential (expected one of: {', '.join(REF_KEYS)})")
         out[str(alias)] = ref.strip()
     return out
+
+
+def default_directory() -> str:
+    """``<temp dir>/noetl-duckdb-<uid>`` (NOETL_WORKER_DUCKDB_DIR unset)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"noetl-duckdb-{uid}")
 
 
 def database_path(database: Any, root: Path) -> str:
@@ -184,4 +191,4 @@ def _sql_outcome(outcome: ToolOutcome) -> ToolOutcome:
                                retryable=kind in RETRYABLE_KINDS)
 
 
-__all__ = ["DuckdbTool", "credential_aliases", "database_path", "sql_of"]
+__all__ = ["DuckdbTool", "credential_aliases", "database_path", "default_directory", "sql_of"]
