@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-CONFORMANCE = (REPO.parent / "shared" / "conformance" / "noetl-e2e").resolve()
-PLAYBOOKS = CONFORMANCE / "playbooks"
+# The upstream conformance data: NOETL_CONFORMANCE_DIR, default ../shared/conformance/noetl-e2e
+# (tests/conformance_data.py); tests that need it skip when it is not there.
 
 
 @pytest.fixture(scope="session")

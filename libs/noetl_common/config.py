@@ -336,6 +336,12 @@ class WorkerSettings(BaseSettings):
     # How long an outage of the result store or of the runtime database is waited out
     # before a result the worker holds is reported REFERENCE_NOT_AVAILABLE.
     infra_retry_sec: float = Field(default=600.0, gt=0)
+    # Where the duckdb tool keeps file databases (a task's `database` must resolve inside it)
+    # and its extension directory; empty: <temp dir>/noetl-duckdb-<uid>.
+    duckdb_dir: str = ""
+    # The only directory `script: {source: {type: file}}` may read (a task's path resolves
+    # beside its playbook's catalog path under it); empty: file scripts are refused.
+    script_dir: str = ""
 
 
 class TracingSettings(BaseSettings):

@@ -18,8 +18,17 @@ from .model import Task, normalise_next
 
 TOOL_KINDS: frozenset[str] = frozenset({"python", "http", "postgres", "duckdb", "noop", "workbook", "playbook"})
 
+# Upstream NoETL tool kinds this runtime does not run, and what to use instead
+# (docs/CONFORMANCE.md "Tool kinds"): named in the refusal.
+NOT_BUILT: dict[str, str] = {
+    "secrets": "read a stored credential where it is used: `auth`/`credential` on the task, or a keychain entry",
+    "shell": "a python task can run the command (subprocess) in its sandbox",
+    "rhai": "use a python task",
+}
 _PYTHON_CODE_KEYS = ("code", "code_b64", "code_base64", "script")
 _SQL_KEYS = ("command", "query")
+# what else gives a task its SQL: `script:` (any kind), duckdb's `commands` (text or list) / `sql`
+_SQL_SOURCES = {"postgres": ("script",), "duckdb": ("script", "commands", "sql")}
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 
@@ -182,7 +191,10 @@ def _check_task(task: Any, path: str, label: str, problems: Problems, wb_names: 
         problems.add(f"{path}.kind", f"tool kind is required ({label}{hint})")
         return
     if not isinstance(kind, str) or kind not in TOOL_KINDS:
-        problems.add(f"{path}.kind", f"unknown tool kind '{kind}' (expected one of: {', '.join(sorted(TOOL_KINDS))})")
+        hint = f" (upstream NoETL's '{kind}' is not built here: {NOT_BUILT[kind]})" \
+            if isinstance(kind, str) and kind in NOT_BUILT else ""
+        problems.add(f"{path}.kind",
+                     f"unknown tool kind '{kind}' (expected one of: {', '.join(sorted(TOOL_KINDS))}){hint}")
         return
     if supported is not None and kind not in supported:
         problems.add(f"{path}.kind", f"tool kind '{kind}' is not supported by this runtime "
@@ -195,11 +207,16 @@ def _filled(task: dict[str, Any], keys: tuple[str, ...]) -> bool:
     return any(isinstance(task.get(k), str) and task[k].strip() for k in keys)
 
 
+def _given(task: dict[str, Any], keys: tuple[str, ...]) -> bool:
+    """A key holding text, a non-empty list (duckdb `commands`) or a mapping (`script:`)."""
+    return _filled(task, keys) or any(isinstance(task.get(k), list | dict) and task[k] for k in keys)
+
+
 def _check_kind_fields(kind: str, task: dict[str, Any], path: str, label: str, problems: Problems,
                        wb_names: set[str], step: dict[str, Any] | None) -> None:
-    if kind == "python" and not _filled(task, _PYTHON_CODE_KEYS):
+    if kind == "python" and not _given(task, _PYTHON_CODE_KEYS):
         problems.add(f"{path}.code", f"python tool requires 'code' (or 'code_b64' / 'script') ({label})")
-    elif kind in ("postgres", "duckdb") and not _filled(task, _SQL_KEYS):
+    elif kind in ("postgres", "duckdb") and not _given(task, _SQL_KEYS + _SQL_SOURCES[kind]):
         misplaced = [k for k in _SQL_KEYS if step is not None and k in step]
         hint = f", found '{misplaced[0]}' on the step itself: it belongs under 'tool'" if misplaced else ""
         problems.add(f"{path}.command",

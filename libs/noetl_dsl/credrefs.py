@@ -13,6 +13,9 @@ A credential is named by (``raw`` is a name or a template rendering to one):
             kind: credential                   (the default; the only kind this runtime has)
             credential: api_token              the stored credential (``auth`` is accepted too)
 
+    or an alias map of them (the duckdb tool: a DuckDB secret per alias)
+                                               auth: {pg_db: {credential: pg_local}}
+
 A mapping ``auth`` that holds connection fields itself (``dsn``, ``host``: an inline
 postgres connection) names no stored credential.
 
@@ -43,7 +46,7 @@ REF_KEYS = ("credential", "key", "name")
 INLINE_CONNECTION_KEYS = ("dsn", "host", "conninfo", "url")
 KEYCHAIN = "keychain"
 KEYCHAIN_KINDS = frozenset({"credential"})
-CODE_FIELDS = frozenset({"code", "code_b64", "code_base64"})  # python code: never rendered
+CODE_FIELDS = frozenset({"code_b64", "code_base64"})  # base64 python code: never rendered (`code` is)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +91,32 @@ def _ref_path(value: Any, path: str) -> str:
     return path
 
 
+def alias_refs(value: Any, path: str, *, names: bool = False) -> list[CredentialRef]:
+    """The credentials of an alias map ``{alias: {credential: name}}`` (the duckdb tool's
+    several credentials; with ``names``, ``{alias: name}`` too). Empty for anything else."""
+    if not isinstance(value, Mapping) or reference_of(value) is not None:
+        return []
+    refs = []
+    for alias, item in value.items():
+        raw = reference_of(item) if isinstance(item, Mapping) else item if names and isinstance(item, str) else None
+        if raw is not None and raw.strip():
+            refs.append(CredentialRef(_ref_path(item, f"{path}.{alias}"), raw))
+    return refs
+
+
 def task_refs(task: Mapping[str, Any], path: str) -> list[CredentialRef]:
-    """The credentials one task names through ``auth`` / ``credential``."""
+    """The credentials one task names through ``auth`` / ``credential`` (a name, a mapping
+    naming one, or an alias map: :func:`alias_refs`)."""
     refs = []
     for field in CREDENTIAL_FIELDS:
         if field in task:
             raw = reference_of(task[field])
             if raw is not None:
                 refs.append(CredentialRef(_ref_path(task[field], f"{path}.{field}"), raw))
+            else:
+                refs.extend(alias_refs(task[field], f"{path}.{field}", names=task.get("kind") == "duckdb"))
+    if task.get("kind") == "duckdb" and "credentials" in task:  # upstream's older spelling of an alias map
+        refs.extend(alias_refs(task["credentials"], f"{path}.credentials", names=True))
     return refs
 
 
@@ -208,6 +229,11 @@ def step_refs(playbook: Playbook, step_name: str) -> list[CredentialRef]:
         if raw is not None:
             base = f"workflow[{playbook.step_index(step_name)}]"
             refs.append(CredentialRef(_ref_path(cursor["auth"], f"{base}.loop.cursor.auth"), raw))
+    if isinstance(cursor, Mapping) and "auth" not in cursor:  # `credential:` is accepted where `auth:` is
+        cred = reference_of(cursor.get("credential"))
+        if cred is not None:
+            where = f"workflow[{playbook.step_names.index(step_name)}].loop.cursor.credential"
+            refs.append(CredentialRef(_ref_path(cursor["credential"], where), cred))
     reads = keychain_reads(playbook, step_name)
     for alias, (i, entry) in keychain_entries(playbook).items():
         if reads is None or alias in reads:
@@ -277,6 +303,6 @@ def playbook_names(playbook: Playbook, workload: Mapping[str, Any]) -> frozenset
     return frozenset(n for ref in playbook_refs(playbook) if (n := static_name(ref.raw, workload)) is not None)
 
 
-__all__ = ["CREDENTIAL_FIELDS", "KEYCHAIN", "KEYCHAIN_KINDS", "CredentialRef", "Grant", "check_keychain",
+__all__ = ["CREDENTIAL_FIELDS", "KEYCHAIN", "KEYCHAIN_KINDS", "CredentialRef", "Grant", "alias_refs", "check_keychain",
            "keychain_entries", "keychain_reads", "keychain_ref", "playbook_names", "playbook_refs",
            "reference_of", "static_name", "step_grant", "step_refs", "task_refs"]

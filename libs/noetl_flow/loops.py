@@ -97,7 +97,8 @@ def start(flow: Flow, t: Transition, step: Step, run: StepRun, event: dict[str, 
             raise LoopError(f"loop.cursor of step '{step.step}' needs a 'claim' statement")
         rendered = {
             "kind": str(cursor.get("kind") or "postgres"),
-            "auth": render(cursor.get("auth"), scope),
+            # `credential:` is accepted where `auth:` is
+            "auth": render(cursor.get("auth") if cursor.get("auth") is not None else cursor.get("credential"), scope),
             "claim": render_text(str(cursor["claim"]), scope),
             "options": render(cursor.get("options") or {}, scope),
         }

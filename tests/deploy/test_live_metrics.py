@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 import pytest
+from conformance_data import PLAYBOOKS  # NOETL_CONFORMANCE_DIR, default ../shared/conformance/noetl-e2e
 from deploytools import (
     NAMESPACE,
     REPO,
@@ -55,7 +56,6 @@ from noetl_proto.v1 import common_pb2, execution_pb2
 
 pytestmark = pytest.mark.timeout(1500)
 
-PLAYBOOKS = (REPO.parent / "shared" / "conformance" / "noetl-e2e" / "playbooks").resolve()
 # Upstream conformance playbooks run through the stack (no credentials needed): python
 # steps, workbook tasks, exclusive/inclusive arcs, a fan-out/fan-in barrier, sequential and
 # parallel loops, and retries of a failing task.

@@ -13,17 +13,19 @@ from harness import Runner
 
 pytestmark = pytest.mark.e2e
 
+COUNTS = ("SELECT (SELECT count(*) FROM noetl.execution_request),"
+          " (SELECT count(*) FROM noetl.event WHERE event_type <> 'checkpoint.committed'),"
+          " (SELECT count(*) FROM noetl.command), (SELECT count(*) FROM noetl.catalog)")
 HEADER = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata:\n  name: bad\n  path: tests/bad_input\n"
 
 
 @pytest.fixture
 def counts(runner: Runner) -> Iterator[None]:
-    """Nothing may be written for a rejected submission."""
-    before = runner.sql("SELECT (SELECT count(*) FROM noetl.execution_request), (SELECT count(*) FROM noetl.event WHERE event_type <> 'checkpoint.committed'),"
-                        " (SELECT count(*) FROM noetl.command)")[0]
+    """Nothing may be written for a rejected submission: no request, event or command, and
+    no catalog entry (a refused playbook is not registered)."""
+    before = runner.sql(COUNTS)[0]
     yield
-    after = runner.sql("SELECT (SELECT count(*) FROM noetl.execution_request), (SELECT count(*) FROM noetl.event WHERE event_type <> 'checkpoint.committed'),"
-                       " (SELECT count(*) FROM noetl.command)")[0]
+    after = runner.sql(COUNTS)[0]
     assert after == before
 
 
@@ -65,6 +67,21 @@ def test_unknown_credential_is_caught_at_submit(runner: Runner, counts: None) ->
                      "      auth: '{{ db }}'\n      command: SELECT 1\n")
     msg = rejected(runner, text)
     assert "unknown credential 'no_such_db'" in msg and "workflow[0].tool.auth" in msg
+
+
+def test_a_refused_submission_registers_nothing_in_the_catalog(runner: Runner, counts: None) -> None:
+    """Each check that runs after parsing (credentials, sub-playbooks, templates) refuses
+    before the playbook is registered: its path never appears in the catalog."""
+    head = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata:\n  name: refused\n  path: tests/refused_{n}\n"
+    bodies = [
+        "workflow:\n  - step: start\n    tool:\n      kind: duckdb\n      auth: {pg_db: {credential: no_such_pg}}\n"
+        "      query: SELECT 1\n",
+        "workflow:\n  - step: start\n    tool: {kind: playbook, path: tests/no_such_child}\n",
+        "workflow:\n  - step: start\n    tool: {kind: python, input: {x: '{{ nope }}'}, code: 'result = x'}\n",
+    ]
+    for n, body in enumerate(bodies):
+        rejected(runner, head.format(n=n) + body)
+        assert runner.sql("SELECT count(*) FROM noetl.catalog WHERE path = %s", (f"tests/refused_{n}",))[0][0] == 0
 
 
 def test_missing_attribute_at_run_time_fails_the_step_naming_the_template(runner: Runner) -> None:

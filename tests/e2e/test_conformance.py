@@ -133,3 +133,20 @@ def test_should_error_tool_is_required_is_rejected_at_submit(runner: Runner) -> 
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     assert re.search(r"(tool.*required|no sql command provided)", info.value.details())  # type: ignore[attr-defined]
     assert runner.sql("SELECT count(*) FROM noetl.execution_request")[0][0] == before
+
+
+def test_duckdb_test(runner: Runner) -> None:
+    out = runner.run(conformance("duckdb_test.yaml"))
+    assert out.status == "COMPLETED", out.error
+    assert {"start", "process", "verify", "end"} <= set(out.steps)
+    # The duckdb tool's value is the last SELECT's rows (docs/CONFORMANCE.md "duckdb"), as
+    # upstream's Rust tool returns them: {columns, rows, row_count}.
+    start = out.result("start")
+    assert start["rows"] == [{"name": "Alice", "age": 30}, {"name": "Charlie", "age": 35}]
+    assert start["columns"] == ["name", "age"] and start["row_count"] == 2
+    # Like postgres_test, the playbook's `process` expects `{{ start }}` to be a bare list of
+    # rows; given the tool's mapping its own code takes the "Invalid query result format"
+    # branch, and `verify`/`end` compute what follows from that.
+    assert out.result("process") == {"status": "error", "message": "Invalid query result format"}
+    assert out.result("verify") == {"verified": False, "avg_age": 0, "status": "failed"}
+    assert out.result("end") == {"status": "completed", "test_passed": False}

@@ -127,3 +127,53 @@ workflow:
     with pytest.raises(PlaybookInvalid) as exc:
         parse_playbook(text)
     assert fragment in str(exc.value)
+
+
+DUCKDB_ALIASES = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: duck, path: tests/duck}
+workload: {pg_auth: pg_local}
+workflow:
+  - step: start
+    tool:
+      kind: duckdb
+      auth:
+        pg_db: {source: credential, type: postgres, key: "{{ workload.pg_auth }}"}
+        other: pg_other
+      query: "ATTACH '' AS pg_db (TYPE postgres, SECRET pg_db); SELECT 1"
+    next: [{step: http}]
+  - step: http
+    tool: {kind: http, url: "http://x", auth: {type: bearer, credential: api_token}}
+"""
+
+
+def test_a_duckdb_alias_map_grants_each_credential_it_names() -> None:
+    pb = parse_playbook(DUCKDB_ALIASES)
+    workload = merged_workload(pb, {})
+    grant = step_grant(pb, "start", workload)
+    assert grant.names == frozenset({"pg_local", "pg_other"}) and not grant.dynamic
+    assert step_grant(pb, "http", workload).names == frozenset({"api_token"})
+    assert set(static_auth_refs(pb, workload)) == {("workflow[0].tool.auth.pg_db.key", "pg_local"),
+                                                   ("workflow[0].tool.auth.other", "pg_other"),
+                                                   ("workflow[1].tool.auth.credential", "api_token")}
+
+
+def test_a_cursor_names_its_credential_with_credential_too() -> None:
+    text = DUCKDB_ALIASES.replace("""  - step: http""", """  - step: drain
+    loop:
+      spec: {mode: cursor}
+      cursor: {kind: postgres, credential: pg_cursor2, claim: "select 1"}
+    tool: {kind: noop}
+  - step: http""")
+    pb = parse_playbook(text)
+    assert step_grant(pb, "drain", merged_workload(pb, {})).names == frozenset({"pg_cursor2"})
+
+
+def test_the_older_credentials_alias_map_of_duckdb_is_granted() -> None:
+    text = DUCKDB_ALIASES.replace("""      auth:
+        pg_db: {source: credential, type: postgres, key: "{{ workload.pg_auth }}"}
+        other: pg_other""", """      credentials:
+        pg_db: {key: pg_legacy}""")
+    pb = parse_playbook(text)
+    assert step_grant(pb, "start", merged_workload(pb, {})).names == frozenset({"pg_legacy"})

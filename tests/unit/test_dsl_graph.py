@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from conformance_data import playbook
 
 from noetl_dsl import Playbook, parse_playbook, predecessors, reachable_from, successors
 
-PLAYBOOKS = Path(__file__).resolve().parents[2].parent / "shared/conformance/noetl-e2e/playbooks"
-
 
 def load(rel: str) -> Playbook:
-    return parse_playbook((PLAYBOOKS / rel).read_text())
+    return parse_playbook(playbook(rel).read_text())
 
 
 def test_control_flow_workbook_graph() -> None:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from conformance_data import playbook
 
 from noetl_dsl import Playbook, merged_workload, parse_playbook, static_auth_refs
 
-PLAYBOOKS = Path(__file__).resolve().parents[2].parent / "shared/conformance/noetl-e2e/playbooks"
-
 
 def load(rel: str) -> Playbook:
-    return parse_playbook((PLAYBOOKS / rel).read_text())
+    return parse_playbook(playbook(rel).read_text())
 
 
 def inline(workload: str, tool: str) -> Playbook:

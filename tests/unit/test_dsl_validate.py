@@ -125,9 +125,12 @@ def test_tool_kind_required_with_hint_for_type() -> None:
 
 
 def test_unknown_tool_kind() -> None:
-    path, msg = one(doc("- step: a\n  tool: {kind: shell}\n"))
+    path, msg = one(doc("- step: a\n  tool: {kind: fortran}\n"))
     assert path == "workflow[0].tool.kind"
-    assert msg == "unknown tool kind 'shell' (expected one of: duckdb, http, noop, playbook, postgres, python, workbook)"
+    assert msg == "unknown tool kind 'fortran' (expected one of: duckdb, http, noop, playbook, postgres, python, workbook)"
+    _, msg = one(doc("- step: a\n  tool: {kind: secrets, name: api_key}\n"))
+    assert msg.startswith("unknown tool kind 'secrets' (expected one of:")
+    assert "upstream NoETL's 'secrets' is not built here: read a stored credential where it is used" in msg
 
 
 def test_unsupported_tool_kind() -> None:
@@ -297,3 +300,13 @@ def test_all_problems_are_collected_in_document_order() -> None:
         parse_playbook(text)
     assert info.value.path == "apiVersion"
     assert "; workflow[1].tool: tool is required (step 'b')" in info.value.message
+
+
+def test_sql_may_come_from_script_commands_or_sql() -> None:
+    for tool in ("{kind: duckdb, commands: [select 1, select 2]}", "{kind: duckdb, sql: select 1}",
+                 "{kind: duckdb, script: {path: a.sql, source: {type: file}}}",
+                 "{kind: postgres, auth: pg, script: {uri: 'https://x/a.sql'}}",
+                 "{kind: python, script: {path: a.py, source: {type: file}}}"):
+        parse_playbook(doc(f"- step: a\n  tool: {tool}\n"))
+    with pytest.raises(PlaybookInvalid, match="no sql command provided"):
+        parse_playbook(doc("- step: a\n  tool: {kind: duckdb, commands: []}\n"))

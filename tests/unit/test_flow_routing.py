@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
+from conformance_data import playbook
 
 from noetl_dsl import parse_playbook
 from noetl_flow import CallResultInput, ExecState, Flow, StartInput, Transition
 
-PLAYBOOKS = Path(__file__).resolve().parents[2].parent / "shared" / "conformance" / "noetl-e2e" / "playbooks"
 WORKLOAD: dict[str, Any] = {}
 
 
 def flow_for(rel: str) -> Flow:
-    return Flow(parse_playbook((PLAYBOOKS / rel).read_text()))
+    return Flow(parse_playbook(playbook(rel).read_text()))
 
 
 def ok(value: dict[str, Any] | None = None, ref: int = 1) -> dict[str, Any]:

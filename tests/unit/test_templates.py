@@ -330,7 +330,7 @@ async def test_worker_scope_workload_both_ways_ctx_steps_execution_id_event() ->
                          "other": {"status": "ok", "reference": other.to_json()},
                          "inline": {"value": 5}},
                "known_steps": ["start", "fetch", "other", "inline", "later"]}
-    spec = {"tool": {"kind": "python", "code": "{{ other }}"},  # code is not a template: not resolved
+    spec = {"tool": {"kind": "python", "code_b64": "{{ other }}"},  # base64 code is not a template: not resolved
             "input": {"top": "{{ limit }}", "nested": "{{ workload.limit }}", "user": "{{ user.name }}",
                       "wuser": "{{ workload.user }}", "ctx": "{{ ctx.seen }}", "row": "{{ fetch.rows[0].id }}",
                       "fetch": "{{ fetch }}", "eid": "{{ execution_id }}", "event": "{{ event.name }}",

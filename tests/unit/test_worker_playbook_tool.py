@@ -8,11 +8,11 @@ import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from conformance_data import playbook
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from noetl_api.catalog import parse
@@ -307,7 +307,6 @@ async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> None:
 
 # ---------------------------------------------------------------- submit-time check of literal paths
 
-CONFORMANCE = Path(__file__).resolve().parents[2].parent / "shared/conformance/noetl-e2e/playbooks"
 
 
 class FakeCatalog:
@@ -321,7 +320,7 @@ class FakeCatalog:
 
 
 def test_literal_sub_playbook_paths_are_listed() -> None:
-    pb = parse((CONFORMANCE / "playbook_composition/playbook_composition.yaml").read_text())
+    pb = parse(playbook("playbook_composition/playbook_composition.yaml").read_text())
     assert playbook_refs(pb) == [("workflow[2].tool[0].path",
                                   "fixtures/playbooks/playbook_composition/user_profile_scorer", 0)]
     templated = parse("apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: t}\nworkload: {p: x}\n"
@@ -330,7 +329,7 @@ def test_literal_sub_playbook_paths_are_listed() -> None:
 
 
 async def test_submit_rejects_a_sub_playbook_missing_from_the_catalog() -> None:
-    pb = parse((CONFORMANCE / "playbook_composition/playbook_composition.yaml").read_text())
+    pb = parse(playbook("playbook_composition/playbook_composition.yaml").read_text())
     submitter = Submitter(None, FakeCatalog(set()), None, None, shard_count=1,  # type: ignore[arg-type]
                           default_timeout_sec=60)
     with pytest.raises(PlaybookInvalid) as info:

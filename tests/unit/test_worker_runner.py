@@ -106,10 +106,11 @@ async def test_only_referenced_step_results_are_resolved(tools: Tools) -> None:
     assert "producer_b" not in value["ctx_keys"]
 
 
-def test_template_names_skip_code() -> None:
-    spec = {"tool": {"kind": "python", "code": "x = f'{{{{ not_a_template }}}}'", "input": {"a": "{{ s1.v }}"}},
+def test_template_names_read_code_but_not_base64_code() -> None:
+    spec = {"tool": {"kind": "python", "code": "# from {{ s0 }}\nresult = a", "code_b64": "{{ not_read }}",
+                     "input": {"a": "{{ s1.v }}"}},
             "input": {"b": "{{ s2 }}"}, "workbook": {"w": {"kind": "noop", "input": {"c": "{{ s3 }}"}}}}
-    assert template_names(spec) == {"s1", "s2", "s3"}
+    assert template_names(spec) == {"s0", "s1", "s2", "s3"}
 
 
 async def test_missing_reference_is_reference_not_available(tools: Tools) -> None:

@@ -19,7 +19,7 @@ from noetl_flow import Flow
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_KINDS = frozenset({"python", "http", "postgres", "noop", "workbook", "playbook"})
+SUPPORTED_KINDS = frozenset({"python", "http", "postgres", "duckdb", "noop", "workbook", "playbook"})
 
 
 @dataclass(frozen=True)

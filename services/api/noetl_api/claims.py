@@ -138,6 +138,7 @@ class Claims:
             "input": step.input or {},
             "workbook": _workbook_refs(playbook, step.raw_tool),
             "loop": None,
+            "playbook_path": playbook.path,  # where the worker looks up `script: {source: {type: file}}`
         }
         keychain = _keychain_refs(playbook, step.step)
         if keychain:  # the entries its templates read (`{{ keychain.<name>.<field> }}`): names, never secrets

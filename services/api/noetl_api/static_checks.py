@@ -42,9 +42,10 @@ TASK_SET_NAMES = TASK_NAMES | {"output"}
 STEP_NAMES = frozenset({"ctx", "workload", "execution_id", "event", "output", "result", "vars", "job"}) \
     | frozenset(_ENV.globals)
 
-# Fields of a task that are not rendered by the runtime (code is data, policy rules are
-# evaluated with `output` in scope and checked the same way).
-UNRENDERED = frozenset({"code", "code_b64", "code_base64", "kind", "name", "libs"})
+# Fields of a task that are not rendered by the runtime (base64 code is data, policy rules
+# are evaluated with `output` in scope and checked the same way). Python `code` is rendered
+# when it holds a template (as upstream renders the whole tool config), so it is checked.
+UNRENDERED = frozenset({"code_b64", "code_base64", "kind", "name", "libs"})
 
 
 def defined_names(playbook: Playbook, workload: dict[str, Any]) -> set[str]:

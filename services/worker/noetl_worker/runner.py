@@ -155,13 +155,15 @@ class TaskCaller:
         self.prefix = key_prefix or command.command_id
         self.step_input = spec.get("input") if isinstance(spec.get("input"), Mapping) else None
         self.workbook = spec.get("workbook") if isinstance(spec.get("workbook"), Mapping) else None
+        self.playbook_path = str(spec.get("playbook_path") or "")
         self._runs: dict[str, int] = {}
 
     def call_info(self, name: str) -> CallInfo:
         n = self._runs[name] = self._runs.get(name, 0) + 1
         key = f"{self.prefix}#{name}" + (f"#{n}" if n > 1 else "")
         return CallInfo(self.command.execution_id, self.command.command_id, self.command.step, key, self.cancelled,
-                        self.command.attempt, self.worker_id, self.command.claim_token, self.secrets)
+                        self.command.attempt, self.worker_id, self.command.claim_token, self.secrets,
+                        self.playbook_path)
 
     async def __call__(self, task: Mapping[str, Any], scope: RenderContext) -> ToolOutcome:
         name = str(scope.get("_task") or task.get("name") or "task")

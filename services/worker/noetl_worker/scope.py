@@ -7,8 +7,8 @@
     own name).
 
 Earlier step results are resolved from the result store only for the step names the
-command's templates reference (python ``code`` is not a template and is not scanned:
-code reads its data through ``input``). Steps that exist but have no result read as
+command's templates reference (python ``code`` included: code holding ``{{ }}`` is
+rendered before it runs, as upstream renders the whole tool config). Steps that exist but have no result read as
 None.
 """
 
@@ -30,7 +30,8 @@ from noetl_store import ResultStore
 
 logger = logging.getLogger(__name__)
 
-CODE_FIELDS = frozenset({"code", "code_b64", "code_base64"})
+# base64 code is not scanned; python `code` is (a template in it is rendered, as upstream does)
+CODE_FIELDS = frozenset({"code_b64", "code_base64"})
 RESERVED = ("workload", "ctx", "execution_id", "event", "iter")
 
 

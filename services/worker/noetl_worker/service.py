@@ -86,6 +86,7 @@ from .secrecy import scrub_call_result
 from .tools import (
     CommandSecrets,
     Credentials,
+    DuckdbTool,
     Holder,
     HttpTool,
     PlaybookTool,
@@ -95,6 +96,7 @@ from .tools import (
     Tools,
     api_fetch,
 )
+from .tools.duckdb import default_directory
 
 logger = logging.getLogger(__name__)
 
@@ -239,10 +241,13 @@ class WorkerService(Service):
             python = PythonPool(self.worker_cfg.python_pool or self.worker_cfg.concurrency,
                                 memory_mb=self.worker_cfg.python_memory_mb, result_bytes=result_bytes)
             pools = PoolRegistry()
+            duckdb = DuckdbTool(python, self.worker_cfg.duckdb_dir or default_directory(), max_result_bytes=result_bytes,
+                                memory_mb=self.worker_cfg.python_memory_mb)
             self.tools = Tools(python=python, http=HttpTool(max_body_bytes=result_bytes),
                                postgres=PostgresTool(pools, max_result_bytes=result_bytes),
                                playbook=PlaybookTool(execution_pb2_grpc.ExecutionServiceStub(self.api_channel)),
-                               cursors=default_drivers(pools))
+                               cursors=default_drivers(pools), duckdb=duckdb,
+                               script_dir=self.worker_cfg.script_dir or None)
         if self.tools.python is not None:
             await self.tools.python.start()
         await self.nc.subscribe(CANCEL_HINTS_SUBJECT, cb=self._on_cancel_hint)

@@ -1,9 +1,10 @@
-"""Tools the worker runs: python (warm sandbox pool), http, postgres, noop, workbook,
-playbook (sub-playbooks)."""
+"""Tools the worker runs: python (warm sandbox pool), http, postgres, duckdb (in the python
+pool's children), noop, workbook, playbook (sub-playbooks)."""
 
 from .call import CallInfo
 from .credentials import CommandSecrets, Credentials, Holder, StoredCredential, api_fetch
 from .dispatch import Tools, python_code, resolve_workbook_task
+from .duckdb import DuckdbTool
 from .http import HttpTool
 from .outcome import ErrorDetail, ToolOutcome
 from .playbook import PlaybookTool
@@ -14,6 +15,7 @@ __all__ = [
     "CallInfo",
     "CommandSecrets",
     "Credentials",
+    "DuckdbTool",
     "ErrorDetail",
     "Holder",
     "HttpTool",

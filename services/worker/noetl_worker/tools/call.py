@@ -30,6 +30,8 @@ class CallInfo:
     worker_id: str = ""
     claim_token: str = ""
     secrets: CommandSecrets | None = None
+    # the catalog path of the command's playbook (file scripts are looked up beside it)
+    playbook_path: str = ""
 
     @property
     def is_cancelled(self) -> bool:

@@ -3,7 +3,10 @@
 Rendering: the task's effective input is render(step input) merged with render(task
 input) (the task's keys win). The other fields render with the scope plus the input
 keys: ``render`` for structured values (url, params, headers, auth, ...),
-``render_text`` for SQL. Python ``code`` is never rendered. A template error fails the
+``render_text`` for SQL and python ``code`` (as upstream renders the whole tool config:
+code holding ``{{``/``{%`` is a template; one without is left as it is). ``script:``
+(``scripts.py``) replaces ``code`` / ``command`` / ``query`` with text from inline, a file
+under ``NOETL_WORKER_SCRIPT_DIR`` or http(s). A template error fails the
 task with ``TEMPLATE_ERROR`` and the template's message. The python ``context`` global
 (the render scope) is sent to the sandbox only when the code mentions it.
 
@@ -33,11 +36,14 @@ from noetl_store import ResultTooLarge
 
 from ..metrics import TASK_SECONDS
 from .call import CallInfo
+from .duckdb import SQL_FIELDS as DUCKDB_SQL_FIELDS
+from .duckdb import DuckdbTool
 from .http import HttpTool
 from .outcome import INVALID_TASK, TEMPLATE_ERROR, TIMEOUT, TOOL_ERROR, ErrorDetail, ToolOutcome
 from .playbook import PlaybookTool
 from .postgres import PostgresTool
 from .python import PythonPool
+from .scripts import ScriptError, resolve_script
 
 if TYPE_CHECKING:
     from ..cursor_drivers import CursorDrivers
@@ -47,6 +53,7 @@ logger = logging.getLogger(__name__)
 PLAYBOOK_FIELDS = ("path", "version", "return_step")
 HTTP_FIELDS = ("method", "url", "endpoint", "params", "headers", "json", "body", "payload", "data",
                "timeout", "follow_redirects", "auth", "credential")
+DUCKDB_FIELDS = ("database", "db_path", "params", "auth", "credential", "credentials")
 MAX_WORKBOOK_DEPTH = 8
 # Python code that mentions one of these may read the `context` global.
 SCOPE_WORDS = ("context", "globals", "vars(", "eval", "exec")
@@ -92,8 +99,13 @@ class Tools:
 
     def __init__(self, *, python: PythonPool | None = None, http: HttpTool | None = None,
                  postgres: PostgresTool | None = None, playbook: PlaybookTool | None = None,
-                 cursors: CursorDrivers | None = None) -> None:
+                 cursors: CursorDrivers | None = None, duckdb: DuckdbTool | None = None,
+                 script_dir: str | None = None) -> None:
+        """``script_dir``: the root file scripts are read from (NOETL_WORKER_SCRIPT_DIR;
+        None: file scripts refused)."""
+        self.script_dir = script_dir or None
         self.python = python
+        self.duckdb = duckdb
         self.http = http
         self.postgres = postgres
         self.playbook = playbook
@@ -110,6 +122,10 @@ class Tools:
             await self.cursors.close()
         if self.postgres is not None:
             await self.postgres.pools.close()
+
+    async def _script(self, task: Mapping[str, Any], fields: RenderContext, call: CallInfo | None) -> str:
+        """The text of the task's ``script:`` (``scripts.py``); a ToolError when it cannot be had."""
+        return await _load_script(self, task, fields, call)
 
     async def run_task(self, task: Mapping[str, Any], scope: RenderContext, *,
                        step_input: Mapping[str, Any] | None = None,
@@ -171,9 +187,11 @@ class Tools:
         if kind == "python":
             if self.python is None:
                 return _unsupported(kind)
-            code = python_code(task)
+            code = await self._script(task, fields, call) if task.get("script") is not None else python_code(task)
             if code is None:
                 raise ValueError("python task has no `code`")
+            # As upstream renders the whole tool config: code holding a template is rendered.
+            code = render_text(code, fields)
             libs = task.get("libs") or {}
             if not isinstance(libs, Mapping):
                 raise ValueError("python `libs` must be a mapping of alias -> module")
@@ -191,13 +209,25 @@ class Tools:
         if kind == "postgres":
             if self.postgres is None:
                 return _unsupported(kind)
-            source = task.get("command") if task.get("command") is not None else task.get("query")
+            if task.get("script") is not None:
+                source: Any = await self._script(task, fields, call)
+            else:
+                source = task.get("command") if task.get("command") is not None else task.get("query")
             sql = render_text(str(source or ""), fields)
             auth = render(task.get("auth") if task.get("auth") is not None else task.get("credential"), fields)
             limit = timeout_sec + SQL_TIMEOUT_GRACE_SEC if timeout_sec else None
             secrets = call.secrets if call is not None else None
             return await asyncio.wait_for(self.postgres.run(sql, auth, timeout_sec=timeout_sec, secrets=secrets),
                                           limit)
+        if kind == "duckdb":
+            if self.duckdb is None:
+                return _unsupported(kind)
+            rendered = {k: (render_text(task[k], fields) if isinstance(task[k], str) else render(task[k], fields))
+                        for k in (*DUCKDB_SQL_FIELDS, *DUCKDB_FIELDS) if k in task}
+            if task.get("script") is not None:
+                rendered["query"] = render_text(await self._script(task, fields, call), fields)
+            secrets = call.secrets if call is not None else None
+            return await self.duckdb.run(rendered, timeout_sec=timeout_sec, secrets=secrets)
         if kind == "playbook":
             if self.playbook is None:
                 return _unsupported(kind)
@@ -205,6 +235,15 @@ class Tools:
             # The tool bounds its own wait: on a timeout it cancels the child first.
             return await self.playbook.run(rendered, inputs, call=call, timeout_sec=timeout_sec)
         return _unsupported(kind)
+
+
+async def _load_script(tools: Tools, task: Mapping[str, Any], fields: RenderContext, call: CallInfo | None) -> str:
+    try:
+        return await resolve_script(render(task["script"], fields), root=tools.script_dir,
+                                    playbook_path=call.playbook_path if call is not None else "")
+    except ScriptError as exc:
+        raise ToolError(str(exc), code=TOOL_ERROR if exc.retryable else INVALID_TASK, kind="ScriptError",
+                        retryable=exc.retryable) from exc
 
 
 def _unsupported(kind: str) -> ToolOutcome:
