@@ -124,7 +124,7 @@ def first_tick(spec: Spec, now: datetime) -> datetime:
 
 def next_runs(spec: Spec, next_tick: datetime, count: int) -> list[datetime]:
     """The next ``count`` ticks from ``next_tick`` (inclusive)."""
-    out = []
+    out: list[datetime] = []
     for t in spec.ticks_after(next_tick, inclusive=True, anchor=next_tick):
         if len(out) >= count:
             break

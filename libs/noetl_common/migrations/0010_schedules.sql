@@ -9,7 +9,7 @@
 -- `schedule/<schedule_id>/<tick ms>`, so a crash between recording and submitting
 -- re-submits the same key and gets the same execution.
 CREATE TABLE noetl.schedule (
-  schedule_id      bigint      PRIMARY KEY,
+  schedule_id      bigserial   PRIMARY KEY,
   name             text        NOT NULL UNIQUE,
   shard_id         int         NOT NULL,
   catalog_path     text        NOT NULL,
