@@ -42,6 +42,14 @@ workflow:
     tool: {kind: noop}
 """
 SECOND = timedelta(seconds=1)
+# needs a payload value the schedule below does not give: every submission is refused
+NEEDS_PAYLOAD = """apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: needs, path: tests/schedules/needs}
+workflow:
+  - step: start
+    tool: {kind: python, input: {x: "{{ needed }}"}, code: "result = x"}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +156,24 @@ def test_one_execution_per_tick_across_sigkills_of_the_scheduling_role(runner: R
     paused = {s["name"]: s for s in listed}
     assert paused["every-second-all"]["paused"] is True and paused["every-second-all"]["next_runs"] == []
     assert paused["every-second-all"]["last_execution_id"] == got[-1]["execution_id"]
+
+
+def test_a_tick_the_api_refuses_is_recorded_and_not_retried(runner: Runner, db: Db) -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
+        fh.write(NEEDS_PAYLOAD)
+    register_playbook(runner, Path(fh.name))
+    proc = runner.cli("schedule", "add", "refused", "--path", "tests/schedules/needs", "--every", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    sid = json.loads(proc.stdout)["schedule_id"]
+    wait_for(lambda: int(db.value("SELECT count(*) FROM noetl.schedule_tick WHERE schedule_id = %s"
+                                  " AND error IS NOT NULL", (sid,))) >= 2, 30, "refused ticks recorded")
+    refused = db.all("SELECT execution_id, error FROM noetl.schedule_tick WHERE schedule_id = %s"
+                     " AND error IS NOT NULL", (sid,))
+    assert all(r["execution_id"] is None and r["error"].startswith("INVALID_ARGUMENT: ") and "needed" in r["error"]
+               for r in refused), refused
+    assert executions_by_key(db, sid) == {}
+    assert runner.cli("schedule", "delete", "refused").returncode == 0
+    assert ticks(db, sid) == []  # deleted with the schedule
 
 
 def _add(api: Api, **fields: Any) -> grpc.RpcError:
