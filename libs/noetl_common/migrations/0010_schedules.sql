@@ -8,6 +8,11 @@
 -- `next_tick` on. It then submits each recorded tick with the idempotency key
 -- `schedule/<schedule_id>/<tick ms>`, so a crash between recording and submitting
 -- re-submits the same key and gets the same execution.
+--
+-- Privileges the roles need (for a per-role grant matrix): api: schedule SELECT, INSERT,
+-- UPDATE, DELETE, schedule_schedule_id_seq USAGE, schedule_tick SELECT (a DELETE cascades
+-- as the owner); reaper: schedule SELECT, UPDATE (it locks rows FOR UPDATE), schedule_tick
+-- SELECT, INSERT, UPDATE.
 CREATE TABLE noetl.schedule (
   schedule_id      bigserial   PRIMARY KEY,
   name             text        NOT NULL UNIQUE,
