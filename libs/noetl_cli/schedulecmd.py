@@ -13,13 +13,14 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from noetl_common.schedules import CatchUp
 from noetl_proto.v1 import schedule_pb2
 
 from . import output
 from .apichannel import Api
 
-POLICIES = {"skip": schedule_pb2.CATCH_UP_POLICY_SKIP, "once": schedule_pb2.CATCH_UP_POLICY_ONCE,
-            "all": schedule_pb2.CATCH_UP_POLICY_ALL}
+POLICIES = {CatchUp.SKIP.value: schedule_pb2.CATCH_UP_POLICY_SKIP, CatchUp.ONCE.value: schedule_pb2.CATCH_UP_POLICY_ONCE,
+            CatchUp.ALL.value: schedule_pb2.CATCH_UP_POLICY_ALL}
 _POLICY_NAMES = {v: k for k, v in POLICIES.items()}
 
 WithApi = Callable[[argparse.Namespace, Callable[[Api], int]], int]
@@ -39,7 +40,7 @@ def add_parsers(sub: Any, with_api: argparse.ArgumentParser, run: WithApi) -> No
     when.add_argument("--every", type=float, metavar="SECONDS", help="a fixed interval")
     p.add_argument("--tz", default="UTC", help="the cron's time zone (IANA name, default UTC)")
     p.add_argument("--payload", default="", help="a JSON object: the payload of each execution")
-    p.add_argument("--catch-up", choices=list(POLICIES), default="skip",
+    p.add_argument("--catch-up", choices=list(POLICIES), default=CatchUp.SKIP.value,
                    help="missed ticks: skip them (default), run once for all, or run all")
     p.add_argument("--paused", action="store_true", help="create it paused")
     p.add_argument("--json", action="store_true")
@@ -60,7 +61,7 @@ def schedule_dict(s: schedule_pb2.Schedule) -> dict[str, Any]:
     return {"schedule_id": s.schedule_id, "name": s.name, "playbook_path": s.playbook_path,
             "playbook_version": s.playbook_version, "payload": json.loads(s.payload_json or "{}"),
             "cron": s.cron, "time_zone": s.time_zone, "interval_ms": s.interval_ms,
-            "catch_up": _POLICY_NAMES.get(s.catch_up, "skip"), "paused": s.paused, "shard_id": s.shard_id,
+            "catch_up": _POLICY_NAMES.get(s.catch_up, CatchUp.SKIP.value), "paused": s.paused, "shard_id": s.shard_id,
             "next_runs": [t.ToJsonString() for t in s.next_runs],
             "last_tick": s.last_tick.ToJsonString() if s.HasField("last_tick") else "",
             "last_execution_id": s.last_execution_id}
