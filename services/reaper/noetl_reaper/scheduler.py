@@ -1,20 +1,20 @@
 """One shard's scheduler loop (in the reaper: its shard leases are the schedules').
 
-Every round (``noetl_common.schedulestore``):
+Two loops per shard (``noetl_common.schedulestore``):
 
-    1. fire: in one transaction fenced on this reaper lease term, record the due ticks
-       the catch-up policies fire and move each schedule's next tick;
-    2. submit: every recorded tick of the shard without an execution goes to the api's
-       SubmitExecution with the tick's idempotency key; the answer's execution id is
-       written back.
+    fire:   in one transaction fenced on this reaper lease term, record the due ticks the
+            catch-up policies fire and move each schedule's next tick;
+    submit: every recorded tick of the shard without an execution goes to the api's
+            SubmitExecution with the tick's idempotency key; the answer's execution id
+            is written back (woken by the fire loop, else every ``poll_sec``).
 
-A crash (SIGKILL) anywhere costs nothing: before 1 commits nothing happened (the next
-owner decides the same ticks); between 1 and 2 the tick is recorded and the next owner
+A crash (SIGKILL) anywhere costs nothing: before a fire commits nothing happened (the next
+owner decides the same ticks); after it the tick is recorded and the next owner
 submits it with the same key; after the api answered but before the write-back, the
 next submission of the key answers the same execution (``deduplicated``). A stale
-owner's round matches no lease row (LeaseLost) and the loop ends.
+owner's fire matches no lease row (LeaseLost) and both loops end.
 
-The loop sleeps until the shard's earliest next tick (at most ``poll_sec``, so a
+The fire loop sleeps until the shard's earliest next tick (at most ``poll_sec``, so a
 schedule added meanwhile is seen within that).
 """
 
@@ -62,26 +62,37 @@ class ShardScheduler:
         self.owner = owner_runtime_id
         self.settings = settings
         self._stop = asyncio.Event()
+        self._fired = asyncio.Event()  # ticks were recorded: the submit loop looks at once
 
     def stop(self) -> None:
         self._stop.set()
+        self._fired.set()
 
     async def run(self) -> None:
-        while not self._stop.is_set():
-            wait = self.settings.poll_sec
-            try:
-                wait = await self.round()
-            except LeaseLost as exc:
-                logger.warning("%s; scheduler of reaper shard %s stops", exc, self.shard)
-                return
-            except NoetlError as exc:
-                logger.warning("scheduler shard %s: %s", self.shard, exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=max(MIN_SLEEP_SEC, wait))
+        """The fire loop; the submit loop runs beside it, so a slow or unreachable api
+        never delays the recording of ticks (nor makes a ``skip`` schedule miss one)."""
+        submitter = asyncio.create_task(self._submit_loop(), name=f"scheduler-submit-{self.shard}")
+        try:
+            while not self._stop.is_set():
+                wait = self.settings.poll_sec
+                try:
+                    wait = await self.fire()
+                except LeaseLost as exc:
+                    logger.warning("%s; scheduler of reaper shard %s stops", exc, self.shard)
+                    return
+                except NoetlError as exc:
+                    logger.warning("scheduler shard %s: %s", self.shard, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), timeout=max(MIN_SLEEP_SEC, wait))
+                if submitter.done() and not self._stop.is_set():
+                    submitter.result()  # it crashed: raise, and ShardTasks restarts both loops
+        finally:
+            submitter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await submitter
 
-    async def round(self) -> float:
-        """Fire what is due, submit what is pending; seconds until the next tick is due
-        (at most ``poll_sec``)."""
+    async def fire(self) -> float:
+        """Record what is due; seconds until the next tick is due (at most ``poll_sec``)."""
         got = await self.store.fire_due(self.shard, self.owner, self.epoch,
                                         grace_sec=self.settings.misfire_grace_sec)
         FIRED.inc(got.fired)
@@ -89,10 +100,21 @@ class ShardScheduler:
         if got.fired or got.skipped:
             logger.info("scheduler shard %s: %d tick(s) fired, %d skipped by catch-up policy", self.shard,
                         got.fired, got.skipped)
-        await self.submit_pending()
+        if got.fired:
+            self._fired.set()
         if got.next_due is None:
             return self.settings.poll_sec
         return min(self.settings.poll_sec, (got.next_due - got.now).total_seconds())
+
+    async def _submit_loop(self) -> None:
+        while not self._stop.is_set():
+            self._fired.clear()
+            try:
+                await self.submit_pending()
+            except NoetlError as exc:
+                logger.warning("scheduler shard %s: %s", self.shard, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._fired.wait(), timeout=self.settings.poll_sec)
 
     async def submit_pending(self) -> int:
         """Submit the shard's recorded ticks without an execution, oldest first; stops at
