@@ -353,6 +353,24 @@ def reaper() -> list[Row]:
             Panel("Commands reaped by reason", [
                 (f"sum by (reason) (rate(noetl_reaped_commands_total{c}[{RI}]))", "{{reason}}")], "ops"),
         ]),
+        Row("Schedules", [
+            stat("Ticks fired (1h)", f"sum(increase(noetl_schedule_fired_total{c}[1h]))",
+                 description="Schedule ticks fired, each once (docs/ARCHITECTURE.md \"Schedules\")."),
+            stat("Ticks skipped (1h)", f"sum(increase(noetl_schedule_skipped_total{c}[1h]))",
+                 description="Due ticks dropped by their catch-up policy (skip, once) after an outage."),
+            stat("Submissions refused (1h)",
+                 f"sum(increase(noetl_schedule_submitted_total{comp('reaper', eq('outcome', 'refused'))}[1h]))",
+                 description="Ticks the api refused for good (e.g. the playbook left the catalog)."),
+            Panel("Schedule ticks", [
+                (f"sum(rate(noetl_schedule_fired_total{c}[{RI}]))", "fired"),
+                (f"sum(rate(noetl_schedule_skipped_total{c}[{RI}]))", "skipped"),
+                (f"sum by (outcome) (rate(noetl_schedule_submitted_total{c}[{RI}]))", "submitted: {{outcome}}")],
+                "ops"),
+            Panel("Schedule lag (tick to submission)", [
+                (quantile(0.5, "noetl_schedule_lag_seconds", c), "p50"),
+                (quantile(0.99, "noetl_schedule_lag_seconds", c), "p99")], "s",
+                description="From a tick's time to its execution's submission: the poll, a failover, the api."),
+        ]),
         lease_row("reaper"), grpc_row("reaper"), process_row("reaper"),
     ]
 

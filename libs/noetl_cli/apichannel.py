@@ -29,7 +29,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from noetl_common import auth, grpcutil
 from noetl_common.errors import NoetlError, Overloaded, Unavailable
-from noetl_proto.v1 import auth_pb2_grpc, catalog_pb2_grpc, execution_pb2_grpc, shard_manager_pb2_grpc
+from noetl_proto.v1 import (
+    auth_pb2_grpc,
+    catalog_pb2_grpc,
+    execution_pb2_grpc,
+    schedule_pb2_grpc,
+    shard_manager_pb2_grpc,
+)
 
 T = TypeVar("T")
 
@@ -117,6 +123,7 @@ class Api:
         self.credentials = catalog_pb2_grpc.CredentialServiceStub(self.channel)
         self.shard_manager = shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
         self.tokens = auth_pb2_grpc.AuthServiceStub(self.channel)
+        self.schedules = schedule_pb2_grpc.ScheduleServiceStub(self.channel)
 
     def close(self) -> None:
         self._raw_channel.close()

@@ -67,11 +67,13 @@ _CREDENTIALS = "/noetl.v1.CredentialService/"
 _WORKER = "/noetl.v1.WorkerService/"
 _MEMBERS = "/noetl.v1.ShardManagerService/"
 _TOKENS = "/noetl.v1.AuthService/"
+_SCHEDULES = "/noetl.v1.ScheduleService/"
 
 #: Which roles may call which method (full gRPC method name).
 METHOD_ROLES: Mapping[str, frozenset[Role]] = {
-    # a worker submits, follows and cancels sub-playbooks
-    _EXECUTIONS + "SubmitExecution": frozenset({_A, _S, _W}),
+    # a worker submits, follows and cancels sub-playbooks; the reaper (service) submits
+    # the ticks of schedules (docs/ARCHITECTURE.md "Schedules")
+    _EXECUTIONS + "SubmitExecution": frozenset({_A, _S, _W, _SV}),
     _EXECUTIONS + "GetExecution": _READERS,
     _EXECUTIONS + "ListExecutions": _READERS,
     _EXECUTIONS + "WatchExecution": _READERS,
@@ -95,6 +97,11 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     _TOKENS + "CreateToken": frozenset({_A}),
     _TOKENS + "ListTokens": frozenset({_A}),
     _TOKENS + "RevokeToken": frozenset({_A}),
+    _SCHEDULES + "AddSchedule": frozenset({_A}),
+    _SCHEDULES + "ListSchedules": _READERS,
+    _SCHEDULES + "PauseSchedule": frozenset({_A}),
+    _SCHEDULES + "ResumeSchedule": frozenset({_A}),
+    _SCHEDULES + "DeleteSchedule": frozenset({_A}),
 }
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 

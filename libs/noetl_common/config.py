@@ -113,6 +113,21 @@ class CommandSettings(BaseSettings):
     republish_after_sec: float = Field(default=10.0, gt=0)
 
 
+class ScheduleSettings(BaseSettings):
+    """Schedules (``NOETL_SCHEDULE_*``): the api validates with them, the reaper fires."""
+
+    model_config = _env("NOETL_SCHEDULE_")
+
+    # The shortest interval a schedule may have.
+    min_interval_sec: float = Field(default=1.0, gt=0)
+    # catch_up=skip: the latest due tick still fires when it is at most this late.
+    misfire_grace_sec: float = Field(default=5.0, ge=0)
+    # How often a reaper shard looks for due ticks when none is due sooner.
+    poll_sec: float = Field(default=1.0, gt=0)
+    # Bound of one SubmitExecution call from the scheduler.
+    submit_timeout_sec: float = Field(default=10.0, gt=0)
+
+
 class ExecutionSettings(BaseSettings):
     """Execution defaults and admission (``NOETL_EXECUTION_*``)."""
 

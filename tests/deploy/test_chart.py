@@ -151,8 +151,9 @@ def test_one_deployment_per_role_wired_for_the_runtime(rendered: dict[str, str],
         assert c["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
         # gRPC targets: dns:/// over a headless Service exposing the gRPC port
         targets = {"NOETL_SHARD_MANAGER_TARGET": ("shard-manager", "grpc")} if role != "shard-manager" else {}
-        if role == "worker":
+        if role in ("worker", "reaper"):  # sub-playbooks; the ticks of schedules
             targets["NOETL_API_TARGET"] = ("api", "grpc")
+        if role == "worker":
             targets["NOETL_WORKER_API_TARGET"] = ("api", "worker-api")
             assert env["NOETL_WORKER_CONCURRENCY"]["value"] == str(rv["concurrency"])
         for name, (target_role, port_name) in targets.items():

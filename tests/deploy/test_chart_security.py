@@ -542,7 +542,7 @@ def _cluster(rendered: str, values: str) -> Cluster:
 
 
 # Inside the release, exactly these (source, destination, port) are open.
-INTERNAL = {("worker", "api", "grpc"), ("worker", "api", "workerApi")} | {
+INTERNAL = {("worker", "api", "grpc"), ("worker", "api", "workerApi"), ("reaper", "api", "grpc")} | {
     (r, "shard-manager", "grpc") for r in ROLES if r != "shard-manager"}
 
 

@@ -52,7 +52,7 @@ from deploytools import (
 
 from noetl_cli import devstack
 from noetl_cli.client import Api
-from noetl_proto.v1 import common_pb2, execution_pb2
+from noetl_proto.v1 import catalog_pb2, common_pb2, execution_pb2, schedule_pb2
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -216,6 +216,11 @@ def live(rendered: dict[str, str], image_venv: Path) -> Iterator[Live]:
                     eid = submit(api, (PLAYBOOKS / rel).read_text(), payload)
                     live.outcomes[f"{rel} {payload or ''}".strip()] = wait_terminal(api, eid)
                 live.rejected = provoke_rejections(api, (REPO / "examples" / "hello_world.yaml").read_text())
+                # a schedule keeps ticks firing (the reaper's schedule panels)
+                api.catalog.RegisterPlaybook(catalog_pb2.RegisterPlaybookRequest(
+                    content=(REPO / "examples" / "hello_world.yaml").read_text()), timeout=30)
+                api.schedules.AddSchedule(schedule_pb2.AddScheduleRequest(
+                    name="live-check", playbook_path="examples/hello_world", interval_ms=2000), timeout=30)
             finally:
                 api.close()
             trickle = Trickle(home, state.api, (REPO / "examples" / "hello_world.yaml").read_text(),

@@ -25,6 +25,7 @@ from noetl_proto.v1 import (
     common_pb2,
     execution_pb2,
     messages_pb2,
+    schedule_pb2,
     shard_manager_pb2,
     worker_pb2,
 )
@@ -33,9 +34,11 @@ pytestmark = pytest.mark.e2e
 
 SERVICES = [(auth_pb2, "AuthService", "api"), (catalog_pb2, "CatalogService", "api"),
             (catalog_pb2, "CredentialService", "api"), (execution_pb2, "ExecutionService", "api"),
-            (worker_pb2, "WorkerService", "worker_api"), (shard_manager_pb2, "ShardManagerService", "shard_manager")]
+            (worker_pb2, "WorkerService", "worker_api"), (shard_manager_pb2, "ShardManagerService", "shard_manager"),
+            (schedule_pb2, "ScheduleService", "api")]
 ROLE_ORDER = (auth.Role.READ, auth.Role.SUBMIT, auth.Role.WORKER, auth.Role.SERVICE, auth.Role.ADMIN)
-TABLES = ("execution_request", "catalog", "credential", "api_token", "runtime", "cancel_request", "result_ref")
+TABLES = ("execution_request", "catalog", "credential", "api_token", "runtime", "cancel_request", "result_ref",
+          "schedule")
 
 
 def methods() -> list[tuple[str, Any, Any, bool, str]]:

@@ -14,13 +14,14 @@ from noetl_proto.v1 import (
     catalog_pb2,
     execution_pb2,
     execution_pb2_grpc,
+    schedule_pb2,
     shard_manager_pb2,
     worker_pb2,
 )
 
 SERVICES = [(auth_pb2, "AuthService"), (catalog_pb2, "CatalogService"), (catalog_pb2, "CredentialService"),
             (execution_pb2, "ExecutionService"), (shard_manager_pb2, "ShardManagerService"),
-            (worker_pb2, "WorkerService")]
+            (worker_pb2, "WorkerService"), (schedule_pb2, "ScheduleService")]
 
 
 def all_methods() -> list[str]:
@@ -44,6 +45,9 @@ def test_every_rpc_of_every_service_has_its_roles() -> None:
     assert all(auth.METHOD_ROLES[worker + m] == {auth.Role.WORKER} for m in ("ClaimCommand", "ClaimCommands",
                                                                              "RenewLease", "GetCredential"))
     assert auth.Role.WORKER not in auth.METHOD_ROLES["/noetl.v1.AuthService/CreateToken"]
+    sched = "/noetl.v1.ScheduleService/"
+    assert all(auth.METHOD_ROLES[sched + m] == {auth.Role.ADMIN} for m in ("AddSchedule", "PauseSchedule",
+                                                                           "ResumeSchedule", "DeleteSchedule"))
 
 
 def test_tokens_and_claim_tokens() -> None:

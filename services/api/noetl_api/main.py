@@ -16,6 +16,7 @@ from noetl_common.config import (
     LimitSettings,
     NatsSettings,
     ResultStoreSettings,
+    ScheduleSettings,
     ShardSettings,
     load,
 )
@@ -28,4 +29,4 @@ def main() -> int:
     return run_service(lambda: ApiService(load(CoreSettings), load(ShardSettings), load(CommandSettings),
                                           load(ExecutionSettings), load(ResultStoreSettings),
                                           load(LimitSettings), load(NatsSettings),
-                                          load(CredentialSettings)))
+                                          load(CredentialSettings), load(ScheduleSettings)))

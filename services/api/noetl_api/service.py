@@ -19,10 +19,12 @@ from noetl_common.config import (
     LimitSettings,
     NatsSettings,
     ResultStoreSettings,
+    ScheduleSettings,
     ShardSettings,
 )
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.retry import retry_transient
+from noetl_common.schedulestore import ScheduleStore
 from noetl_common.service import Service
 from noetl_common.shardtasks import ShardTasks, shard_health
 from noetl_dsl import templates
@@ -33,6 +35,8 @@ from noetl_proto.v1 import (
     catalog_pb2_grpc,
     execution_pb2,
     execution_pb2_grpc,
+    schedule_pb2,
+    schedule_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
@@ -46,6 +50,7 @@ from .engine.shard import EngineDeps, ShardEngine
 from .grants import CredentialGrants
 from .keyring import Keyring
 from .queries import Queries
+from .schedules import ScheduleServicer
 from .servicers import CatalogServicer, CredentialServicer, ExecutionServicer, WorkerServicer
 from .submissions import Submitter
 from .tokens import AuthServicer
@@ -69,13 +74,14 @@ class ApiService(Service):
         catalog_pb2.DESCRIPTOR.services_by_name["CatalogService"].full_name,
         catalog_pb2.DESCRIPTOR.services_by_name["CredentialService"].full_name,
         auth_pb2.DESCRIPTOR.services_by_name["AuthService"].full_name,
+        schedule_pb2.DESCRIPTOR.services_by_name["ScheduleService"].full_name,
     )
     worker_service_names = (worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,)
 
     def __init__(self, core: CoreSettings, shard: ShardSettings, commands: CommandSettings,
                  executions: ExecutionSettings, results: ResultStoreSettings | None = None,
                  limits: LimitSettings | None = None, nats: NatsSettings | None = None,
-                 credentials: CredentialSettings | None = None) -> None:
+                 credentials: CredentialSettings | None = None, schedules: ScheduleSettings | None = None) -> None:
         self.results_cfg = results or ResultStoreSettings()
         # Parsed at once: a malformed NOETL_CREDENTIALS_KEYS stops the process before it starts.
         self.keyring = Keyring.parse((credentials or CredentialSettings.model_construct()).keys.get_secret_value())
@@ -85,6 +91,7 @@ class ApiService(Service):
         self.executions = executions
         self.limits = limits or LimitSettings.model_construct()
         self.nats_cfg = nats or NatsSettings.model_construct()
+        self.schedules_cfg = schedules or ScheduleSettings.model_construct()
         self.nc: NATS | None = None
         self.reconnects = natsio.Reconnects()
         self.engines: ShardTasks | None = None
@@ -148,6 +155,9 @@ class ApiService(Service):
         catalog_pb2_grpc.add_CatalogServiceServicer_to_server(CatalogServicer(self.catalog), server)
         catalog_pb2_grpc.add_CredentialServiceServicer_to_server(CredentialServicer(self.credentials), server)
         auth_pb2_grpc.add_AuthServiceServicer_to_server(AuthServicer(self.pool), server)
+        schedule_pb2_grpc.add_ScheduleServiceServicer_to_server(ScheduleServicer(
+            ScheduleStore(self.pool, shard_count=self.shard_cfg.count), self.catalog, self.schedules_cfg,
+            self.limits), server)
         # the worker API: its own server and port, so the client port can be the only one
         # reachable from outside the release (docs/DEPLOY.md "Security")
         self.worker_server, self.worker_grpc_address = self.new_server(self.core.worker_api_listen,

@@ -1,23 +1,60 @@
-"""The reaper process."""
+"""The reaper process: per held reaper shard, the reaper loop (``worker.ShardReaper``) and
+the scheduler loop (``scheduler.ShardScheduler``: the shard's schedules), each supervised
+by its own ``ShardTasks``."""
 
 from __future__ import annotations
 
-from noetl_common.config import CommandSettings, CoreSettings, ShardSettings
-from noetl_common.shardtasks import ShardedService
+from typing import Any
 
+from noetl_common.config import CommandSettings, CoreSettings, ScheduleSettings, ShardSettings
+from noetl_common.schedulestore import ScheduleStore
+from noetl_common.shardtasks import ShardedService, ShardTasks, shard_health
+from noetl_proto.v1 import execution_pb2_grpc
+
+from .scheduler import ShardScheduler
 from .worker import ShardReaper, renewal_grace
 
 
 class ReaperService(ShardedService):
     role = "reaper"
 
-    def __init__(self, core: CoreSettings, shard: ShardSettings, commands: CommandSettings) -> None:
-        core.require("postgres_dsn", "nats_url", "shard_manager_target")
+    def __init__(self, core: CoreSettings, shard: ShardSettings, commands: CommandSettings,
+                 schedules: ScheduleSettings | None = None) -> None:
+        # the api: scheduled ticks are submitted through its SubmitExecution
+        core.require("postgres_dsn", "nats_url", "shard_manager_target", "api_target")
         self.commands = commands
+        self.schedules_cfg = schedules or ScheduleSettings.model_construct()
         super().__init__(core, shard)
+        self.schedulers = ShardTasks("scheduler", self.make_scheduler, still_held=self._trusted)
+        self._api_channel: Any = None
 
     def make_shard_worker(self, shard: int, epoch: int) -> ShardReaper:
         assert self.pool is not None and self.nc is not None
         interval = min(1.0, self.commands.lease_sec / 3)
         return ShardReaper(self.pool, self.nc.jetstream(), shard, epoch, self.commands, interval,
                            hold_expiries=lambda: self.postgres_recently_down(renewal_grace(self.commands.lease_sec)))
+
+    def make_scheduler(self, shard: int, epoch: int) -> ShardScheduler:
+        assert self.pool is not None and self.ownership is not None
+        if self._api_channel is None:
+            self._api_channel = self.channel(self.core.api_target)
+        return ShardScheduler(ScheduleStore(self.pool, shard_count=self.shard_cfg.count),
+                              execution_pb2_grpc.ExecutionServiceStub(self._api_channel), shard, epoch,
+                              self.ownership.runtime_id, self.schedules_cfg)
+
+    async def on_shards(self, gained: dict[int, int], lost: set[int]) -> None:
+        await super().on_shards(gained, lost)
+        await self.schedulers.apply(gained, lost)
+
+    def on_reconciled(self) -> None:
+        super().on_reconciled()
+        self.schedulers.ensure()
+
+    async def check_health(self) -> list[str]:
+        return [*await super().check_health(), *shard_health(self.schedulers, None)]
+
+    async def on_stop(self) -> None:
+        await self.schedulers.stop_all()
+        await super().on_stop()
+        if self._api_channel is not None:
+            await self._api_channel.close()

@@ -1,0 +1,197 @@
+"""``noetl.schedule`` and ``noetl.schedule_tick``: the one module that reads and writes them.
+
+The api changes schedules (add, pause, resume, delete, list); the reaper holding a
+schedule's shard fires its ticks:
+
+    round (one transaction)                          submit (after it commits)
+    -----------------------                          -------------------------
+    fence on the reaper lease (shard, owner, epoch)  every recorded tick without an
+    lock the shard's due, unpaused schedules         execution: SubmitExecution with
+    decide their due ticks (catch-up policy)         idempotency key schedule/<id>/<tick ms>,
+    INSERT a schedule_tick row per fired tick        then its execution id is written back
+    move next_tick past now
+
+A stale owner's round matches no lease row and commits nothing; two rounds of one term
+serialise on the schedule rows' locks (the second sees next_tick moved); and the primary
+key (schedule_id, tick) could not take a second row anyway. A crash between the round
+and the submission leaves the tick recorded without an execution: the next owner
+submits it with the same key, and the api answers with the same execution if the first
+submission got through.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from .db import Pool, autocommit, transaction
+from .errors import Conflict, LeaseLost, NotFound
+from .ids import shard_for
+from .schedules import CatchUp, Spec, decide, first_tick
+from .shards import fence_sql
+
+# The reaper's shard leases are the schedules' (a schedule's shard: shard_for(schedule_id)).
+SCHEDULER_ROLE = "reaper"
+
+
+def idempotency_key(schedule_id: int, tick: datetime) -> str:
+    """The SubmitExecution idempotency key of one tick (the same on every retry)."""
+    return f"schedule/{schedule_id}/{int(tick.timestamp() * 1000)}"
+
+
+def spec_of(row: dict[str, Any]) -> Spec:
+    return Spec(cron=row["cron"] or "", time_zone=row["time_zone"], interval_ms=row["interval_ms"] or 0)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    fired: int
+    skipped: int
+    lag_sec: list[float]              # how late each fired tick was recorded
+    next_due: datetime | None         # the shard's earliest next tick (None: no unpaused schedule)
+    now: datetime
+
+
+_SELECT = (
+    "SELECT s.*, t.tick AS last_tick, t.execution_id AS last_execution_id FROM noetl.schedule s"
+    " LEFT JOIN LATERAL (SELECT tick, execution_id FROM noetl.schedule_tick x"
+    " WHERE x.schedule_id = s.schedule_id ORDER BY tick DESC LIMIT 1) t ON true")
+
+
+class ScheduleStore:
+    def __init__(self, pool: Pool, *, shard_count: int) -> None:
+        self._pool = pool
+        self._shards = shard_count
+
+    # ------------------------------------------------------------ the api's side
+
+    async def add(self, *, name: str, path: str, version: int, payload: dict[str, Any], spec: Spec,
+                  catch_up: CatchUp, paused: bool, created_by: int | None,
+                  now: datetime | None = None) -> dict[str, Any]:
+        async with transaction(self._pool) as conn:
+            cur = await conn.execute("SELECT nextval('noetl.schedule_schedule_id_seq') AS id, now() AS now")
+            row = await cur.fetchone()
+            assert row is not None
+            schedule_id = int(row["id"])
+            try:
+                await conn.execute(
+                    "INSERT INTO noetl.schedule (schedule_id, name, shard_id, catalog_path, catalog_version,"
+                    " payload, cron, time_zone, interval_ms, catch_up, paused, next_tick, created_by)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    (schedule_id, name, shard_for(schedule_id, self._shards), path, version, json.dumps(payload),
+                     spec.cron or None, spec.time_zone or "UTC", spec.interval_ms or None, catch_up.value,
+                     paused, first_tick(spec, now or row["now"]), created_by))
+            except psycopg.errors.UniqueViolation as exc:
+                raise Conflict(f"name: a schedule named {name!r} exists (delete it first)") from exc
+        return await self.get(name)
+
+    async def get(self, name: str) -> dict[str, Any]:
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute(_SELECT + " WHERE s.name = %s", (name,))
+            row = await cur.fetchone()
+        if row is None:
+            raise NotFound(f"schedule {name!r} not found")
+        return dict(row)
+
+    async def all(self) -> list[dict[str, Any]]:
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute(_SELECT + " ORDER BY s.name")
+            return [dict(r) for r in await cur.fetchall()]
+
+    async def pause(self, name: str) -> dict[str, Any]:
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute("UPDATE noetl.schedule SET paused = true, updated_at = now()"
+                                     " WHERE name = %s RETURNING schedule_id", (name,))
+            if await cur.fetchone() is None:
+                raise NotFound(f"schedule {name!r} not found")
+        return await self.get(name)
+
+    async def resume(self, name: str, now: datetime | None = None) -> dict[str, Any]:
+        """Unpause; ticks that fell in the pause are not fired (paused means not wanted):
+        the next tick is the first one after now."""
+        async with transaction(self._pool) as conn:
+            cur = await conn.execute("SELECT *, now() AS now FROM noetl.schedule WHERE name = %s FOR UPDATE",
+                                     (name,))
+            row = await cur.fetchone()
+            if row is None:
+                raise NotFound(f"schedule {name!r} not found")
+            if row["paused"]:
+                await conn.execute(
+                    "UPDATE noetl.schedule SET paused = false, next_tick = %s, updated_at = now()"
+                    " WHERE schedule_id = %s", (first_tick(spec_of(row), now or row["now"]), row["schedule_id"]))
+        return await self.get(name)
+
+    async def delete(self, name: str) -> bool:
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute("DELETE FROM noetl.schedule WHERE name = %s RETURNING schedule_id", (name,))
+            return await cur.fetchone() is not None
+
+    # ------------------------------------------------------------ the reaper's side
+
+    async def fire_due(self, shard: int, owner_runtime_id: int, epoch: int, *, grace_sec: float,
+                       now: datetime | None = None) -> RoundResult:
+        """One round for a shard: record the due ticks the policies fire and move each
+        schedule's next tick, in one transaction fenced on the reaper lease (LeaseLost
+        when the lease is not this term's any more: nothing was written)."""
+        fired = skipped = 0
+        lag: list[float] = []
+        async with transaction(self._pool) as conn:
+            cur = await conn.execute(fence_sql(), (SCHEDULER_ROLE, shard, owner_runtime_id, epoch))
+            if await cur.fetchone() is None:
+                raise LeaseLost(f"reaper shard {shard} epoch {epoch} is not ours: no schedule fired")
+            cur = await conn.execute("SELECT coalesce(%s, now()) AS now", (now,))
+            row = await cur.fetchone()
+            assert row is not None
+            at: datetime = row["now"]
+            cur = await conn.execute(
+                "SELECT * FROM noetl.schedule WHERE shard_id = %s AND NOT paused AND next_tick <= %s"
+                " ORDER BY next_tick FOR UPDATE", (shard, at))
+            for s in await cur.fetchall():
+                decision = decide(spec_of(s), s["next_tick"], at, CatchUp(s["catch_up"]), grace_sec=grace_sec)
+                for tick in decision.fire:
+                    await conn.execute(
+                        "INSERT INTO noetl.schedule_tick (schedule_id, tick, shard_id, epoch) VALUES (%s, %s, %s, %s)"
+                        " ON CONFLICT (schedule_id, tick) DO NOTHING", (s["schedule_id"], tick, shard, epoch))
+                    lag.append(max(0.0, (at - tick).total_seconds()))
+                await conn.execute("UPDATE noetl.schedule SET next_tick = %s, updated_at = now()"
+                                   " WHERE schedule_id = %s", (decision.next_tick, s["schedule_id"]))
+                fired += len(decision.fire)
+                skipped += decision.skipped
+            cur = await conn.execute("SELECT min(next_tick) AS due FROM noetl.schedule"
+                                     " WHERE shard_id = %s AND NOT paused", (shard,))
+            due = await cur.fetchone()
+        return RoundResult(fired, skipped, lag, due["due"] if due else None, at)
+
+    async def pending(self, shard: int, limit: int = 100) -> list[dict[str, Any]]:
+        """Fired ticks of the shard not submitted yet (oldest first), with what to submit."""
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute(
+                "SELECT t.schedule_id, t.tick, s.name, s.catalog_path, s.catalog_version, s.payload"
+                " FROM noetl.schedule_tick t JOIN noetl.schedule s USING (schedule_id)"
+                " WHERE t.shard_id = %s AND t.execution_id IS NULL AND t.error IS NULL"
+                " ORDER BY t.tick LIMIT %s", (shard, limit))
+            return [dict(r) for r in await cur.fetchall()]
+
+    async def submitted(self, schedule_id: int, tick: datetime, execution_id: int) -> None:
+        """Idempotent: every submission of a tick answers the same execution id."""
+        async with autocommit(self._pool) as conn:
+            await conn.execute("UPDATE noetl.schedule_tick SET execution_id = %s, submitted_at = now()"
+                               " WHERE schedule_id = %s AND tick = %s AND execution_id IS NULL",
+                               (execution_id, schedule_id, tick))
+
+    async def refused(self, schedule_id: int, tick: datetime, error: str) -> None:
+        """The api refused the tick's submission for good (it will not be retried)."""
+        async with autocommit(self._pool) as conn:
+            await conn.execute("UPDATE noetl.schedule_tick SET error = %s, submitted_at = now()"
+                               " WHERE schedule_id = %s AND tick = %s AND execution_id IS NULL",
+                               (error[:2000], schedule_id, tick))
+
+    async def ticks(self, schedule_id: int) -> list[dict[str, Any]]:
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute("SELECT * FROM noetl.schedule_tick WHERE schedule_id = %s ORDER BY tick",
+                                     (schedule_id,))
+            return [dict(r) for r in await cur.fetchall()]
