@@ -27,6 +27,7 @@ from noetl_reaper.worker import ShardReaper
 pytestmark = pytest.mark.integration
 
 SNOWFLAKES = SnowflakeGenerator(node_id=1023)
+LEASE_SEC = 2.0
 
 
 @dataclass
@@ -80,8 +81,10 @@ class Shard:
         return out
 
     def reaper(self, pool: Pool | None = None, *, interval: float = 1.0) -> ShardReaper:
-        return ShardReaper(pool or self.pool, self.js, self.shard, 1, CommandSettings(republish_after_sec=60),
-                           interval)
+        # claims are never judged within a command lease of Postgres' own start: a short lease
+        # (the fixture waits it out) so the outcome does not depend on which test ran first
+        return ShardReaper(pool or self.pool, self.js, self.shard, 1,
+                           CommandSettings(republish_after_sec=60, lease_sec=LEASE_SEC), interval)
 
     async def cleanup(self) -> None:
         for sub in self.subs:
@@ -95,6 +98,12 @@ class Shard:
 
 @pytest.fixture
 async def shard(pool: Pool, nc: NATS) -> AsyncIterator[Shard]:
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT extract(epoch FROM now() - pg_postmaster_start_time()) AS age")
+        age = float((await cur.fetchone())["age"])
+        await conn.commit()
+    if age < LEASE_SEC + 0.5:
+        await asyncio.sleep(LEASE_SEC + 0.5 - age)
     sh = Shard(pool, nc)
     await sh.listen()
     try:
