@@ -36,7 +36,12 @@ if env.get("FAKE_HANG_ROLE") == role:
 server = grpc.server(futures.ThreadPoolExecutor(2))
 servicer = health.HealthServicer()
 health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-port = server.add_insecure_port(env["NOETL_GRPC_LISTEN"])
+if env.get("NOETL_TLS_CERT_FILE"):  # the local stack serves TLS: so does the fake
+    creds = grpc.ssl_server_credentials([(open(env["NOETL_TLS_KEY_FILE"], "rb").read(),
+                                          open(env["NOETL_TLS_CERT_FILE"], "rb").read())])
+    port = server.add_secure_port(env["NOETL_GRPC_LISTEN"], creds)
+else:
+    port = server.add_insecure_port(env["NOETL_GRPC_LISTEN"])
 server.start()
 servicer.set("", health_pb2.HealthCheckResponse.SERVING)
 health_file = os.path.join(env["FAKE_HEALTH_DIR"], env["NOETL_INSTANCE"]) if env.get("FAKE_HEALTH_DIR") else ""
