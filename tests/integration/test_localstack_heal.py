@@ -144,6 +144,12 @@ def test_postgres_stopped_with_pg_ctl_and_started_again(stack: devstack.StackSta
         assert json.loads((stack.home / "dev" / "state.json").read_text())["postgres"]["pid"] == pid
         with psycopg.connect(stack.postgres_dsn) as conn:
             assert conn.execute("SELECT x FROM heal_probe").fetchall() == [(42,)]
+            assert conn.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone() == (True,)
+        # back with the same TLS-only pg_hba and the roles' users
+        with pytest.raises(psycopg.OperationalError, match="no encryption"):
+            psycopg.connect(stack.postgres_dsn + " sslmode=disable")
+        with psycopg.connect(stack.role_dsn("worker")) as conn:
+            assert conn.execute("SELECT current_user").fetchone() == (stackpg.login_user("worker"),)
     assert stack.start_postgres() == pid  # already running: no-op
     assert stack.start_nats() == stack.nats["pid"]
 
