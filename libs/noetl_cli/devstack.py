@@ -42,7 +42,7 @@ from typing import Any
 from noetl_common import db
 from noetl_common.errors import Conflict, InvalidInput, NotFound
 
-from . import localstack, stackcerts, stackinfra, stacknats, stacksecrets
+from . import localstack, stackcerts, stackinfra, stacknats, stackpg, stacksecrets
 from .home import dev_dir
 from .stackstate import Progress, StackState, clean_home, quiet, teardown
 from .supervise import (
@@ -185,7 +185,8 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
     state.ensure_credentials_key()
     deadline = time.monotonic() + timeout
     try:
-        pg = localstack.start_postgres(state.dev_dir / "pg", synchronous_commit=synchronous_commit)
+        pg = localstack.start_postgres(state.dev_dir / "pg", synchronous_commit=synchronous_commit,
+                                       tls_dir=state.dev_dir)
         state.postgres = stackinfra.record(pg)
         state.postgres_dsn = pg.dsn
         if role_postgres_dsn is not None:
@@ -200,6 +201,8 @@ def _start(state: StackState, replicas: Mapping[str, int], command: RoleCommand,
         say(f"nats ready (port {nats.port})")
         applied = db.migrate(state.postgres_dsn)
         say(f"database migrated ({'applied ' + ', '.join(map(str, applied)) if applied else 'up to date'})")
+        stackpg.ensure_logins(state.postgres_dsn, stackpg.passwords(state.dev_dir))
+        say("database users ready (one per role)")
         stacksecrets.issue_tokens(state.dev_dir, state.postgres_dsn)
         say(f"tokens issued (admin token for the CLI in {stacksecrets.path(state.dev_dir)})")
         tls = stackcerts.ensure(state.dev_dir)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from noetl_common.errors import NoetlError, Unavailable
 
+from . import stackpg
 from .ports import check_port_free
 
 
@@ -80,10 +81,16 @@ class PostgresServer:
     pid: int = 0
     fsync: bool = False
     synchronous_commit: bool = False
+    # TLS and the owner's password (stackpg): the CA the DSN verifies the server with and
+    # the libpq passfile holding the owner's password (paths only: no secret is recorded)
+    ca_file: str = ""
+    passfile: str = ""
 
     @property
     def dsn(self) -> str:
-        return f"host=127.0.0.1 port={self.port} user={self.user} dbname={self.database}"
+        """The owner's DSN: verify-full TLS against the stack's CA, the password from the
+        passfile."""
+        return stackpg.owner_dsn(self.port, self.user, self.database, self.ca_file, self.passfile)
 
     def stop(self, mode: str = "fast") -> None:
         """``pg_ctl stop -m MODE`` when a postmaster runs in the data directory (not when
@@ -98,7 +105,7 @@ class PostgresServer:
 
 
 def start_postgres(root: str | Path, *, fsync: bool = False, port: int | None = None,
-                   synchronous_commit: bool | None = None) -> PostgresServer:
+                   synchronous_commit: bool | None = None, tls_dir: str | Path | None = None) -> PostgresServer:
     """initdb (once) and start a Postgres under ``root``; returns when it accepts connections.
 
     ``fsync`` off (the default): commits reach the OS page cache, not the disk.
@@ -109,7 +116,13 @@ def start_postgres(root: str | Path, *, fsync: bool = False, port: int | None = 
 
     An existing data directory is started as is (its data kept); one whose postmaster died
     (SIGKILL, OOM) is made startable first (``clear_after_crash``). With ``port`` given
-    and taken by another process, raises ``PortTaken`` naming that process."""
+    and taken by another process, raises ``PortTaken`` naming that process.
+
+    Secure by default (``stackpg.secure``): TLS only, with a certificate signed by the CA
+    under ``tls_dir`` (made there unless it exists; default ``root``: ``root/tls``), and
+    SCRAM passwords (the owner's in ``root/owner.pgpass``, a libpq passfile, mode 0600);
+    plaintext TCP and the Unix socket are refused. The server's DSN verifies the server
+    (``sslmode=verify-full``)."""
     root = Path(root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     bindir = _pg_bindir()
@@ -126,13 +139,15 @@ def start_postgres(root: str | Path, *, fsync: bool = False, port: int | None = 
     if not (datadir / "PG_VERSION").exists():
         datadir.mkdir(exist_ok=True)
         _chown_tree(root)
-        proc = subprocess.run(
-            [str(bindir / "initdb"), "-D", str(datadir), "-A", "trust", "-U", "noetl", "-E", "UTF8",
-             "--no-sync", "--no-instructions"],
-            capture_output=True, text=True, check=False, **as_user,  # type: ignore[call-overload]
-        )
+        with stackpg.initdb_password(root, _chown_tree) as pwfile:
+            proc = subprocess.run(
+                [str(bindir / "initdb"), "-D", str(datadir), "-A", "scram-sha-256", "-U", "noetl", "-E", "UTF8",
+                 f"--pwfile={pwfile}", "--no-sync", "--no-instructions"],
+                capture_output=True, text=True, check=False, **as_user,  # type: ignore[call-overload]
+            )
         if proc.returncode != 0:
             raise Unavailable(f"initdb failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    tls = stackpg.secure(root, datadir, Path(tls_dir) if tls_dir else root, _chown_tree)
     _chown_tree(sockdir)
     clear_after_crash(datadir, sockdir)
     if port:
@@ -141,7 +156,7 @@ def start_postgres(root: str | Path, *, fsync: bool = False, port: int | None = 
     sync = fsync if synchronous_commit is None else synchronous_commit
     opts = (f"-p {port} -c listen_addresses=127.0.0.1 -k {sockdir} -c max_connections=300 "
             f"-c fsync={'on' if fsync else 'off'} -c synchronous_commit={'on' if sync else 'off'} "
-            "-c full_page_writes=off -c shared_buffers=128MB")
+            "-c full_page_writes=off -c shared_buffers=128MB " + stackpg.SERVER_OPTIONS)
     log = root / "postgres.log"
     if not log.exists():
         log.touch()
@@ -153,7 +168,8 @@ def start_postgres(root: str | Path, *, fsync: bool = False, port: int | None = 
     if proc.returncode != 0:
         tail = log.read_text()[-2000:] if log.exists() else ""
         raise Unavailable(f"postgres failed to start: {proc.stderr.strip()} {tail}")
-    server = PostgresServer(str(datadir), port, str(bindir), fsync=fsync, synchronous_commit=sync)
+    server = PostgresServer(str(datadir), port, str(bindir), fsync=fsync, synchronous_commit=sync,
+                            ca_file=str(tls["ca"]), passfile=str(stackpg.owner_passfile(root)))
     pidfile = datadir / "postmaster.pid"
     with contextlib.suppress(OSError, ValueError):
         server.pid = int(pidfile.read_text().splitlines()[0])
@@ -167,8 +183,7 @@ def _ensure_database(server: PostgresServer) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            with psycopg.connect(f"host=127.0.0.1 port={server.port} user={server.user} dbname=postgres",
-                                 autocommit=True) as conn:
+            with psycopg.connect(server.dsn, dbname="postgres", autocommit=True) as conn:
                 exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
                                       (server.database,)).fetchone()
                 if not exists:

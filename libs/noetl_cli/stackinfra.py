@@ -71,7 +71,8 @@ def postgres_server(info: Mapping[str, Any]) -> localstack.PostgresServer:
     fsync = bool(info.get("fsync"))
     return localstack.PostgresServer(datadir=str(info.get("datadir") or ""), port=int(info.get("port") or 0),
                                      bindir=str(info.get("bindir") or ""), pid=int(info.get("pid") or 0),
-                                     fsync=fsync, synchronous_commit=bool(info.get("synchronous_commit", fsync)))
+                                     fsync=fsync, synchronous_commit=bool(info.get("synchronous_commit", fsync)),
+                                     ca_file=str(info.get("ca_file") or ""), passfile=str(info.get("passfile") or ""))
 
 
 def start_postgres(info: Mapping[str, Any]) -> dict[str, Any]:
@@ -86,7 +87,8 @@ def start_postgres(info: Mapping[str, Any]) -> dict[str, Any]:
     if localstack.is_postgres(running):
         return _adopt(old, running)
     server = localstack.start_postgres(Path(old.datadir).parent, fsync=old.fsync, port=old.port,
-                                       synchronous_commit=old.synchronous_commit)
+                                       synchronous_commit=old.synchronous_commit,
+                                       tls_dir=Path(old.ca_file).parent.parent if old.ca_file else None)
     return record(server)
 
 

@@ -20,10 +20,10 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from noetl_common import natsio
+from noetl_common import dbroles, natsio
 from noetl_common.errors import InvalidInput
 
-from . import localstack, stackcerts, stackinfra, stacknats, stacksecrets
+from . import localstack, stackcerts, stackinfra, stacknats, stackpg, stacksecrets
 from .home import dev_dir, read_state, state_path, write_state
 from .supervise import (
     ROLES,
@@ -161,7 +161,7 @@ class StackState:
         env.update(self.env_overrides)
         tokens = self.tokens
         env.update({
-            "NOETL_POSTGRES_DSN": self.role_postgres_dsn or self.postgres_dsn,
+            "NOETL_POSTGRES_DSN": self.role_dsn(proc.role),
             "NOETL_NATS_URL": self.nats_url,
             "NOETL_SHARD_MANAGER_TARGET": self.shard_manager,
             "NOETL_API_TARGET": self.api,
@@ -187,6 +187,14 @@ class StackState:
             if keys:
                 env[CREDENTIALS_KEYS] = keys
         return env
+
+    def role_dsn(self, role: str) -> str:
+        """``role``'s NOETL_POSTGRES_DSN: its own login user (``stackpg``; its password from
+        secrets.json) on the direct DSN or, when set, ``role_postgres_dsn`` (a fault proxy).
+        A role with no login user of its own (not a runtime role) gets the owner's."""
+        base = self.role_postgres_dsn or self.postgres_dsn
+        password = stackpg.passwords(self.dev_dir).get(role) if role in dbroles.ROLES else None
+        return stackpg.role_dsn(base, role, password) if password else base
 
     def _new_process(self, role: str, index: int, command: Sequence[str]) -> ServiceProcess:
         instance = f"{role}-{index}"

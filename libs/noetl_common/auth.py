@@ -186,8 +186,8 @@ class TokenVerifier:
         if hit is not None and now < hit[1]:
             return hit[0]
         async with autocommit(self._pool) as conn:
-            cur = await conn.execute("SELECT token_id, name, role FROM noetl.api_token WHERE token_sha256 = %s"
-                                     " AND revoked_at IS NULL", (digest,))
+            # noetl.token_identity (migration 0009): the roles may look a hash up, not read the table
+            cur = await conn.execute("SELECT token_id, name, role FROM noetl.token_identity(%s)", (digest,))
             row = await cur.fetchone()
         identity = Identity(int(row["token_id"]), row["name"], Role(row["role"])) if row else None
         if len(self._cache) > 10_000:

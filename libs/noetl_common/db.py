@@ -19,8 +19,8 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from . import dbroles
 from .errors import Conflict, LeaseLost, NoetlError, NotFound, Unavailable
-from .ids import snowflake_at
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,8 @@ def migrations() -> list[Migration]:
 
 
 def migrate(dsn: str, *, partitions_ahead_days: int = 3) -> list[int]:
-    """Apply pending migrations (serialised by an advisory lock); returns versions applied."""
+    """Apply pending migrations (serialised by an advisory lock), then the roles' grants
+    (``dbroles.apply``); returns versions applied. Run with the owner's DSN."""
     applied: list[int] = []
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -186,6 +187,8 @@ def migrate(dsn: str, *, partitions_ahead_days: int = 3) -> list[int]:
                     applied.append(m.version)
                 ensure_event_partitions_sync(conn, datetime.now(UTC).date() - timedelta(days=1),
                                              partitions_ahead_days + 2)
+                # the roles' grants (dbroles.GRANTS), every time: they follow the code
+                dbroles.apply(conn)
             finally:
                 conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
     except psycopg.Error as exc:
@@ -200,14 +203,10 @@ def partition_name(day: date) -> str:
     return f"event_p{day:%Y%m%d}"
 
 
-def _partition_ddl(day: date) -> str:
-    start = datetime(day.year, day.month, day.day, tzinfo=UTC)
-    lo = snowflake_at(int(start.timestamp() * 1000))
-    hi = snowflake_at(int((start + timedelta(days=1)).timestamp() * 1000))
-    return (
-        f"CREATE TABLE IF NOT EXISTS noetl.{partition_name(day)} PARTITION OF noetl.event "
-        f"FOR VALUES FROM ({lo}) TO ({hi})"
-    )
+# The partitions belong to the owner: the roles create them through the owner's
+# SECURITY DEFINER function (migration 0009), which computes the day's snowflake bounds
+# (``ids.snowflake_at``) and serialises on PARTITION_LOCK_KEY.
+_CREATE_PARTITION = "SELECT noetl.create_event_partition(%s) AS created"
 
 
 def _missing_days(existing: set[str], first: date, days: int) -> list[date]:
@@ -228,8 +227,7 @@ def ensure_event_partitions_sync(conn: psycopg.Connection[Any], first: date, day
     created = []
     for day in _missing_days(existing, first, days):
         with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (PARTITION_LOCK_KEY,))
-            conn.execute(_partition_ddl(day).encode())
+            conn.execute(_CREATE_PARTITION, (day,))
         created.append(partition_name(day))
     return created
 
@@ -244,8 +242,7 @@ async def ensure_event_partitions(pool: Pool, first: date, days: int) -> list[st
             await conn.commit()
             for day in _missing_days(existing, first, days):
                 async with conn.transaction():
-                    await conn.execute("SELECT pg_advisory_xact_lock(%s)", (PARTITION_LOCK_KEY,))
-                    await conn.execute(_partition_ddl(day).encode())
+                    await conn.execute(_CREATE_PARTITION, (day,))
                 created.append(partition_name(day))
     except psycopg.Error as exc:
         raise translate(exc) from exc

@@ -24,9 +24,11 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from chaos import stack_for, wait_for
 from harness import REPO, Runner
+from psycopg import sql as pgsql
 
 from noetl_common.redact import MASK
 from noetl_common.tracing import read_jsonl
@@ -159,8 +161,14 @@ def add_credentials(runner: Runner) -> None:
     from psycopg.conninfo import conninfo_to_dict
 
     parts = conninfo_to_dict(dsn)
-    fields = {"host": parts.get("host"), "port": parts.get("port"), "user": parts.get("user"),
-              "dbname": parts.get("dbname"), "password": PG_PASSWORD}  # trust auth: sent, not needed
+    # a user of the stack's Postgres (SCRAM over verify-full TLS) whose password is PG_PASSWORD
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'e2e_pg_user'").fetchone()
+        conn.execute(pgsql.SQL("{} ROLE e2e_pg_user LOGIN PASSWORD {}").format(
+            pgsql.SQL("ALTER" if exists else "CREATE"), pgsql.Literal(PG_PASSWORD)))
+    fields = {"host": parts.get("host"), "port": parts.get("port"), "user": "e2e_pg_user",
+              "dbname": parts.get("dbname"), "password": PG_PASSWORD, "sslmode": parts.get("sslmode"),
+              "sslrootcert": parts.get("sslrootcert")}
     runner.api.credentials.PutCredential(catalog_pb2.PutCredentialRequest(
         name="e2e_pg", kind="postgres", data_json=json.dumps(fields)), timeout=10)
     # the CLI, reading the token from stdin: it never is in the process's arguments

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 from fakerole import command_for, write_fake_role
+from psycopg.conninfo import conninfo_to_dict
 
-from noetl_cli import devstack
+from noetl_cli import devstack, stackpg
 from noetl_cli.localstack import pid_alive
 from noetl_cli.main import main
 from noetl_cli.supervise import group_members
@@ -73,7 +74,9 @@ def test_stack_is_up_and_wired(stack: devstack.StackState) -> None:
     worker_env = ready_data(stack.process("worker", 1))["env"]
     assert worker_env["NOETL_API_TARGET"] == stack.api
     assert worker_env["NOETL_SHARD_MANAGER_TARGET"] == stack.shard_manager
-    assert worker_env["NOETL_POSTGRES_DSN"] == stack.postgres_dsn
+    # the worker's own database user (not the owner's DSN): stackpg
+    assert worker_env["NOETL_POSTGRES_DSN"] == stack.role_dsn("worker") != stack.postgres_dsn
+    assert conninfo_to_dict(worker_env["NOETL_POSTGRES_DSN"])["user"] == stackpg.login_user("worker")
     assert worker_env["NOETL_INSTANCE"] == "worker-1"
     assert worker_env["NOETL_SHARD_LEASE_SEC"] == "3"
     assert worker_env["NOETL_GRPC_LISTEN"] == "127.0.0.1:0"

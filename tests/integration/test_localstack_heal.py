@@ -17,8 +17,10 @@ from typing import TypeVar
 import psycopg
 import pytest
 from fakerole import command_for, write_fake_role
+from psycopg.conninfo import conninfo_to_dict
 
-from noetl_cli import devstack
+from noetl_cli import devstack, stackpg
+from noetl_cli.home import state_path
 from noetl_cli.localstack import group_members, pid_alive
 from noetl_cli.main import main
 from noetl_cli.ports import PortTaken
@@ -141,6 +143,12 @@ def test_postgres_stopped_with_pg_ctl_and_started_again(stack: devstack.StackSta
         assert json.loads((stack.home / "dev" / "state.json").read_text())["postgres"]["pid"] == pid
         with psycopg.connect(stack.postgres_dsn) as conn:
             assert conn.execute("SELECT x FROM heal_probe").fetchall() == [(42,)]
+            assert conn.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone() == (True,)
+        # back with the same TLS-only pg_hba and the roles' users
+        with pytest.raises(psycopg.OperationalError, match="no encryption"):
+            psycopg.connect(stack.postgres_dsn + " sslmode=disable")
+        with psycopg.connect(stack.role_dsn("worker")) as conn:
+            assert conn.execute("SELECT current_user").fetchone() == (stackpg.login_user("worker"),)
     assert stack.start_postgres() == pid  # already running: no-op
     assert stack.start_nats() == stack.nats["pid"]
 
@@ -151,7 +159,13 @@ def role_dsn(proc: devstack.ServiceProcess) -> str:
 
 def test_up_restarts_a_dead_replica_under_its_name_and_port(stack: devstack.StackState) -> None:
     assert stack.role_postgres_dsn == stack.postgres_dsn + ROLE_DSN_SUFFIX
-    assert role_dsn(stack.process("worker", 1)) == stack.role_postgres_dsn
+    # the worker's own login user on the roles' way to Postgres; no password in state.json
+    worker_dsn = conninfo_to_dict(role_dsn(stack.process("worker", 1)))
+    assert worker_dsn.pop("user") == stackpg.login_user("worker") and worker_dsn.pop("password")
+    via = conninfo_to_dict(stack.role_postgres_dsn)
+    assert via.pop("passfile") and worker_dsn == {k: v for k, v in via.items() if k != "user"}
+    recorded = state_path(stack.home).read_text()
+    assert "password" not in recorded and stackpg.passwords(stack.dev_dir)["worker"] not in recorded
     assert stack.client_env()["NOETL_POSTGRES_DSN"] == stack.postgres_dsn  # clients and tests: direct
     worker = stack.process("worker", 1)
     old_pid, old_grpc = worker.pid, worker.grpc
@@ -163,7 +177,7 @@ def test_up_restarts_a_dead_replica_under_its_name_and_port(stack: devstack.Stac
     assert healed.healed == ["worker-1"]
     again = healed.process("worker", 1)
     assert again.pid != old_pid and again.grpc == old_grpc and again.instance == "worker-1"
-    assert role_dsn(again) == stack.role_postgres_dsn  # recorded in state.json, given again
+    assert role_dsn(again) == stack.role_dsn("worker")  # recorded in state.json, given again
     assert any(line.startswith("worker-1 restarted (pid ") for line in lines), lines
     healed.forget_children()
     stack.refresh()

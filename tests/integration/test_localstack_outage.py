@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from noetl_cli import devstack
 
@@ -60,7 +61,8 @@ def cli(state: devstack.StackState, *args: str) -> subprocess.CompletedProcess[s
 
 def test_run_fails_fast_naming_postgres_and_dev_up_restarts_it(stack: devstack.StackState,
                                                               proxy: FaultProxy) -> None:
-    assert stack.role_postgres_dsn.endswith(f"port={proxy.port}") and proxy.open_connections > 0
+    assert conninfo_to_dict(stack.role_postgres_dsn)["port"] == str(proxy.port) and proxy.open_connections > 0
+    assert conninfo_to_dict(stack.role_dsn("worker"))["port"] == str(proxy.port)  # each role's own user, via it
     before = cli(stack, "run", str(HELLO), "--json")
     assert before.returncode == 0, before.stderr
     execution_id = json.loads(before.stdout)["execution_id"]

@@ -7,10 +7,11 @@ A daily partition ``noetl.event_pYYYYMMDD`` holds the execution ids of that UTC 
 * it is older than the window the maintenance keeps creating (yesterday onwards), and
 * it holds no rows (its executions were compacted).
 
-The drop runs under the partition advisory lock, takes the parent's lock first (the
-order an INSERT takes them), re-checks emptiness under that lock, and gives up after a
-short ``lock_timeout`` (tried again next round) rather than queue behind a long
-transaction. Nothing else ever drops a partition.
+The drop is the owner's ``noetl.drop_event_partition`` (migration 0009: the compactor's
+database role owns no partition): it checks emptiness, takes the partition advisory
+lock and the parent's lock (the order an INSERT takes them), re-checks emptiness under
+them, and gives up after a short ``lock_timeout`` (2 s; tried again next round) rather
+than queue behind a long transaction. Nothing else ever drops a partition.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ import logging
 import re
 from datetime import UTC, date, datetime, timedelta
 
-from noetl_common.db import PARTITION_LOCK_KEY, Pool, partition_name, transaction
+from noetl_common.db import Pool, partition_name, transaction
 
 logger = logging.getLogger(__name__)
 
-LOCK_TIMEOUT = "2s"
 _NAME = re.compile(r"^event_p(\d{8})$")
 
 _PARTITIONS = (
@@ -55,14 +55,6 @@ async def event_partitions(pool: Pool) -> list[str]:
     return sorted(names)
 
 
-async def _is_empty(pool: Pool, name: str) -> bool:
-    async with pool.connection() as conn:
-        cur = await conn.execute(f"SELECT NOT EXISTS (SELECT 1 FROM noetl.{name}) AS empty")
-        row = await cur.fetchone()
-        await conn.commit()
-    return bool(row and row["empty"])
-
-
 async def drop_expired_partitions(pool: Pool, *, horizon: datetime, keep_from: date) -> list[str]:
     """Drop the expired, empty event partitions; returns the names dropped."""
     dropped: list[str] = []
@@ -70,17 +62,11 @@ async def drop_expired_partitions(pool: Pool, *, horizon: datetime, keep_from: d
         day = partition_day(name)
         if day is None or partition_name(day) != name or not expired(day, horizon=horizon, keep_from=keep_from):
             continue
-        if not await _is_empty(pool, name):
-            continue
         async with transaction(pool) as conn:
-            await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
-            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (PARTITION_LOCK_KEY,))
-            await conn.execute("LOCK TABLE noetl.event IN ACCESS EXCLUSIVE MODE")
-            cur = await conn.execute(f"SELECT NOT EXISTS (SELECT 1 FROM noetl.{name}) AS empty")
+            cur = await conn.execute("SELECT noetl.drop_event_partition(%s) AS dropped", (name,))
             row = await cur.fetchone()
-            if not (row and row["empty"]):
-                continue
-            await conn.execute(f"DROP TABLE noetl.{name}")
+        if not (row and row["dropped"]):
+            continue
         logger.info("dropped expired event partition %s", name)
         dropped.append(name)
     return dropped

@@ -51,6 +51,8 @@ _CONNINFO_KEYS: dict[str, tuple[str, ...]] = {
     "password": ("password", "db_password"),
     "dbname": ("dbname", "database", "db_name", "db"),
     "sslmode": ("sslmode", "ssl_mode"),
+    # the CA file for sslmode=verify-full (a path on the worker)
+    "sslrootcert": ("sslrootcert", "ssl_root_cert"),
 }
 # SQLSTATE classes worth retrying: connection, transaction rollback, resources, operator intervention.
 _RETRYABLE_CLASSES = ("08", "40", "53", "57P")
