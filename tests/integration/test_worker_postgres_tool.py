@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import psycopg
 import pytest
 from credhelp import put_credentials, store_fetch
-from psycopg.conninfo import conninfo_to_dict
+from psycopg import sql as pgsql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_common.db import make_pool
@@ -33,12 +35,32 @@ async def runtime_pool(pg_dsn: str) -> AsyncIterator[AsyncConnectionPool]:
     pool = make_pool(pg_dsn, min_size=1, max_size=2, name="test-pgtool")
     await pool.open(wait=True, timeout=30)
     parts = conninfo_to_dict(pg_dsn)
-    fields = {"host": parts.get("host"), "port": parts.get("port"), "user": parts.get("user"),
-              "password": parts.get("password"), "database": parts.get("dbname")}
+    # the fields form: a user with a password (SCRAM) over verify-full TLS, the server's CA named
+    login(pg_dsn, "pgtool_fields", FIELDS_PASSWORD)
+    fields = {"host": parts.get("host"), "port": parts.get("port"), "user": "pgtool_fields",
+              "password": FIELDS_PASSWORD, "database": parts.get("dbname"), "sslmode": parts.get("sslmode"),
+              "sslrootcert": parts.get("sslrootcert")}
     await put_credentials(pool, {"pg_test_dsn": ("postgres", {"dsn": pg_dsn}),
                                  "pg_test_fields": ("postgres", fields)})
     yield pool
     await pool.close()
+
+
+FIELDS_PASSWORD = "fields-pw-0123"
+
+
+def login(owner_dsn: str, user: str, password: str) -> None:
+    """A login user of the test Postgres (which takes SCRAM passwords only) with ``password``."""
+    with psycopg.connect(owner_dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("DROP ROLE IF EXISTS {}").format(pgsql.Identifier(user)))
+        conn.execute(pgsql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(pgsql.Identifier(user),
+                                                                                 pgsql.Literal(password)))
+
+
+def as_user(owner_dsn: str, user: str, password: str) -> str:
+    """``owner_dsn`` (host, port, TLS) as ``user`` with an inline password."""
+    params = {k: v for k, v in conninfo_to_dict(owner_dsn).items() if k not in ("passfile", "user", "password")}
+    return make_conninfo(**params, user=user, password=password)  # type: ignore[arg-type]
 
 
 class CredentialedTool(PostgresTool):
@@ -193,13 +215,16 @@ async def test_the_password_of_the_dsn_used_is_known_to_the_redactor(runtime_poo
                                                                       pg_dsn: str) -> None:
     """A DSN's password (stored or inline) is added to the command's redactor; an error that
     quotes it is masked with it (the runner masks every outcome with it: test_worker_secrets)."""
-    await put_credentials(runtime_pool, {"pg_pw": ("postgres", {"dsn": f"{pg_dsn} password=sql-s3cret-pw"})})
+    login(pg_dsn, "pgtool_stored", "sql-s3cret-pw")
+    login(pg_dsn, "pgtool_inline", "inline-s3cret")
+    await put_credentials(runtime_pool, {"pg_pw": ("postgres", {"dsn": as_user(pg_dsn, "pgtool_stored",
+                                                                               "sql-s3cret-pw")})})
     secrets = command_secrets(runtime_pool)
     tool = CredentialedTool(PoolRegistry(), secrets)
     out = await tool.run("SELECT 'sql-s3cret-pw'::int", "pg_pw")
     assert out.error is not None and "sql-s3cret-pw" in out.error.message  # the server quotes it
     assert secrets.redactor.text(out.error.message) == out.error.message.replace("sql-s3cret-pw", MASK)
-    inline = await tool.run("SELECT 1", {"dsn": f"{pg_dsn} password=inline-s3cret"})
+    inline = await tool.run("SELECT 1", {"dsn": as_user(pg_dsn, "pgtool_inline", "inline-s3cret")})
     assert inline.status == "ok" and secrets.redactor.text("inline-s3cret") == MASK
     bad = await tool.run("SELECT 1", {"user": "x", "password": "inline-s3cret"})  # no dsn/host: named nothing
     assert bad.error is not None and "inline-s3cret" not in bad.error.message
