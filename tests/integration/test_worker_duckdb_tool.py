@@ -25,13 +25,25 @@ FIXTURE_SQL = ("CREATE TABLE users (id INTEGER, name VARCHAR, age INTEGER);\n"
 RESULT_BYTES = 64 * 1024
 
 
+FIELDS_PASSWORD = "duck-fields-pw-0123"
+
+
 @pytest.fixture(scope="module")
 async def runtime_pool(pg_dsn: str) -> AsyncIterator[AsyncConnectionPool]:
     pool = make_pool(pg_dsn, min_size=1, max_size=2, name="test-duckdb")
     await pool.open(wait=True, timeout=30)
     parts = conninfo_to_dict(pg_dsn)
-    fields = {"host": parts.get("host"), "port": parts.get("port"), "user": parts.get("user"),
-              "password": parts.get("password"), "database": parts.get("dbname")}
+    # the fields form: a login user with a password (the test Postgres takes SCRAM only) over
+    # the DSN's TLS, the server's CA named
+    async with pool.connection() as conn:
+        await conn.execute("DROP OWNED BY duck_fields" if await (await conn.execute(
+            "SELECT 1 FROM pg_roles WHERE rolname = 'duck_fields'")).fetchone() else "SELECT 1")
+        await conn.execute("DROP ROLE IF EXISTS duck_fields")
+        await conn.execute(f"CREATE ROLE duck_fields LOGIN PASSWORD '{FIELDS_PASSWORD}'")
+        await conn.execute("GRANT CREATE, USAGE ON SCHEMA public TO duck_fields")
+    fields = {"host": parts.get("host"), "port": parts.get("port"), "user": "duck_fields",
+              "password": FIELDS_PASSWORD, "database": parts.get("dbname"), "sslmode": parts.get("sslmode"),
+              "sslrootcert": parts.get("sslrootcert")}
     await put_credentials(pool, {"duck_pg_dsn": ("postgres", {"dsn": pg_dsn}),
                                  "duck_pg_fields": ("postgres", fields),
                                  "duck_token": ("http_bearer", {"token": "tok-123456"})})
@@ -39,6 +51,7 @@ async def runtime_pool(pg_dsn: str) -> AsyncIterator[AsyncConnectionPool]:
         await conn.execute("DROP TABLE IF EXISTS public.duck_src")
         await conn.execute("CREATE TABLE public.duck_src (id int, label text)")
         await conn.execute("INSERT INTO public.duck_src SELECT g, 'row ' || g FROM generate_series(1, 5) g")
+        await conn.execute("GRANT SELECT ON public.duck_src TO duck_fields")
     yield pool
     await pool.close()
 
@@ -90,7 +103,7 @@ async def test_values_are_plain_json_and_params_bind(tool: DuckdbTool) -> None:
 async def test_sql_error_carries_duckdb_class_and_message(tool: DuckdbTool) -> None:
     out = await tool.run({"query": "SELECT * FROM no_such_table"})
     assert out.status == "error" and out.error is not None
-    assert out.error.code == "SQL_ERROR" and out.error.kind == "CatalogException"
+    assert out.error.code == "SQL_ERROR" and out.error.exception_type == "CatalogException"
     assert "no_such_table" in out.error.message and "traceback" not in out.error.details
     assert out.error.retryable is False
 
@@ -184,3 +197,15 @@ def test_helpers() -> None:
     assert database_path("x.duckdb", root) == "/srv/duck/x.duckdb"
     with pytest.raises(ValueError):
         database_path("/tmp/x.duckdb", root)
+
+
+def test_libpq_settings_reach_the_extension_through_its_environment() -> None:
+    """A DuckDB postgres secret has no TLS or passfile option: they go to libpq's PG*
+    variables, one value per task (two credentials disagreeing are refused)."""
+    from noetl_worker.duckdb_child import DuckdbSetupError, libpq_env
+
+    dsn = {"name": "a", "fields": {"dsn": "host=h dbname=d sslmode=verify-full sslrootcert=/ca.crt passfile=/p"}}
+    fields = {"name": "b", "fields": {"host": "h", "sslmode": "verify-full"}}
+    assert libpq_env([dsn, fields]) == {"PGSSLMODE": "verify-full", "PGSSLROOTCERT": "/ca.crt", "PGPASSFILE": "/p"}
+    with pytest.raises(DuckdbSetupError, match="disagree on sslmode"):
+        libpq_env([dsn, {"name": "c", "fields": {"host": "h", "sslmode": "disable"}}])

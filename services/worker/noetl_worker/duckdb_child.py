@@ -93,6 +93,39 @@ def postgres_secret_sql(name: str | None, fields: Mapping[str, Any]) -> str:
     return f"{head} ({', '.join(parts)})"
 
 
+# libpq connection settings a DuckDB postgres secret has no option for, given to the
+# extension's libpq through its environment variables (this child runs one task).
+LIBPQ_ENV = {"sslmode": "PGSSLMODE", "sslrootcert": "PGSSLROOTCERT", "sslcert": "PGSSLCERT",
+             "sslkey": "PGSSLKEY", "passfile": "PGPASSFILE"}
+
+
+def libpq_env(secrets: list[Mapping[str, Any]]) -> dict[str, str]:
+    """The ``PG*`` variables of the secrets' TLS and passfile settings (from a ``dsn`` or
+    the fields); two secrets that disagree on one are refused naming it (libpq's
+    environment holds one value for the whole task)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    env: dict[str, str] = {}
+    for secret in secrets:
+        fields = secret.get("fields") or {}
+        params: dict[str, Any] = {}
+        dsn = fields.get("dsn") or fields.get("conninfo") or fields.get("url")
+        if dsn:
+            params.update(conninfo_to_dict(str(dsn)))
+        params.update({k: fields[k] for k in LIBPQ_ENV if fields.get(k) not in (None, "")})
+        if fields.get("ssl_mode") and "sslmode" not in params:
+            params["sslmode"] = fields["ssl_mode"]
+        for key, var in LIBPQ_ENV.items():
+            value = params.get(key)
+            if value in (None, ""):
+                continue
+            if env.get(var, str(value)) != str(value):
+                raise DuckdbSetupError(f"the task's postgres credentials disagree on {key}: one task attaches"
+                                       " databases with one TLS/passfile setting")
+            env[var] = str(value)
+    return env
+
+
 def prepare_extensions(ext_dir: str, version: str, platform: str) -> bool:
     """Make ``ext_dir`` a DuckDB extension directory holding the postgres extension of the
     installed wheel (a symlink, replaced atomically); False when the wheel is not installed."""
@@ -175,6 +208,20 @@ def run(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Run the task described by ``spec`` (module docstring) and return its value."""
     sql = str(spec.get("sql") or "")
     limit = int(spec.get("result_bytes") or 0)
+    pg_env = libpq_env(list(spec.get("secrets") or []))
+    saved_env = {var: os.environ.get(var) for var in pg_env}
+    os.environ.update(pg_env)
+    try:
+        return _run(spec, sql, limit)
+    finally:
+        for var, value in saved_env.items():  # the child may run another task next
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def _run(spec: Mapping[str, Any], sql: str, limit: int) -> dict[str, Any]:
     conn = _connect(spec)
     try:
         params = spec.get("params")

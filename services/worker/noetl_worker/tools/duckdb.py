@@ -184,7 +184,8 @@ def _sql_outcome(outcome: ToolOutcome) -> ToolOutcome:
     python traceback (it is the tool's, not the task's)."""
     if outcome.ok or outcome.error is None or outcome.error.code != TOOL_ERROR:
         return outcome  # TIMEOUT, MEMORY_LIMIT, SANDBOX_EXITED stay what they are
-    kind = outcome.error.kind or "Error"
+    # the child's exception class (ErrorDetail keeps it in exception_type, kind being a category)
+    kind = outcome.error.exception_type or outcome.error.kind or "Error"
     if kind in ("DuckdbSetupError", "ValueError"):
         return ToolOutcome.failure(INVALID_TASK, f"duckdb: {outcome.error.message}", kind=kind)
     return ToolOutcome.failure(SQL_ERROR, f"duckdb {kind}: {outcome.error.message}", kind=kind,
