@@ -163,7 +163,9 @@ def test_image_venv_has_every_entry_point_and_no_dev_or_build_tools(image_venv: 
     script = REPO / "deploy" / "docker" / "healthcheck.py"
     run([py, "-c", f"compile(open({str(script)!r}).read(), 'healthcheck.py', 'exec')"], timeout=60)
     size = sum(f.stat().st_size for f in image_venv.rglob("*") if f.is_file())
-    assert size < 150 * 1024 * 1024, f"venv is {size / 1e6:.0f} MB"
+    # ~85 MB of runtime libraries, ~100 MB of them DuckDB and its postgres extension (the
+    # duckdb tool; one image serves every role until issue 17's per-role images)
+    assert size < 220 * 1024 * 1024, f"venv is {size / 1e6:.0f} MB"
 
 
 def test_healthcheck_script_reports_an_unreachable_server(image_venv: Path) -> None:
