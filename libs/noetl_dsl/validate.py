@@ -52,6 +52,14 @@ def parse_playbook(text: str, *, supported_kinds: frozenset[str] | None = None,
         raise _too_deep(limits) from exc
 
 
+def _with_default_tool(item: Any) -> Any:
+    """A step written with neither ``tool`` nor ``loop`` (upstream's plain ``- step: end``,
+    routing only) runs the ``noop`` tool, as upstream runs it: nothing, then its ``next``."""
+    if isinstance(item, dict) and "step" in item and "tool" not in item and "loop" not in item:
+        return {**item, "tool": {"kind": "noop"}}
+    return item
+
+
 def _too_deep(limits: LimitSettings) -> PlaybookInvalid:
     return PlaybookInvalid("", "playbook nests too deeply to be parsed (Python's recursion limit was reached within"
                                f" {env_name('nesting_depth')}={limits.nesting_depth}: lower it)")
@@ -80,6 +88,8 @@ def load_playbook(doc: Any, *, supported_kinds: frozenset[str] | None = None,
     workflow = doc.get("workflow")
     if isinstance(workflow, list):
         check(len(workflow), "playbook_steps", limits, "workflow", unit="steps", path="workflow")
+        workflow = [_with_default_tool(item) for item in workflow]
+        doc = {**doc, "workflow": workflow}
     try:
         problems = Problems()
         _check_header(doc, problems)

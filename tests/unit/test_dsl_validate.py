@@ -104,8 +104,11 @@ def test_step_names_unique() -> None:
     assert one(doc(OK_STEP + OK_STEP)) == ("workflow[1].step", "duplicate step name 'start' (also workflow[0])")
 
 
-def test_tool_required() -> None:
-    assert one(doc(OK_STEP + "- step: end\n  desc: no tool\n")) == (
+def test_a_step_without_tool_or_loop_is_a_noop() -> None:
+    """Upstream's plain ``- step: end`` (routing only) runs nothing; a loop still needs a tool."""
+    playbook = parse_playbook(doc(OK_STEP + "- step: end\n  desc: no tool\n"))
+    assert playbook.step("end").tool == {"kind": "noop"}
+    assert one(doc(OK_STEP + "- step: end\n  loop: {in: [1], iterator: x}\n")) == (
         "workflow[1].tool", "tool is required (step 'end')")
 
 
@@ -293,13 +296,14 @@ def test_type_errors_from_the_model_have_field_paths() -> None:
 
 
 def test_all_problems_are_collected_in_document_order() -> None:
-    text = doc("- step: a\n  tool: {kind: nope}\n- step: b\n", header="apiVersion: x/v1\nkind: Playbook\nmetadata: {name: t}\n")
+    text = doc("- step: a\n  tool: {kind: nope}\n- step: b\n  tool: []\n",
+               header="apiVersion: x/v1\nkind: Playbook\nmetadata: {name: t}\n")
     found = problems(text)
     assert [p for p, _ in found] == ["apiVersion", "workflow[0].tool.kind", "workflow[1].tool"]
     with pytest.raises(PlaybookInvalid) as info:
         parse_playbook(text)
     assert info.value.path == "apiVersion"
-    assert "; workflow[1].tool: tool is required (step 'b')" in info.value.message
+    assert "; workflow[1].tool: tool is required (step 'b'): the pipeline is empty" in info.value.message
 
 
 def test_sql_may_come_from_script_commands_or_sql() -> None:
