@@ -111,7 +111,17 @@ def check_step(item: dict[str, Any], base: str, problems: Problems, step_names: 
                wb_names: set[str], supported: frozenset[str] | None) -> None:
     """Tool, routing and loop rules for one workflow step (its raw mapping)."""
     label = f"step '{item.get('step')}'"
-    check_tool(item.get("tool"), f"{base}.tool", label, problems, wb_names, supported, step=item)
+    if "case" in item:
+        # routing the drafts before v10 wrote as `case: [{when, then: {next, set, result}}]`;
+        # ignoring it would run a different flow than the author's, so it is refused
+        problems.add(f"{base}.case", f"`case:` ({label}) is the pre-v10 routing form, not supported: route with "
+                                     "`next: {arcs: [{step, when, set}]}` (an arc's `when` reads the step's "
+                                     "result as `output`, `event.name` is 'call.done' / 'call.error')")
+    if "tool" not in item and isinstance(item.get("type"), str):
+        problems.add(f"{base}.type", f"`type: {item['type']}` on {label} is the noetl.io/v1 step form: put the "
+                                     f"task under `tool:` with `kind: {item['type']}`")
+    else:
+        check_tool(item.get("tool"), f"{base}.tool", label, problems, wb_names, supported, step=item)
     _check_next(item.get("next"), base, label, problems, step_names)
     loop = item.get("loop")
     if isinstance(loop, dict):
@@ -221,8 +231,8 @@ def _check_kind_fields(kind: str, task: dict[str, Any], path: str, label: str, p
         hint = f", found '{misplaced[0]}' on the step itself: it belongs under 'tool'" if misplaced else ""
         problems.add(f"{path}.command",
                      f"{kind} tool requires 'command' or 'query': no sql command provided ({label}{hint})")
-    elif kind == "http" and not _filled(task, ("url",)):
-        problems.add(f"{path}.url", f"http tool requires 'url' ({label})")
+    elif kind == "http" and not _filled(task, ("url", "endpoint")):
+        problems.add(f"{path}.url", f"http tool requires 'url' (or 'endpoint') ({label})")
     elif kind == "playbook" and not _filled(task, ("path",)):
         problems.add(f"{path}.path", f"playbook tool requires 'path' (the sub-playbook's catalog path) ({label})")
     elif kind == "workbook":

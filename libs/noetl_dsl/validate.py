@@ -52,10 +52,16 @@ def parse_playbook(text: str, *, supported_kinds: frozenset[str] | None = None,
         raise _too_deep(limits) from exc
 
 
+_TASK_KEYS = frozenset({"type", "kind", "command", "query", "code", "url", "endpoint", "task"})
+
+
 def _with_default_tool(item: Any) -> Any:
     """A step written with neither ``tool`` nor ``loop`` (upstream's plain ``- step: end``,
-    routing only) runs the ``noop`` tool, as upstream runs it: nothing, then its ``next``."""
-    if isinstance(item, dict) and "step" in item and "tool" not in item and "loop" not in item:
+    routing only) runs the ``noop`` tool, as upstream runs it: nothing, then its ``next``.
+    A step holding a task's own keys (``type``, ``kind``, ``command``, ...: a task written
+    on the step, or the noetl.io/v1 step form) is not one: it is refused naming them."""
+    if (isinstance(item, dict) and "step" in item and "tool" not in item and "loop" not in item
+            and not _TASK_KEYS.intersection(item)):
         return {**item, "tool": {"kind": "noop"}}
     return item
 
@@ -114,6 +120,11 @@ def _check_header(doc: dict[str, Any], problems: Problems) -> None:
         problems.add("apiVersion", "apiVersion is required (e.g. 'noetl.io/v2')")
     elif not isinstance(api, str) or not api.startswith("noetl.io/"):
         problems.add("apiVersion", f"apiVersion must start with 'noetl.io/' (got {api!r})")
+    elif api == "noetl.io/v1":
+        problems.add("apiVersion", "apiVersion 'noetl.io/v1' (the first DSL: `type:` steps, `iterator` "
+                                   "steps with `collection`/`element`) is not supported: this runtime runs "
+                                   "'noetl.io/v2' playbooks (a step's task under `tool:` with `kind:`, "
+                                   "loops under `loop:`, routing in `next`)")
     kind = doc.get("kind")
     if kind is None:
         problems.add("kind", "kind is required (expected 'Playbook')")

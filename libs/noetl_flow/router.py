@@ -12,8 +12,11 @@ Rules (NoETL canonical DSL):
   every such arc), each arc's ``set`` applied before its target is entered. These
   templates read the step's own result as ``output`` (``{status, data, error}``,
   ``output.data`` being what ``{{ <step> }}`` reads), as upstream does.
-* On failure: arcs are evaluated with ``event.name == 'call.error'``; only arcs with
-  a ``when`` can fire. If none fires, the execution fails naming the step.
+* On failure: arcs are evaluated with ``event.name == 'call.error'``; only arcs whose
+  ``when`` reads the failure can fire (``_reads_failure``: it reads ``event``, ``error``
+  or ``output.status`` / ``output.error``), so an arc written for the results of a step
+  that succeeded (``{{ not step.rows }}``) never routes a failure onwards, as upstream
+  stops a run at a failed task. If none fires, the execution fails naming the step.
 * A step without ``next`` routes to the step named ``end`` when one exists
   (implicit end); otherwise its branch ends.
 * Fan-in: a step with two or more predecessors is *armed* when an arc reaches it and
@@ -28,6 +31,7 @@ Rules (NoETL canonical DSL):
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +42,7 @@ from noetl_dsl.templates import (
     RenderContext,
     TemplateError,
     add_upstream_names,
+    attribute_reads,
     evaluate_when,
     referenced_names,
     render,
@@ -258,7 +263,7 @@ class Flow:
             scope = self._scope(st, io, event, own)
         fired = 0
         for arc in self._arcs(step):
-            if not ok and arc.when is None:
+            if not ok and not _reads_failure(arc.when):
                 continue
             if not evaluate_when(arc.when, scope):
                 continue
@@ -416,6 +421,26 @@ class Flow:
     def kind(step: Step) -> str:
         tasks = step.tasks
         return tasks[0].kind if len(tasks) == 1 and not step.is_pipeline else "pipeline"
+
+
+_FAILURE_NAMES = frozenset({"event", "error"})
+_FAILURE_FIELDS = frozenset({"status", "error"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads_failure(when: Any) -> bool:
+    """Whether an arc's ``when`` can be about a failure of its step: it reads ``event``
+    (``event.name == 'call.error'``), ``error``, or the step's ``output`` status or error
+    (``output`` passed whole counts too)."""
+    if not isinstance(when, str):
+        return False
+    names = referenced_names(when)
+    if names & _FAILURE_NAMES:
+        return True
+    if OUTPUT not in names:
+        return False
+    fields = attribute_reads(when, OUTPUT)
+    return fields is None or bool(fields & _FAILURE_FIELDS)
 
 
 class _ImplicitArc:

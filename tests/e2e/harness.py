@@ -36,6 +36,10 @@ FAST_ENV = {
 
 # Credentials the conformance playbooks name; the harness points them at the test Postgres.
 CREDENTIALS = ("pg_local", "pg_noetl_k8s", "pg_k8s")
+# the postgres tool's value for one INSERT of one row: upstream's Rust shape at the top,
+# its Python reference's per statement (services/worker/noetl_worker/tools/postgres.py)
+INSERTED_ONE = {"status": "ok", "row_count": 1,
+                "command_0": {"status": "success", "row_count": 1, "message": "INSERT 0 1"}}
 
 
 @dataclass

@@ -7,7 +7,7 @@ whose step waits on a running child cancels the child too."""
 from __future__ import annotations
 
 import pytest
-from harness import Runner, cancel, conformance, register_playbook, wait_until
+from harness import INSERTED_ONE, Runner, cancel, conformance, register_playbook, wait_until
 
 from noetl_proto.v1 import catalog_pb2, execution_pb2
 
@@ -93,7 +93,7 @@ def test_playbook_composition_runs_the_child_per_user(runner: Runner) -> None:
         assert profile_score == pytest.approx(expected[name]["profile_score"], abs=1e-9), name
 
     # The loop value is the last pipeline task's (store_result, postgres) per user.
-    assert out.result("process_users") == {"results": [{"status": "ok", "row_count": 1}] * 4,
+    assert out.result("process_users") == {"results": [INSERTED_ONE] * 4,
                                            "stats": {"total": 4, "success": 4, "failed": 0}}
     # `validate_results` reads `process_users.data`, absent from a loop's value
     # {"results", "stats"}: its own code takes the "tracking" branch, and `end` then

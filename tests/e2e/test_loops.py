@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from harness import (
+    INSERTED_ONE,
     Runner,
     cancel,
     command_counts,
@@ -181,7 +182,7 @@ def test_iterator_save_test_writes_one_row_per_item(runner: Runner) -> None:
     out = runner.run(conformance("iterator_save_test/iterator_save_test.yaml"))
     assert out.status == "COMPLETED", out.error
     # The step value is the last pipeline task's (save_item, postgres) per iteration.
-    assert out.result("process_items") == {"results": [{"status": "ok", "row_count": 1}] * 3,
+    assert out.result("process_items") == {"results": [INSERTED_ONE] * 3,
                                            "stats": {"total": 3, "success": 3, "failed": 0}}
     assert out.result("end") == {"status": "complete"}
     eid = out.execution_id

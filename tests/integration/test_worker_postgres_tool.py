@@ -89,8 +89,10 @@ async def tool(runtime_pool: AsyncConnectionPool) -> AsyncIterator[PostgresTool]
 async def test_select_rows_shape(tool: PostgresTool) -> None:
     out = await tool.run("SELECT 1 AS a, 'x' AS b UNION ALL SELECT 2, 'y' ORDER BY a", "pg_test_dsn")
     assert out.status == "ok", out.error
-    assert out.data == {"status": "ok", "rows": [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}], "row_count": 2,
-                        "columns": ["a", "b"]}
+    rows = [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}]
+    # upstream's Rust shape at the top, its Python reference's per statement
+    assert out.data == {"status": "ok", "rows": rows, "row_count": 2, "columns": ["a", "b"],
+                        "command_0": {"status": "success", "rows": rows, "row_count": 2, "columns": ["a", "b"]}}
 
 
 async def test_values_are_plain_json(tool: PostgresTool) -> None:
@@ -105,9 +107,15 @@ async def test_ddl_and_multiple_statements(tool: PostgresTool) -> None:
            "INSERT INTO public.worker_tool_t VALUES (1, 'a'), (2, 'b');"
            "UPDATE public.worker_tool_t SET v = 'c' WHERE id = 2;")
     out = await tool.run(sql, "pg_test_dsn")
-    assert out.data == {"status": "ok", "row_count": 1}
+    assert out.data == {
+        "status": "ok", "row_count": 1,
+        "command_0": {"status": "success", "row_count": 0, "message": "DROP TABLE"},
+        "command_1": {"status": "success", "row_count": 0, "message": "CREATE TABLE"},
+        "command_2": {"status": "success", "row_count": 2, "message": "INSERT 0 2"},
+        "command_3": {"status": "success", "row_count": 1, "message": "UPDATE 1"}}
     out = await tool.run("CREATE TABLE IF NOT EXISTS public.worker_tool_t (id int)", "pg_test_dsn")
-    assert out.data == {"status": "ok", "row_count": 0}
+    assert out.data == {"status": "ok", "row_count": 0,
+                        "command_0": {"status": "success", "row_count": 0, "message": "CREATE TABLE"}}
 
 
 async def test_last_statement_returning_rows_wins(tool: PostgresTool) -> None:
@@ -117,6 +125,9 @@ async def test_last_statement_returning_rows_wins(tool: PostgresTool) -> None:
     out = await tool.run(sql, "pg_test_dsn")
     assert out.status == "ok"
     assert out.data["columns"] == ["id", "v"] and {"id": 10, "v": "z"} in out.data["rows"]
+    assert out.data["command_0"]["rows"] == [{"first": 1}]
+    assert out.data["command_1"]["rows"] == out.data["rows"]
+    assert out.data["command_2"] == {"status": "success", "row_count": 0, "message": "DELETE 0"}
 
 
 async def test_syntax_error_surfaces_sqlstate_and_server_message(tool: PostgresTool) -> None:

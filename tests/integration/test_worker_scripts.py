@@ -71,6 +71,11 @@ async def test_file_scripts_resolve_beside_the_catalog_path_then_at_the_root(roo
     assert await resolve_script({"path": "shared.py", "source": "file"}, root=root,
                                 playbook_path="fixtures/my_playbook") == "result = 'root'\n"
     assert file_script_path(str(root / "shared.py"), root) == (root / "shared.py").resolve()
+    # upstream's fixtures spell the file as `uri` (python_file_example: `./fixtures/...`)
+    for uri in ("./fixtures/scripts/hello.py", "file://fixtures/scripts/hello.py"):
+        assert await resolve_script({"uri": uri, "source": {"type": "file"}}, root=root,
+                                    playbook_path="tests/python_file") == "result = {'who': name, 'from': 'file'}\n"
+    assert await resolve_script({"uri": "file://shared.py"}, root=root) == "result = 'root'\n"
 
 
 @pytest.mark.parametrize("path", ["../outside.py", "link.py", "/etc/passwd", "scripts/../../../outside.py"])
@@ -140,3 +145,16 @@ async def test_a_duckdb_task_runs_its_file_script_rendered(python: PythonPool, r
     out = await tools.run_task(task, RenderContext({"n": 4}), call=call("fixtures/p"))
     assert out.status == "ok", out.error
     assert out.data["rows"] == [{"n": 4}]
+
+
+async def test_python_args_are_globals_and_main_arguments_like_input(python: PythonPool) -> None:
+    """Upstream's python tool binds a task's ``args`` as it binds ``input`` (its
+    variable_lifecycle example: ``def main(email, retry_count)`` with ``args:``)."""
+    tools = Tools(python=python)
+    task = {"kind": "python", "args": {"email": "{{ who }}@example.com", "n": 2}, "input": {"n": 3},
+            "code": "def main(email, n):\n    return {'domain': email.split('@')[1], 'n': n, 'g': email}"}
+    out = await tools.run_task(task, RenderContext({"who": "ada"}))
+    assert out.status == "ok", out.error
+    assert out.data == {"domain": "example.com", "n": 3, "g": "ada@example.com"}  # input wins over args
+    bad = await tools.run_task({**task, "args": ["not", "a", "mapping"]}, RenderContext({"who": "ada"}))
+    assert bad.error is not None and bad.error.code == "INVALID_TASK" and "task args must be a mapping" in bad.error.message

@@ -158,7 +158,32 @@ def test_postgres_needs_command_or_query() -> None:
 
 def test_http_needs_url() -> None:
     assert one(doc("- step: a\n  tool: {kind: http, method: GET}\n")) == (
-        "workflow[0].tool.url", "http tool requires 'url' (step 'a')")
+        "workflow[0].tool.url", "http tool requires 'url' (or 'endpoint') (step 'a')")
+    parse_playbook(doc("- step: a\n  tool: {kind: http, method: GET, endpoint: 'http://h/x'}\n"))
+
+
+def test_pre_v10_case_routing_is_refused_not_ignored() -> None:
+    steps = """\
+    - step: start
+      tool: {kind: python, code: 'result = 1'}
+      case:
+        - when: "{{ event.name == 'step.exit' }}"
+          then: {next: [{step: end}]}
+    - step: end
+    """
+    path, msg = one(doc(steps))
+    assert path == "workflow[0].case" and msg.startswith("`case:` (step 'start') is the pre-v10 routing form")
+    assert "next: {arcs:" in msg
+
+
+def test_v1_playbooks_are_refused_naming_the_version_and_the_v1_step_form() -> None:
+    v1 = doc("- step: a\n  type: postgres\n  command: select 1\n", header=HEADER.replace("noetl.io/v2", "noetl.io/v1"))
+    (path, msg), v1_step = problems(v1)
+    assert path == "apiVersion" and "'noetl.io/v1'" in msg and "'noetl.io/v2'" in msg
+    assert v1_step[0] == "workflow[0].type"
+    # the v1 step form under a v2 header: not a silent noop step
+    assert one(doc("- step: a\n  type: postgres\n  command: select 1\n")) == ("workflow[0].type", "`type: postgres` on step 'a' is the noetl.io/v1 step form: put the task under "
+            "`tool:` with `kind: postgres`")
 
 
 WORKBOOK = """\
@@ -209,7 +234,7 @@ def test_pipeline_task_names_unique() -> None:
 
 def test_pipeline_task_problems_carry_their_index() -> None:
     steps = "- step: a\n  tool:\n    - {kind: noop}\n    - {kind: http}\n"
-    assert one(doc(steps)) == ("workflow[0].tool[1].url", "http tool requires 'url' (step 'a')")
+    assert one(doc(steps)) == ("workflow[0].tool[1].url", "http tool requires 'url' (or 'endpoint') (step 'a')")
 
 
 def test_next_mode_must_be_exclusive_or_inclusive() -> None:

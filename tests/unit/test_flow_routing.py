@@ -342,3 +342,37 @@ def test_linear_playbooks_complete_when_every_step_succeeds(rel: str) -> None:
         step = next(iter(d.state.pending.values())).step
         d.finish(step, ok(), values={n: {"data": {"executed": True, "temp_table": "t"}} for n in d.flow.step_names})
     assert d.state.status == "completed"
+
+
+def test_a_failed_step_routes_only_through_arcs_that_read_the_failure() -> None:
+    """Upstream stops a run at a failed task: an arc whose `when` is about the results of
+    a step that succeeded (here true on a failure too: the rows are undefined) must not
+    carry a failure onwards; arcs reading `event`, `error` or `output.status` can."""
+    text = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: e, path: e}
+workflow:
+  - step: start
+    tool: {kind: python, code: "result = 1"}
+    next:
+      arcs:
+        - step: empty
+          when: "{{ not start.rows }}"
+        - step: caught
+          when: "{{ output.status == 'error' }}"
+  - step: empty
+    tool: {kind: noop}
+  - step: caught
+    tool: {kind: noop}
+"""
+    d = Driver(Flow(parse_playbook(text)))
+    t = d.finish("start", err("boom"))
+    assert [c.step for c in t.commands] == ["caught"]
+    d = Driver(Flow(parse_playbook(text.replace("output.status == 'error'", "start.rows is none"))))
+    t = d.finish("start", err("boom"))
+    assert t.commands == [] and d.state.status == "failed" and "boom" in (d.state.error or "")
+    # on success the first arc still fires as written
+    d = Driver(Flow(parse_playbook(text)))
+    t = d.finish("start", ok(), values={"start": {"rows": []}})
+    assert [c.step for c in t.commands] == ["empty"]

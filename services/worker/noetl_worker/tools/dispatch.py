@@ -134,10 +134,14 @@ class Tools:
         """Render and run one task; never raises for task failures (only cancellation)."""
         try:
             inputs = dict(render(step_input or {}, scope) or {})
-            own = render(task.get("input") or {}, scope)
-            if not isinstance(own, Mapping):
-                raise ValueError(f"task input must be a mapping, got {type(own).__name__}")
-            inputs.update(own)
+            # a python task's `args` are globals of its code like its `input` (upstream's
+            # python tool binds both); `input` wins on a name both give
+            fields = ("args", "input") if str(task.get("kind") or "").lower() == "python" else ("input",)
+            for field in fields:
+                own = render(task.get(field) or {}, scope)
+                if not isinstance(own, Mapping):
+                    raise ValueError(f"task {field} must be a mapping, got {type(own).__name__}")
+                inputs.update(own)
         except TemplateError as exc:
             return ToolOutcome.failure(TEMPLATE_ERROR, str(exc), kind="TemplateError")
         except (TypeError, ValueError) as exc:

@@ -11,9 +11,15 @@
   a multi-statement text runs as one implicit transaction. Cursor loops claim rows
   through the same pools (``cursor_drivers/postgres.py``), growing one to their
   ``pool_size`` when asked.
-* The SQL text may hold several statements; the value describes the last statement
-  that returned rows (``{"status": "ok", "rows", "row_count", "columns"}``), else
-  ``{"status": "ok", "row_count"}`` of the last statement.
+* The SQL text may hold several statements. The value has both of upstream's shapes:
+  its Rust runtime's at the top, the last statement that returned rows (``{"status":
+  "ok", "rows", "row_count", "columns"}``), else ``{"status": "ok", "row_count"}`` of the
+  last statement; and its Python reference's ``command_<i>`` per statement, in order
+  (``{"status": "success", "rows", "row_count", "columns"}`` for a statement returning
+  rows, ``{"status": "success", "row_count", "message"}`` (the server's command tag,
+  ``INSERT 0 1``) otherwise). Playbooks read either (``{{ step.rows }}``,
+  ``{{ step.command_0.rows }}``). The rows of the last row-returning statement are
+  encoded twice in the stored result (docs/CONFORMANCE.md).
 * SQL errors carry the SQLSTATE and the server's message.
 * Rows are turned into plain JSON values ``FETCH_ROWS`` at a time, and their encoded size
   is counted as they are: once it passes ``max_result_bytes`` (``NOETL_LIMIT_RESULT_BYTES``)
@@ -220,21 +226,34 @@ async def _execute(conn: psycopg.AsyncConnection[Any], sql: str, timeout_sec: fl
     try:
         cur = conn.cursor(row_factory=dict_row)
         await cur.execute(sql)  # no parameters: several statements may run in one go
-        rows_result: dict[str, Any] | None = None
-        row_count = cur.rowcount
-        while True:
-            row_count = cur.rowcount
-            if cur.description is not None:
-                rows = await _fetch_rows(cur, limit)
-                rows_result = {"status": "ok", "rows": rows, "row_count": len(rows),
-                               "columns": [c.name for c in cur.description]}
-            if not cur.nextset():
-                break
+        value = await _collect(cur, limit)
     finally:
         if timeout_sec and not conn.closed:
             with contextlib.suppress(psycopg.Error):
                 await conn.execute("RESET statement_timeout")
-    if rows_result is not None:
-        return rows_result
-    # psycopg reports -1 for statements without a row count (DDL): none affected.
-    return {"status": "ok", "row_count": max(row_count, 0)}
+    return value
+
+
+async def _collect(cur: psycopg.AsyncCursor[Any], limit: int) -> dict[str, Any]:
+    """The task's value from every result of the executed text: upstream's Rust shape at
+    the top (the last statement that returned rows, else the last row count) and its
+    Python reference's ``command_<i>`` entry per statement (module docstring). The rows
+    of a statement are one list object under both keys."""
+    top: dict[str, Any] | None = None
+    statements: dict[str, Any] = {}
+    row_count = 0
+    while True:
+        # psycopg reports -1 for statements without a row count (DDL): none affected.
+        row_count = max(cur.rowcount, 0)
+        entry: dict[str, Any]
+        if cur.description is not None:
+            rows = await _fetch_rows(cur, limit)
+            columns = [c.name for c in cur.description]
+            top = {"status": "ok", "rows": rows, "row_count": len(rows), "columns": columns}
+            entry = {"status": "success", "rows": rows, "row_count": len(rows), "columns": columns}
+        else:
+            entry = {"status": "success", "row_count": row_count, "message": cur.statusmessage or ""}
+        statements[f"command_{len(statements)}"] = entry
+        if not cur.nextset():
+            break
+    return {**(top or {"status": "ok", "row_count": row_count}), **statements}

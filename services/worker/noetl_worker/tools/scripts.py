@@ -5,6 +5,7 @@ when it is not inline in the task (NoETL's script attribute; it wins over ``code
     script: "print('inline')"                                  # inline text
     script: {source: {type: inline}, content: "..."}           # inline, spelled out
     script: {path: scripts/load.sql, source: {type: file}}     # a file (below)
+    script: {uri: ./scripts/load.sql, source: {type: file}}    # the same (``uri``, ``file://``)
     script: {source: {type: http, endpoint: "https://...", headers: {...}, timeout: 30}}
     script: {uri: "https://..."}                               # http(s), short form
 
@@ -59,7 +60,7 @@ def _source(script: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
             kind = "http"
         elif script.get("content") is not None or script.get("code") is not None:
             kind = "inline"
-        elif script.get("path"):
+        elif script.get("path") or uri.startswith("file://"):
             kind = "file"
     return kind, source
 
@@ -132,9 +133,11 @@ async def resolve_script(script: Any, *, root: str | Path | None, playbook_path:
             raise ScriptError("an inline script needs `content`")
         return text
     if kind == "file":
-        path = script.get("path") or source.get("path")
+        path = script.get("path") or source.get("path") or script.get("uri") or source.get("uri")
+        if isinstance(path, str) and path.startswith("file://"):
+            path = path[len("file://"):]
         if not isinstance(path, str) or not path.strip():
-            raise ScriptError("a file script needs `path`")
+            raise ScriptError("a file script needs `path` (or `uri`)")
         if not root:
             raise ScriptError("file scripts are not enabled on this worker (set NOETL_WORKER_SCRIPT_DIR to the "
                               "directory they may be read from)")
