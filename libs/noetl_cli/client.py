@@ -7,11 +7,12 @@ serve the request: <its message>" when it answers that a dependency is down.
 
 from __future__ import annotations
 
+import collections
 import getpass
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -194,9 +195,13 @@ def follow_to_end(api: Api, execution_id: int, *, as_json: bool, timeout: float 
     CliError when the client gave up after ``timeout`` + ``grace`` seconds)."""
     seen: dict[str, str] = {}
     last_status = [""]
+    err_colour = output.colour_enabled(sys.stderr)
+    meter = output.LoopMeter()
 
     def on_change(execution: execution_pb2.Execution) -> None:
-        for line in output.progress_lines(seen, execution):
+        for line in output.progress_lines(seen, execution, colour=err_colour):
+            eprint(line)
+        for line in meter.lines(execution, time.monotonic()):
             eprint(line)
         seen.clear()
         seen.update(output.step_states(execution))
@@ -221,7 +226,7 @@ def follow_to_end(api: Api, execution_id: int, *, as_json: bool, timeout: float 
                 "execution_id": str(execution_id), "status": "UNKNOWN", "steps": {}, "error": message}
             output.print_json(doc)
         elif snapshot is not None:
-            print(output.execution_summary(snapshot, error=message))
+            print(output.execution_summary(snapshot, error=message, colour=output.colour_enabled(sys.stdout)))
         raise CliError(message, code=1)
 
     resp = api.call(api.executions.GetExecution,
@@ -230,7 +235,7 @@ def follow_to_end(api: Api, execution_id: int, *, as_json: bool, timeout: float 
     if as_json:
         output.print_json(output.execution_json(execution))
     else:
-        print(output.execution_summary(execution))
+        print(output.execution_summary(execution, colour=output.colour_enabled(sys.stdout)))
     return 0 if output.execution_status(execution.status) == "COMPLETED" else 1
 
 
@@ -286,28 +291,58 @@ def status(api: Api, execution_id: int, *, as_json: bool = False) -> int:
     if as_json:
         output.print_json(output.execution_detail_json(resp.execution))
     else:
-        print(output.execution_summary(resp.execution))
+        print(output.execution_summary(resp.execution, colour=output.colour_enabled(sys.stdout)))
     return 0
 
 
-def events(api: Api, execution_id: int, *, as_json: bool = False, page_size: int = 500) -> int:
-    records = []
-    after = 0
+def _event_pages(api: Api, execution_id: int, after: int,
+                 page_size: int) -> Iterator[list[common_pb2.EventRecord]]:
+    """The execution's events after event id ``after``, a page at a time, to the end."""
     while True:
         resp = api.call(api.executions.GetEvents, execution_pb2.GetEventsRequest(
             execution_id=execution_id, after_event_id=after, page_size=page_size))
-        records.extend(resp.events)
+        if resp.events:
+            yield list(resp.events)
         if not resp.events or len(resp.events) < page_size:
-            break
+            return
         after = max(e.event_id for e in resp.events)
-    if as_json:
-        output.print_json({"execution_id": str(execution_id), "events": [output.event_json(e) for e in records]})
+
+
+def events(api: Api, execution_id: int, *, as_json: bool = False, page_size: int = 500, limit: int = 0,
+           follow: bool = False, poll: float = 0.5) -> int:
+    """``noetl-rt events``: every event, or the last ``limit``; ``follow`` then prints new
+    events as they are recorded (one line each, ``--json``: one JSON object per line)
+    until the execution is terminal and its last events are printed."""
+    records: collections.deque[common_pb2.EventRecord] = collections.deque(maxlen=limit or None)
+    for page in _event_pages(api, execution_id, 0, page_size):
+        records.extend(page)
+    if not follow:
+        if as_json:
+            output.print_json({"execution_id": str(execution_id), "events": [output.event_json(e) for e in records]})
+        elif not records:
+            print(f"no events for execution {execution_id}")
+        else:
+            print(output.table([output.event_row(e) for e in records], header=output.EVENT_HEADER))
         return 0
-    if not records:
-        print(f"no events for execution {execution_id}")
-        return 0
-    print(output.table([output.event_row(e) for e in records], header=output.EVENT_HEADER))
-    return 0
+    after = 0
+
+    def emit(batch: Iterable[common_pb2.EventRecord]) -> None:
+        nonlocal after
+        for e in batch:
+            print(json.dumps(output.event_json(e), default=str) if as_json else output.event_line(e), flush=True)
+            after = max(after, e.event_id)
+
+    emit(records)
+    try:
+        while True:
+            terminal = _latest(api, execution_id, include_results=False)
+            for page in _event_pages(api, execution_id, after, page_size):
+                emit(page)
+            if terminal is not None and output.is_terminal(terminal):
+                return 0  # its terminal event was recorded before the read model said so
+            time.sleep(poll)
+    except KeyboardInterrupt:
+        return 130
 
 
 def trace(api: Api, execution_id: int, step: str, *, as_json: bool = False) -> int:

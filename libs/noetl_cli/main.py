@@ -126,8 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("events", parents=[with_api], help="list an execution's events")
     p.add_argument("execution_id", metavar="ID")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--limit", type=_count, default=0, metavar="N",
+                   help="only the last N events")
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="then print new events as they are recorded, until the execution ends")
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.events(
-        api, client.parse_execution_id(a.execution_id), as_json=a.json)))
+        api, client.parse_execution_id(a.execution_id), as_json=a.json, limit=a.limit, follow=a.follow)))
 
     p = sub.add_parser("trace", parents=[with_api], help="the lineage of a step's result (newest first)")
     p.add_argument("execution_id", metavar="ID")

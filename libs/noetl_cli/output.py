@@ -7,9 +7,10 @@ is pure (protobuf in, str/dict out) so it is unit-tested without a server.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -31,6 +32,23 @@ class CliError(Exception):
 
 def eprint(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
+
+
+# Status colours on a terminal (ANSI SGR; plain text when the stream is not a terminal,
+# NO_COLOR is set or TERM is dumb: https://no-color.org). Four codes do not justify a
+# rendering library in a CLI whose start-up time is budgeted (docs/BENCHMARKS.md).
+_COLOURS = {"COMPLETED": "32", "FAILED": "31", "CANCELLED": "35", "RUNNING": "33", "PENDING": "2"}
+
+
+def colour_enabled(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
+def paint(status: str, on: bool) -> str:
+    """``status`` in its colour when ``on``."""
+    code = _COLOURS.get(status)
+    return f"\033[{code}m{status}\033[0m" if on and code else status
 
 
 def print_json(obj: Any) -> None:
@@ -84,6 +102,8 @@ def execution_json(execution: execution_pb2.Execution, *, error: str | None = No
     steps: dict[str, dict[str, Any]] = {}
     for step in execution.steps:
         steps[step.name] = {"status": step_status(step.status), "result": parse_json_text(step.result_json)}
+        if step.HasField("loop"):
+            steps[step.name]["loop"] = {"total": step.loop.total, "done": step.loop.done, "failed": step.loop.failed}
     return {
         "execution_id": str(execution.execution_id),
         "status": execution_status(execution.status),
@@ -114,12 +134,52 @@ def step_states(execution: execution_pb2.Execution) -> dict[str, str]:
     return {s.name: step_status(s.status) for s in execution.steps}
 
 
-def progress_lines(previous: Mapping[str, str], execution: execution_pb2.Execution) -> list[str]:
+def progress_lines(previous: Mapping[str, str], execution: execution_pb2.Execution, *,
+                   colour: bool = False) -> list[str]:
     """One line per step whose status differs from ``previous`` (step name -> status)."""
     current = step_states(execution)
     width = max([len(n) for n in current] + [5])
-    return [f"  {name.ljust(width)}  {status}" for name, status in current.items()
+    return [f"  {name.ljust(width)}  {paint(status, colour)}" for name, status in current.items()
             if previous.get(name) != status]
+
+
+def loop_progress_text(loop: execution_pb2.LoopProgress, rate: float | None = None) -> str:
+    """``450/1000 (2 failed, 350/s)``: a loop's iterations done of its items."""
+    done = f"{loop.done}/{loop.total}" if loop.total else f"{loop.done}"
+    extra = [f"{loop.failed} failed"] if loop.failed else []
+    if rate is not None:
+        extra.append(f"{rate:,.0f}/s" if rate >= 10 else f"{rate:.1f}/s")
+    return done + (f" ({', '.join(extra)})" if extra else "")
+
+
+class LoopMeter:
+    """Lines showing running loops' progress while an execution is followed: at most one
+    per loop every ``interval`` seconds (a 100,000-item loop must not print 100,000
+    lines), with the rate since the meter first saw the loop. Pure: the caller gives the
+    clock."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self._first: dict[str, tuple[float, int]] = {}
+        self._shown: dict[str, tuple[float, int]] = {}
+
+    def lines(self, execution: execution_pb2.Execution, now: float, *, force: bool = False) -> list[str]:
+        out: list[str] = []
+        running = [s for s in execution.steps if s.HasField("loop") and step_status(s.status) == "RUNNING"]
+        width = max([len(s.name) for s in running] + [5])
+        for s in running:
+            key = f"{s.name}#{s.visits}"
+            first = self._first.setdefault(key, (now, s.loop.done))
+            shown = self._shown.get(key)
+            if shown is not None and shown[1] == s.loop.done:
+                continue  # nothing new
+            if shown is not None and now - shown[0] < self.interval and not force:
+                continue
+            elapsed = now - first[0]
+            rate = (s.loop.done - first[1]) / elapsed if elapsed >= 0.5 else None
+            self._shown[key] = (now, s.loop.done)
+            out.append(f"  {s.name.ljust(width)}  {loop_progress_text(s.loop, rate)}")
+        return out
 
 
 def _duration(execution: execution_pb2.Execution) -> str:
@@ -137,9 +197,10 @@ def pretty_value(value: Any, limit: int = RESULT_PREVIEW_CHARS) -> str:
     return text
 
 
-def execution_summary(execution: execution_pb2.Execution, *, error: str | None = None) -> str:
-    """Human summary: status line, one line per step, then the results of the steps."""
-    status = execution_status(execution.status)
+def execution_summary(execution: execution_pb2.Execution, *, error: str | None = None, colour: bool = False) -> str:
+    """Human summary: status line, one line per step (a loop's iterations with it), then
+    the results of the steps (each cut at ``RESULT_PREVIEW_CHARS``: ``--json`` has all)."""
+    status = paint(execution_status(execution.status), colour)
     playbook = (f" ({execution.playbook_path} v{execution.playbook_version}{_duration(execution)})"
                 if execution.playbook_path else "")
     lines = [f"execution {execution.execution_id} {status}{playbook}"]
@@ -152,7 +213,9 @@ def execution_summary(execution: execution_pb2.Execution, *, error: str | None =
         for s in execution.steps:
             first, *more = s.error.splitlines() or [""]
             extra = f"  ({first})" if first else ""
-            lines.append(f"  {s.name.ljust(width)}  {step_status(s.status)}{extra}")
+            if s.HasField("loop"):
+                extra = f"  {loop_progress_text(s.loop)}{extra}"
+            lines.append(f"  {s.name.ljust(width)}  {paint(step_status(s.status), colour)}{extra}")
             lines.extend("      " + ln for ln in more)  # a python task's traceback
     results = [(s.name, parse_json_text(s.result_json)) for s in execution.steps if s.result_json]
     for name, value in results:

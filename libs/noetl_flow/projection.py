@@ -26,6 +26,11 @@ class StepView:
     error: str | None = None
     started_at: datetime | None = None
     ended_at: datetime | None = None
+    # a loop step's progress: items (0 = not known up front, a cursor loop; None = not a
+    # loop), accepted iteration results, and the failed ones among them
+    loop_total: int | None = None
+    loop_done: int = 0
+    loop_failed: int = 0
     dirty: bool = False
 
 
@@ -90,8 +95,17 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
         s.ended_at = None
         s.error = None
         s.result_ref_id = None
+        if meta.get("loop_instance") is not None:  # a loop starts: its progress from zero
+            s.loop_total = int(meta.get("total") or 0) if meta.get("mode") != "cursor" else 0
+            s.loop_done = s.loop_failed = 0
+        else:
+            s.loop_total = None
     elif kind in (r.EV_CALL_DONE, r.EV_CALL_ERROR) and name and meta.get("index") is not None:
-        pass  # a loop iteration: the loop step completes on loop.done
+        # a loop iteration's accepted result (the loop step completes on loop.done)
+        s = view.step(name)
+        s.loop_done += 1
+        if kind == r.EV_CALL_ERROR or result.get("status") == "error":
+            s.loop_failed += 1
     elif kind in (r.EV_CALL_DONE, r.EV_CALL_ERROR, r.EV_LOOP_DONE) and name:
         s = view.step(name)
         s.status = FAILED if kind == r.EV_CALL_ERROR or result.get("status") == "error" else COMPLETED

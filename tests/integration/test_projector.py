@@ -214,10 +214,12 @@ async def test_projects_executions_steps_and_watermark(history: History, nc: NAT
     steps = {(r["execution_id"], r["step"]): r for r in views["steps"]}
     assert steps[(history.done, "start")] == {
         "execution_id": history.done, "step": "start", "status": "COMPLETED", "visits": 1, "attempts": 1,
-        "result_ref_id": 101, "error": None, "started_at": sh.at(2), "ended_at": sh.at(4)}
+        "result_ref_id": 101, "error": None, "started_at": sh.at(2), "ended_at": sh.at(4),
+        "loop_total": None, "loop_done": 0, "loop_failed": 0}  # not a loop
     assert steps[(history.done, "fetch")] == {
         "execution_id": history.done, "step": "fetch", "status": "COMPLETED", "visits": 2, "attempts": 1,
-        "result_ref_id": 102, "error": None, "started_at": sh.at(10), "ended_at": sh.at(12)}
+        "result_ref_id": 102, "error": None, "started_at": sh.at(10), "ended_at": sh.at(12),
+        "loop_total": None, "loop_done": 0, "loop_failed": 0}
     boom = steps[(history.failed, "boom")]
     assert (boom["status"], boom["error"], boom["result_ref_id"], boom["ended_at"]) == (
         "FAILED", "boom failed", None, sh.at(7))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+
+import pytest
 
 from noetl_cli import output
 from noetl_proto.v1 import common_pb2, execution_pb2, shard_manager_pb2
@@ -149,3 +152,44 @@ def test_summary_shows_a_python_error_with_its_type_and_traceback() -> None:
     assert "  calc  FAILED  (ZeroDivisionError: division by zero)" in lines
     assert '        File "<task>", line 1' in lines
     assert _message({"error": {"code": "HTTP_ERROR", "message": "GET x: HTTP 503"}}) == "GET x: HTTP 503"
+
+
+def running_loop(done: int, failed: int = 0, total: int = 1000) -> execution_pb2.Execution:
+    ex = execution_pb2.Execution(execution_id=1, status=common_pb2.EXECUTION_STATUS_RUNNING)
+    ex.steps.add(name="start", status=common_pb2.STEP_STATUS_COMPLETED)
+    step = ex.steps.add(name="each_item", status=common_pb2.STEP_STATUS_RUNNING, visits=1)
+    step.loop.CopyFrom(execution_pb2.LoopProgress(total=total, done=done, failed=failed))
+    return ex
+
+
+def test_loop_progress_is_shown_at_most_once_a_second_with_its_rate() -> None:
+    meter = output.LoopMeter(interval=1.0)
+    assert meter.lines(running_loop(0), now=100.0) == ["  each_item  0/1000"]
+    assert meter.lines(running_loop(50), now=100.4) == []  # within the interval
+    assert meter.lines(running_loop(300, failed=2), now=101.0) == ["  each_item  300/1000 (2 failed, 300/s)"]
+    assert meter.lines(running_loop(300, failed=2), now=105.0) == []  # nothing new
+    assert meter.lines(running_loop(302, failed=2), now=105.1, force=True) == [
+        "  each_item  302/1000 (2 failed, 59/s)"]
+    cursor = output.loop_progress_text(execution_pb2.LoopProgress(total=0, done=7))
+    assert cursor == "7"  # a cursor loop: no total known up front
+
+
+def test_summary_and_json_carry_a_loops_progress_and_colour_only_when_asked() -> None:
+    ex = running_loop(10, failed=1, total=20)
+    summary = output.execution_summary(ex)
+    assert "each_item  RUNNING  10/20 (1 failed)" in summary and "\033[" not in summary
+    assert "\033[33mRUNNING\033[0m" in output.execution_summary(ex, colour=True)
+    assert output.execution_json(ex)["steps"]["each_item"]["loop"] == {"total": 20, "done": 10, "failed": 1}
+    assert "loop" not in output.execution_json(ex)["steps"]["start"]
+
+
+def test_colour_follows_the_terminal_and_no_color(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    assert output.colour_enabled(Tty()) and not output.colour_enabled(io.StringIO())
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not output.colour_enabled(Tty())

@@ -166,6 +166,7 @@ class StepState(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     ENDED_AT_FIELD_NUMBER: _builtins.int
     VISITS_FIELD_NUMBER: _builtins.int
+    LOOP_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     status: _common_pb2.StepStatus.ValueType
     attempts: _builtins.int
@@ -180,6 +181,12 @@ class StepState(_message.Message):
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def ended_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def loop(self) -> Global___LoopProgress:
+        """A loop step's iterations, counted by the projector as their results are accepted
+        (unset for a step that is not a loop).
+        """
+
     def __init__(
         self,
         *,
@@ -192,14 +199,43 @@ class StepState(_message.Message):
         started_at: _timestamp_pb2.Timestamp | None = ...,
         ended_at: _timestamp_pb2.Timestamp | None = ...,
         visits: _builtins.int = ...,
+        loop: Global___LoopProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "result_ref", b"result_ref", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "loop", b"loop", "result_ref", b"result_ref", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "ended_at", b"ended_at", "error", b"error", "name", b"name", "result_json", b"result_json", "result_ref", b"result_ref", "started_at", b"started_at", "status", b"status", "visits", b"visits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "ended_at", b"ended_at", "error", b"error", "loop", b"loop", "name", b"name", "result_json", b"result_json", "result_ref", b"result_ref", "started_at", b"started_at", "status", b"status", "visits", b"visits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepState: _TypeAlias = StepState  # noqa: Y015
+
+@_typing.final
+class LoopProgress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    total: _builtins.int
+    """Items of the collection (0 when not known up front: a cursor loop)."""
+    done: _builtins.int
+    """Iterations whose result was accepted, failed ones included."""
+    failed: _builtins.int
+    """Of those, the iterations that failed."""
+    def __init__(
+        self,
+        *,
+        total: _builtins.int = ...,
+        done: _builtins.int = ...,
+        failed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "failed", b"failed", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoopProgress: _TypeAlias = LoopProgress  # noqa: Y015
 
 @_typing.final
 class Execution(_message.Message):

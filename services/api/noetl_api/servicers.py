@@ -56,6 +56,9 @@ def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
                                                                 uri=s.get("result_uri") or ""))
         for field in ("started_at", "ended_at"):
             set_timestamp(getattr(step, field), s.get(field))
+        if s.get("loop_total") is not None:  # a loop step (the projector saw its loop start)
+            step.loop.CopyFrom(execution_pb2.LoopProgress(total=s["loop_total"], done=s.get("loop_done") or 0,
+                                                          failed=s.get("loop_failed") or 0))
     return ex
 
 

@@ -49,7 +49,8 @@ async def load_views(conn: psycopg.AsyncConnection[Any], shard: int, ids: Sequen
     for r in await step_cur.fetchall():
         views[r["execution_id"]].steps[r["step"]] = StepView(
             step=r["step"], status=r["status"], visits=r["visits"], attempts=r["attempts"],
-            result_ref_id=r["result_ref_id"], error=r["error"], started_at=r["started_at"], ended_at=r["ended_at"])
+            result_ref_id=r["result_ref_id"], error=r["error"], started_at=r["started_at"], ended_at=r["ended_at"],
+            loop_total=r["loop_total"], loop_done=r["loop_done"], loop_failed=r["loop_failed"])
     return views
 
 
@@ -74,17 +75,19 @@ async def save_views(conn: psycopg.AsyncConnection[Any], views: Iterable[Executi
                    v.last_shard_seq) for v in views], 12),
     )
     steps = [(v.execution_id, s.step, s.status, s.visits, s.attempts, s.result_ref_id, s.error, s.started_at,
-              s.ended_at) for v in views for s in v.steps.values() if s.dirty]
+              s.ended_at, s.loop_total, s.loop_done, s.loop_failed)
+             for v in views for s in v.steps.values() if s.dirty]
     if steps:
         await conn.execute(
             "INSERT INTO noetl.execution_step (execution_id, step, status, visits, attempts, result_ref_id,"
-            " error, started_at, ended_at)"
+            " error, started_at, ended_at, loop_total, loop_done, loop_failed)"
             " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::int[], %b::int[], %b::bigint[],"
-            " %b::text[], %b::timestamptz[], %b::timestamptz[])"
+            " %b::text[], %b::timestamptz[], %b::timestamptz[], %b::bigint[], %b::bigint[], %b::bigint[])"
             " ON CONFLICT (execution_id, step) DO UPDATE SET status = EXCLUDED.status, visits = EXCLUDED.visits,"
             " attempts = EXCLUDED.attempts, result_ref_id = EXCLUDED.result_ref_id, error = EXCLUDED.error,"
-            " started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at",
-            columns(steps, 9),
+            " started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at, loop_total = EXCLUDED.loop_total,"
+            " loop_done = EXCLUDED.loop_done, loop_failed = EXCLUDED.loop_failed",
+            columns(steps, 12),
         )
 
 
