@@ -13,6 +13,8 @@ from .router import (
     EV_STEP_ENTER,
     Flow,
 )
+from . import rerun
+from .rerun import RerunPlan, RerunRefused
 from .state import ExecState, Pending, StepRun
 from .transitions import CallResultInput, CommandUpdate, NewCommand, NewEvent, StartInput, Transition
 
@@ -34,7 +36,10 @@ __all__ = [
     "NewCommand",
     "NewEvent",
     "Pending",
+    "RerunPlan",
+    "RerunRefused",
     "StartInput",
     "StepRun",
     "Transition",
+    "rerun",
 ]
