@@ -84,12 +84,15 @@ def execution_json(execution: execution_pb2.Execution, *, error: str | None = No
     steps: dict[str, dict[str, Any]] = {}
     for step in execution.steps:
         steps[step.name] = {"status": step_status(step.status), "result": parse_json_text(step.result_json)}
-    return {
+    doc = {
         "execution_id": str(execution.execution_id),
         "status": execution_status(execution.status),
         "steps": steps,
         "error": error if error is not None else (execution.error or None),
     }
+    if execution.rerun_of:  # a rerun (noetl-rt rerun) names its original
+        doc["rerun_of"] = str(execution.rerun_of)
+    return doc
 
 
 def execution_detail_json(execution: execution_pb2.Execution) -> dict[str, Any]:
@@ -142,7 +145,8 @@ def execution_summary(execution: execution_pb2.Execution, *, error: str | None =
     status = execution_status(execution.status)
     playbook = (f" ({execution.playbook_path} v{execution.playbook_version}{_duration(execution)})"
                 if execution.playbook_path else "")
-    lines = [f"execution {execution.execution_id} {status}{playbook}"]
+    rerun = f", reruns {execution.rerun_of}" if execution.rerun_of else ""
+    lines = [f"execution {execution.execution_id} {status}{playbook}{rerun}"]
     err = error or execution.error
     if err:
         lines.append(f"error: {err}")
