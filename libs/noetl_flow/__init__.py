@@ -1,5 +1,7 @@
 """The engine's pure core: execution state, folding inputs, routing. No I/O."""
 
+from . import rerun
+from .rerun import RerunPlan, RerunRefused
 from .router import (
     EV_CALL_DONE,
     EV_CALL_ERROR,
@@ -13,8 +15,6 @@ from .router import (
     EV_STEP_ENTER,
     Flow,
 )
-from . import rerun
-from .rerun import RerunPlan, RerunRefused
 from .state import ExecState, Pending, StepRun
 from .transitions import CallResultInput, CommandUpdate, NewCommand, NewEvent, StartInput, Transition
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from noetl_dsl import reachable_from
 
 from . import loops
-from .state import STEP_CANCELLED, STEP_DONE, STEP_FAILED, COMPLETED, ExecState, LoopRun
+from .state import COMPLETED, STEP_CANCELLED, STEP_DONE, STEP_FAILED, ExecState, LoopRun
 
 if TYPE_CHECKING:
     from .router import Flow

@@ -50,9 +50,9 @@ from .engine.shard import EngineDeps, ShardEngine
 from .grants import CredentialGrants
 from .keyring import Keyring
 from .queries import Queries
+from .reruns import Rerunner
 from .schedules import ScheduleServicer
 from .servicers import CatalogServicer, CredentialServicer, ExecutionServicer, WorkerServicer
-from .reruns import Rerunner
 from .submissions import Submitter
 from .tokens import AuthServicer
 
