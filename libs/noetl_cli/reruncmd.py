@@ -37,9 +37,16 @@ def add_parser(sub: Any, with_api: argparse.ArgumentParser, run: WithApi,
     p.add_argument("--idempotency-key", default="", metavar="K",
                    help="rerunning with K returns the same new execution (default: a fresh key per call)")
     p.add_argument("--detach", action="store_true", help="print the new execution id and return once committed")
-    p.set_defaults(handler=lambda a: run(a, lambda api: rerun(
-        api, client.parse_execution_id(a.execution_id), from_step=a.from_step, as_json=a.json, timeout=a.timeout,
-        idempotency_key=a.idempotency_key, detach=a.detach), needs=("postgres", "nats")))
+    p.set_defaults(handler=lambda a: _handle(a, run))
+
+
+def _handle(a: argparse.Namespace, run: WithApi) -> int:
+    """Arguments are checked before the api is contacted."""
+    execution_id = client.parse_execution_id(a.execution_id)
+    if a.from_step is not None and a.from_step != a.from_step.strip():
+        raise CliError(f"--from: a step name has no surrounding spaces, got {a.from_step!r}", code=2)
+    return run(a, lambda api: rerun(api, execution_id, from_step=a.from_step, as_json=a.json, timeout=a.timeout,
+                                    idempotency_key=a.idempotency_key, detach=a.detach), needs=("postgres", "nats"))
 
 
 def rerun(api: Api, execution_id: int, *, from_step: str = "", as_json: bool = False,

@@ -49,13 +49,14 @@ class Rerunner:
             raise InvalidInput("execution_id is required")
         if timeout_sec < 0:
             raise InvalidInput("timeout_seconds must not be negative")
+        req = await self._original(execution_id)
+        auth.own_or_admin(req["submitted_by"])
         full_key = idempotency_key(execution_id, key)
         if full_key:
             existing = await self._submitter.existing(full_key)
             if existing is not None:
                 return existing, None
-        req, state = await self._original(execution_id)
-        auth.own_or_admin(req["submitted_by"])
+        state = _terminal_state(execution_id, req)
         compiled = await self._catalog.compiled(int(req["catalog_id"]))
         try:
             plan = rerun.plan(compiled.flow, state, from_step.strip())
@@ -74,7 +75,8 @@ class Rerunner:
                         ", ".join(plan.steps), ", ".join(plan.kept) or "nothing", sub.shard_id)
         return sub, plan
 
-    async def _original(self, execution_id: int) -> tuple[dict[str, Any], ExecState]:
+    async def _original(self, execution_id: int) -> dict[str, Any]:
+        """The original's request row with its engine state (None before it started)."""
         async with self._pool.connection() as conn:
             cur = await conn.execute(
                 "SELECT r.catalog_id, r.payload, r.timeout_sec, r.workload_ref_id, r.payload_bytes, r.submitted_by,"
@@ -85,12 +87,7 @@ class Rerunner:
             row = await cur.fetchone()
         if row is None:
             raise NotFound(f"execution {execution_id} not found")
-        if row["state"] is None:
-            if row["quarantined"]:
-                raise Conflict(f"execution {execution_id} never started (its start was quarantined:"
-                               f" {row['quarantined']}): there is no state to rerun from; submit it again")
-            raise Conflict(f"execution {execution_id} has not started yet: a rerun starts from a finished execution")
-        return row, ExecState.from_json(row["state"])
+        return row
 
     async def _check_kept(self, execution_id: int, state: ExecState, plan: RerunPlan) -> None:
         """What the rerun will reference must still be there: the kept steps' result
@@ -116,3 +113,12 @@ class Rerunner:
             raise Conflict(f"execution {execution_id} cannot be rerun: the result of step {missing[0][0]!r}"
                            f" (reference {missing[0][1]}) is gone" + (f" (and {len(missing) - 1} more)"
                                                                       if len(missing) > 1 else ""))
+
+
+def _terminal_state(execution_id: int, row: dict[str, Any]) -> ExecState:
+    if row["state"] is None:
+        if row["quarantined"]:
+            raise Conflict(f"execution {execution_id} never started (its start was quarantined:"
+                           f" {row['quarantined']}): there is no state to rerun from; submit it again")
+        raise Conflict(f"execution {execution_id} has not started yet: a rerun starts from a finished execution")
+    return ExecState.from_json(row["state"])
