@@ -19,7 +19,7 @@ from typing import Any
 from noetl_common.errors import InvalidInput, NoetlError, Overloaded, Unavailable
 from noetl_common.roles import Role
 
-from . import client, schedulecmd, stackprobe
+from . import client, reruncmd, schedulecmd, stackprobe
 from .home import Resolved, resolve_api, resolve_dsn, resolve_home, resolve_shard_manager
 from .output import CliError, eprint
 
@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true",
                    help="print the execution id and return once submitted (follow later with `watch ID`)")
     p.set_defaults(handler=_run)
+
+    reruncmd.add_parser(sub, with_api, _with_api, _positive)
 
     p = sub.add_parser("watch", parents=[with_api], help="follow a submitted execution to the end")
     p.add_argument("execution_id", metavar="ID")

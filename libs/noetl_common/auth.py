@@ -76,6 +76,8 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     # a worker submits, follows and cancels sub-playbooks; the reaper (service) submits
     # the ticks of schedules (docs/ARCHITECTURE.md "Schedules")
     _EXECUTIONS + "SubmitExecution": frozenset({_A, _S, _W, _SV}),
+    # a rerun is a new execution of an existing one (a submit token: its own executions only)
+    _EXECUTIONS + "RerunExecution": frozenset({_A, _S, _SV}),
     _EXECUTIONS + "GetExecution": _READERS,
     _EXECUTIONS + "ListExecutions": _READERS,
     _EXECUTIONS + "WatchExecution": _READERS,

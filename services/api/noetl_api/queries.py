@@ -34,7 +34,7 @@ class Queries:
             if row is None:
                 cur = await conn.execute(
                     "SELECT r.execution_id, r.shard_id, r.catalog_id, c.path AS playbook_path,"
-                    " c.version AS playbook_version, r.parent_execution_id, r.requested_at AS created_at"
+                    " c.version AS playbook_version, r.parent_execution_id, r.rerun_of, r.requested_at AS created_at"
                     " FROM noetl.execution_request r JOIN noetl.catalog c USING (catalog_id)"
                     " WHERE r.execution_id = %s", (execution_id,))
                 req = await cur.fetchone()

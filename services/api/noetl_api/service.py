@@ -50,6 +50,7 @@ from .engine.shard import EngineDeps, ShardEngine
 from .grants import CredentialGrants
 from .keyring import Keyring
 from .queries import Queries
+from .reruns import Rerunner
 from .schedules import ScheduleServicer
 from .servicers import CatalogServicer, CredentialServicer, ExecutionServicer, WorkerServicer
 from .submissions import Submitter
@@ -175,10 +176,11 @@ class ApiService(Service):
             self.ids = SnowflakeGenerator(self.node_id)
             self.admission = admission = Admission(self.pool, max_active=self.executions.max_active,
                                                    max_queued=self.executions.max_queued_commands)
-            self.execution_servicer.bind(Submitter(
+            submitter = Submitter(
                 self.pool, self.catalog, self.ids, self.js, shard_count=self.shard_cfg.count,
                 default_timeout_sec=self.executions.default_timeout_sec, admission=admission, limits=self.limits,
-                results=self.results))
+                results=self.results)
+            self.execution_servicer.bind(submitter, Rerunner(self.pool, self.catalog, submitter))
             deps = EngineDeps(self.pool, self.nc, self.js, self.catalog, self.results, self.ownership,
                               self.commands, self.executions, limits=self.limits, reconnects=self.reconnects,
                               claim_key=self.claim_key)

@@ -34,7 +34,7 @@ from noetl_common.ids import barrier_execution_id, snowflake_at
 from noetl_common.retry import is_transient
 from noetl_common.shards import ShardOwnership
 from noetl_dsl import merged_workload
-from noetl_flow import EV_DEAD, CallResultInput, ExecState, StartInput, Transition
+from noetl_flow import EV_DEAD, CallResultInput, ExecState, Flow, StartInput, Transition, rerun
 from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, envelope_from_proto
 
@@ -449,6 +449,8 @@ class ShardEngine:
                 states[eid] = t.state
                 for instance, items in t.loop_items:
                     await sql.store_loop_items(conn, eid, instance, items)
+                for source, source_instance, instance in t.loop_copies:
+                    await sql.copy_loop(conn, source, source_instance, eid, instance)
                 for _instance, step_name, envelope in t.loop_refs:  # before the events are serialised
                     envelope["reference"]["ref_id"] = await sql.loop_reference(
                         conn, eid, step_name, envelope["reference"]["uri"], envelope["context"])
@@ -533,7 +535,10 @@ class ShardEngine:
                                      "version": req["version"],
                                      "parent_execution_id": req["parent_execution_id"],
                                      "requested_at": req["requested_at"].isoformat()})
-            t = compiled.flow.start(start, workload)
+            if req.get("rerun_of"):
+                t = await self._rerun(start, req, compiled.flow, workload, conn)
+            else:
+                t = compiled.flow.start(start, workload)
             if inp.kind == "cancel":
                 t2 = compiled.flow.on_cancel(t.state, inp.msg.reason)
                 _merge(t, t2)
@@ -570,6 +575,29 @@ class ShardEngine:
         if inp.kind == "abort":
             return flow.on_abort(state, str(inp.msg))
         return None
+
+    async def _rerun(self, start: StartInput, req: dict[str, Any], flow: Flow, workload: dict[str, Any],
+                     conn: Any) -> Transition:
+        """The first transition of a rerun (noetl_flow.rerun): the original's terminal engine
+        state, the successful iterations of its loops to resume and the results the first
+        templates read, all from Postgres. If the original can no longer be rerun (RerunExecution
+        checked it; this is a second look at what is durable), the rerun fails at once naming why."""
+        original_id = int(req["rerun_of"])
+        meta = {"rerun_of": original_id}
+        original = (await sql.load_states(conn, [original_id])).get(original_id)
+        if original is None:
+            return flow.refuse(start, f"RERUN_REFUSED: execution {original_id} has no engine state to rerun from", meta)
+        try:
+            plan = rerun.plan(flow, original, req.get("rerun_from") or "")
+        except rerun.RerunRefused as exc:
+            return flow.refuse(start, f"RERUN_REFUSED: {exc}", meta)
+        todo: dict[str, tuple[int, list[list[int]]]] = {}
+        for name, lr in plan.resume.items():
+            ok = await sql.ok_ranges(conn, original_id, lr.instance)
+            todo[name] = (sum(end - begin for begin, end in ok), rerun.todo_ranges(lr.total, ok))
+        refs = rerun.needs(flow, original, plan, {name: ranges for name, (_, ranges) in todo.items()})
+        values = await self._values(refs, conn, start.execution_id, []) if refs else {}
+        return flow.rerun(start, original, plan, workload, values, todo)
 
     async def _values(self, refs: dict[str, dict[str, Any] | None], conn: Any, eid: int,
                       batch_loop_results: list[tuple[int, str, int, str, int | None]]) -> dict[str, Any]:
@@ -686,5 +714,6 @@ def _deadline(state: ExecState) -> datetime | None:
 
 def _merge(first: Transition, second: Transition) -> None:
     first.state = second.state
-    for name in ("events", "commands", "updates", "republish", "loop_items", "loop_results", "loop_refs"):
+    for name in ("events", "commands", "updates", "republish", "loop_items", "loop_results", "loop_refs",
+                 "loop_copies"):
         getattr(first, name).extend(getattr(second, name))
