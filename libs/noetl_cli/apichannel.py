@@ -32,6 +32,7 @@ from noetl_common.errors import ConfigError, NoetlError, Overloaded, Unavailable
 from noetl_proto.v1 import (
     auth_pb2_grpc,
     catalog_pb2_grpc,
+    concurrency_pb2_grpc,
     execution_pb2_grpc,
     schedule_pb2_grpc,
     shard_manager_pb2_grpc,
@@ -123,6 +124,7 @@ class Api:
         self.shard_manager = shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
         self.tokens = auth_pb2_grpc.AuthServiceStub(self.channel)
         self.schedules = schedule_pb2_grpc.ScheduleServiceStub(self.channel)
+        self.concurrency = concurrency_pb2_grpc.ConcurrencyServiceStub(self.channel)
 
     def close(self) -> None:
         self._raw_channel.close()

@@ -19,7 +19,7 @@ from typing import Any
 from noetl_common.errors import InvalidInput, NoetlError, Overloaded, Unavailable
 from noetl_common.roles import Role
 
-from . import client, reruncmd, schedulecmd, stackprobe
+from . import client, limitcmd, reruncmd, schedulecmd, stackprobe
 from .home import Resolved, resolve_api, resolve_dsn, resolve_home, resolve_shard_manager
 from .output import CliError, eprint
 
@@ -227,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=lambda a: _tokencmd().register(resolve_dsn(a.dsn, _home(a)).value, a.role, a.name))
 
     schedulecmd.add_parsers(sub, with_api, _with_api)
+    limitcmd.add_parsers(sub, with_api, _with_api, _count)
 
     p = sub.add_parser("migrate", parents=[home_only], help="apply database migrations")
     p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")

@@ -112,6 +112,8 @@ def execution_json(execution: execution_pb2.Execution, *, error: str | None = No
     }
     if execution.rerun_of:  # a rerun (noetl-rt rerun) names its original
         doc["rerun_of"] = str(execution.rerun_of)
+    if execution.waiting:  # PENDING behind a concurrency limit
+        doc["waiting"] = execution.waiting
     return doc
 
 
@@ -211,6 +213,8 @@ def execution_summary(execution: execution_pb2.Execution, *, error: str | None =
     err = error or execution.error
     if err:
         lines.append(f"error: {err}")
+    if execution.waiting:
+        lines.append(f"waiting: {execution.waiting}")
     if execution.steps:
         width = max(len(s.name) for s in execution.steps)
         lines.append("steps:")

@@ -70,6 +70,7 @@ _WORKER = "/noetl.v1.WorkerService/"
 _MEMBERS = "/noetl.v1.ShardManagerService/"
 _TOKENS = "/noetl.v1.AuthService/"
 _SCHEDULES = "/noetl.v1.ScheduleService/"
+_CONCURRENCY = "/noetl.v1.ConcurrencyService/"
 
 #: Which roles may call which method (full gRPC method name).
 METHOD_ROLES: Mapping[str, frozenset[Role]] = {
@@ -106,6 +107,9 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     _SCHEDULES + "PauseSchedule": frozenset({_A}),
     _SCHEDULES + "ResumeSchedule": frozenset({_A}),
     _SCHEDULES + "DeleteSchedule": frozenset({_A}),
+    _CONCURRENCY + "SetLimit": frozenset({_A}),
+    _CONCURRENCY + "ListLimits": _READERS,
+    _CONCURRENCY + "DeleteLimit": frozenset({_A}),
 }
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 

@@ -254,6 +254,7 @@ class Execution(_message.Message):
     PARENT_EXECUTION_ID_FIELD_NUMBER: _builtins.int
     LAST_SHARD_SEQ_FIELD_NUMBER: _builtins.int
     RERUN_OF_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
     execution_id: _builtins.int
     shard_id: _builtins.int
     playbook_path: _builtins.str
@@ -265,6 +266,10 @@ class Execution(_message.Message):
     """shard_seq of the last event folded into this read model."""
     rerun_of: _builtins.int
     """The execution this one reruns (RerunExecution); 0 for a submitted one."""
+    waiting: _builtins.str
+    """Why a PENDING execution has not started: the concurrency limits it waits for
+    (docs/ARCHITECTURE.md "Concurrency limits"); "" otherwise.
+    """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -289,10 +294,11 @@ class Execution(_message.Message):
         parent_execution_id: _builtins.int = ...,
         last_shard_seq: _builtins.int = ...,
         rerun_of: _builtins.int = ...,
+        waiting: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "ended_at", b"ended_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "ended_at", b"ended_at", "error", b"error", "execution_id", b"execution_id", "last_shard_seq", b"last_shard_seq", "parent_execution_id", b"parent_execution_id", "playbook_path", b"playbook_path", "playbook_version", b"playbook_version", "rerun_of", b"rerun_of", "shard_id", b"shard_id", "started_at", b"started_at", "status", b"status", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "ended_at", b"ended_at", "error", b"error", "execution_id", b"execution_id", "last_shard_seq", b"last_shard_seq", "parent_execution_id", b"parent_execution_id", "playbook_path", b"playbook_path", "playbook_version", b"playbook_version", "rerun_of", b"rerun_of", "shard_id", b"shard_id", "started_at", b"started_at", "status", b"status", "steps", b"steps", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

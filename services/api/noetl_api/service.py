@@ -33,6 +33,8 @@ from noetl_proto.v1 import (
     auth_pb2_grpc,
     catalog_pb2,
     catalog_pb2_grpc,
+    concurrency_pb2,
+    concurrency_pb2_grpc,
     execution_pb2,
     execution_pb2_grpc,
     schedule_pb2,
@@ -45,6 +47,7 @@ from noetl_store import CachedResultStore, make_result_store
 from .admission import GAUGE_REFRESH_SEC, Admission
 from .catalog import Catalog
 from .claims import Claims
+from .concurrency import ConcurrencyServicer
 from .credentials import CredentialStore
 from .engine.shard import EngineDeps, ShardEngine
 from .grants import CredentialGrants
@@ -76,6 +79,7 @@ class ApiService(Service):
         catalog_pb2.DESCRIPTOR.services_by_name["CredentialService"].full_name,
         auth_pb2.DESCRIPTOR.services_by_name["AuthService"].full_name,
         schedule_pb2.DESCRIPTOR.services_by_name["ScheduleService"].full_name,
+        concurrency_pb2.DESCRIPTOR.services_by_name["ConcurrencyService"].full_name,
     )
     worker_service_names = (worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,)
 
@@ -159,6 +163,8 @@ class ApiService(Service):
         schedule_pb2_grpc.add_ScheduleServiceServicer_to_server(ScheduleServicer(
             ScheduleStore(self.pool, shard_count=self.shard_cfg.count), self.catalog, self.schedules_cfg,
             self.limits), server)
+        concurrency_pb2_grpc.add_ConcurrencyServiceServicer_to_server(ConcurrencyServicer(self.pool, self.catalog),
+                                                                      server)
         # the worker API: its own server and port, so the client port can be the only one
         # reachable from outside the release (docs/DEPLOY.md "Security")
         self.worker_server, self.worker_grpc_address = self.new_server(self.core.worker_api_listen,

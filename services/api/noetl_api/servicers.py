@@ -43,7 +43,8 @@ def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
         playbook_path=row.get("playbook_path") or "", playbook_version=row.get("playbook_version") or 0,
         status=common_pb2.ExecutionStatus.Value(f"EXECUTION_STATUS_{row['status']}"),
         error=row.get("error") or "", parent_execution_id=row.get("parent_execution_id") or 0,
-        last_shard_seq=row.get("last_shard_seq") or 0, rerun_of=row.get("rerun_of") or 0,
+        last_shard_seq=row.get("last_shard_seq") or 0, waiting=row.get("waiting") or "",
+        rerun_of=row.get("rerun_of") or 0,
     )
     for field in ("created_at", "started_at", "ended_at"):
         set_timestamp(getattr(ex, field), row.get(field))

@@ -39,7 +39,8 @@ from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, envelope_from_proto
 
 from ..catalog import Catalog
-from . import sql
+from . import limits, sql
+from .limits import EngineLimits
 from .traces import EngineTraces
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class EngineDeps:
     reconnects: natsio.Reconnects = field(default_factory=natsio.Reconnects)
     workloads: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)
     traces: EngineTraces = field(default_factory=EngineTraces)
+    concurrency: EngineLimits = field(default_factory=EngineLimits)
 
 
 @dataclass
@@ -300,6 +302,7 @@ class ShardEngine:
                 row = await cur.fetchone()
                 after = int(row["sweep_from"]) if row else 0
                 starts = await sql.unstarted(conn, self.shard, after, 200)
+                starts += [eid for eid, _ in await limits.startable(conn, shard=self.shard)]
                 late = await sql.overdue(conn, self.shard, 200)
                 cancels = await sql.pending_cancels(conn, self.shard, 200)
                 await conn.commit()
@@ -470,6 +473,11 @@ class ShardEngine:
             horizon = snowflake_at(int((time.time() - 60) * 1000))
             new_sweep = min(max(started_ids, default=sweep_from), horizon)
             ended = [eid for eid, (state, _) in touched.items() if state.status == "cancelled"]
+            finished = [eid for eid, (state, _) in touched.items() if state.terminal]
+            if finished:
+                await self.d.concurrency.refresh(conn)
+                if self.d.concurrency.any:
+                    await limits.release(conn, finished)
             # every write of the batch, then the COMMIT, in one round trip
             await sql.append_events(conn, events)
             await sql.save_states(conn, self.shard, [(s, last, _deadline(s)) for s, last in touched.values()])
@@ -505,6 +513,8 @@ class ShardEngine:
                               json.dumps({"command_ids": cancelled}).encode())
         if ended:
             await self._nudge_children(ended)
+        if finished and self.d.concurrency.any:
+            await self._nudge_waiters()
         if events:
             self.d.traces.committed(events)
             if dead := sum(1 for e in events if e[3] == EV_DEAD):
@@ -528,6 +538,9 @@ class ShardEngine:
                 return None
             compiled = await self.d.catalog.compiled(req["catalog_id"])
             workload = self._workload(eid, req, compiled.playbook)
+            if inp.kind == "submitted" and not await self.d.concurrency.admit(conn, self.shard, eid, req["path"],
+                                                                               workload):
+                return None  # queued by a concurrency limit: started when a slot frees (limits.py)
             deadline = req["requested_at"] + timedelta(seconds=float(req["timeout_sec"]))
             start = StartInput(eid, self.shard, req["catalog_id"], int(deadline.timestamp() * 1000),
                                req["parent_execution_id"] or 0,
@@ -646,6 +659,22 @@ class ShardEngine:
             return {}
         compiled = await self.d.catalog.compiled(state.catalog_id)
         return self._workload(state.execution_id, req, compiled.playbook)
+
+    async def _nudge_waiters(self) -> None:
+        """Slots were freed: nudge the shards of the executions that may start now (a
+        lost nudge costs their shard's next sweep)."""
+        try:
+            async with self.d.pool.connection() as conn:
+                heads = await limits.startable(conn)
+                await conn.commit()
+            for eid, shard in heads:
+                msg = messages_pb2.EngineInput(submitted=messages_pb2.ExecutionSubmitted(execution_id=eid))
+                # no Msg-Id: the submission's own nudge (``submit#id``) is still in the
+                # duplicate window of a recent one
+                await natsio.publish(self.d.js, natsio.events_subject(shard, natsio.KIND_SUBMIT),
+                                     msg.SerializeToString())
+        except Exception as exc:  # nudges: the sweeps start them anyway
+            logger.warning("engine shard %s: waiting executions not nudged (%s); their sweeps will", self.shard, exc)
 
     async def _nudge_children(self, parents: list[int]) -> None:
         """The batch committed the cancellation of the sub-playbooks of ``parents``
