@@ -18,7 +18,7 @@ from typing import Any
 from noetl_common.auth import Role
 from noetl_common.errors import InvalidInput, NoetlError, Overloaded, Unavailable
 
-from . import client, devcmd, schedulecmd, tokencmd
+from . import client, devcmd, dlqcmd, schedulecmd, tokencmd
 from .home import Resolved, resolve_api, resolve_dsn, resolve_home, resolve_shard_manager
 from .output import CliError, eprint
 
@@ -206,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=lambda a: tokencmd.register(resolve_dsn(a.dsn, _home(a)).value, a.role, a.name))
 
     schedulecmd.add_parsers(sub, with_api, _with_api)
+    dlqcmd.add_parsers(sub, with_api, _with_api)
 
     p = sub.add_parser("migrate", parents=[home_only], help="apply database migrations")
     p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")

@@ -64,6 +64,11 @@ GRANTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "cancel_request": {"api": (R, A, D)},
     "quarantine": {"api": (R, A)},
     "quarantine_quarantine_id_seq": {"api": (U,)},
+    # dead letters: the engine (api) records and redrives them; RedriveDeadLetter commits
+    # a request the engine applies and deletes (docs/ARCHITECTURE.md "Dead letters")
+    "dead_letter": {"api": (R, A, W)},
+    "dead_letter_dead_letter_id_seq": {"api": (U,)},
+    "redrive_request": {"api": (R, A, D)},
     # the event log: the engine (api) appends, the compactor deletes (retention)
     "event": {"api": (R, A), "projector": (R,), "checkpointer": (R,), "compactor": (R, D)},
     "event_id_seq": {"api": (U,)},

@@ -1,5 +1,6 @@
 """The engine's pure core: execution state, folding inputs, routing. No I/O."""
 
+from .redrive import RedriveItem, redrive_command_id, refusal
 from .router import (
     EV_CALL_DONE,
     EV_CALL_ERROR,
@@ -8,13 +9,22 @@ from .router import (
     EV_DEAD,
     EV_DUPLICATE,
     EV_FAILED,
+    EV_REDRIVEN,
     EV_REISSUED,
     EV_STARTED,
     EV_STEP_ENTER,
     Flow,
 )
 from .state import ExecState, Pending, StepRun
-from .transitions import CallResultInput, CommandUpdate, NewCommand, NewEvent, StartInput, Transition
+from .transitions import (
+    CallResultInput,
+    CommandUpdate,
+    DeadLetter,
+    NewCommand,
+    NewEvent,
+    StartInput,
+    Transition,
+)
 
 __all__ = [
     "EV_CALL_DONE",
@@ -24,17 +34,22 @@ __all__ = [
     "EV_DEAD",
     "EV_DUPLICATE",
     "EV_FAILED",
+    "EV_REDRIVEN",
     "EV_REISSUED",
     "EV_STARTED",
     "EV_STEP_ENTER",
     "CallResultInput",
     "CommandUpdate",
+    "DeadLetter",
     "ExecState",
     "Flow",
     "NewCommand",
     "NewEvent",
     "Pending",
+    "RedriveItem",
     "StartInput",
     "StepRun",
     "Transition",
+    "redrive_command_id",
+    "refusal",
 ]

@@ -12,6 +12,7 @@ from noetl_common import auth
 from noetl_proto.v1 import (
     auth_pb2,
     catalog_pb2,
+    deadletter_pb2,
     execution_pb2,
     execution_pb2_grpc,
     schedule_pb2,
@@ -21,7 +22,8 @@ from noetl_proto.v1 import (
 
 SERVICES = [(auth_pb2, "AuthService"), (catalog_pb2, "CatalogService"), (catalog_pb2, "CredentialService"),
             (execution_pb2, "ExecutionService"), (shard_manager_pb2, "ShardManagerService"),
-            (worker_pb2, "WorkerService"), (schedule_pb2, "ScheduleService")]
+            (worker_pb2, "WorkerService"), (schedule_pb2, "ScheduleService"),
+            (deadletter_pb2, "DeadLetterService")]
 
 
 def all_methods() -> list[str]:

@@ -33,6 +33,8 @@ from noetl_proto.v1 import (
     auth_pb2_grpc,
     catalog_pb2,
     catalog_pb2_grpc,
+    deadletter_pb2,
+    deadletter_pb2_grpc,
     execution_pb2,
     execution_pb2_grpc,
     schedule_pb2,
@@ -46,6 +48,7 @@ from .admission import GAUGE_REFRESH_SEC, Admission
 from .catalog import Catalog
 from .claims import Claims
 from .credentials import CredentialStore
+from .deadletters import DeadLetterServicer, DeadLetterStore
 from .engine.shard import EngineDeps, ShardEngine
 from .grants import CredentialGrants
 from .keyring import Keyring
@@ -75,6 +78,7 @@ class ApiService(Service):
         catalog_pb2.DESCRIPTOR.services_by_name["CredentialService"].full_name,
         auth_pb2.DESCRIPTOR.services_by_name["AuthService"].full_name,
         schedule_pb2.DESCRIPTOR.services_by_name["ScheduleService"].full_name,
+        deadletter_pb2.DESCRIPTOR.services_by_name["DeadLetterService"].full_name,
     )
     worker_service_names = (worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,)
 
@@ -158,6 +162,8 @@ class ApiService(Service):
         schedule_pb2_grpc.add_ScheduleServiceServicer_to_server(ScheduleServicer(
             ScheduleStore(self.pool, shard_count=self.shard_cfg.count), self.catalog, self.schedules_cfg,
             self.limits), server)
+        deadletter_pb2_grpc.add_DeadLetterServiceServicer_to_server(
+            DeadLetterServicer(DeadLetterStore(self.pool), self.js), server)
         # the worker API: its own server and port, so the client port can be the only one
         # reachable from outside the release (docs/DEPLOY.md "Security")
         self.worker_server, self.worker_grpc_address = self.new_server(self.core.worker_api_listen,
