@@ -75,7 +75,8 @@ GRANTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "engine_state": {"api": (R, A, W)},
     "command": {"api": (R, A, W), "reaper": (R,)},
     "loop_item": {"api": (R, A)},
-    "loop_result": {"api": (R, A), "worker": (R,)},
+    # a redrive takes a failed iteration's result back (DELETE) before re-issuing it
+    "loop_result": {"api": (R, A, D), "worker": (R,)},
     # results: written by workers (and the engine's loop results), read by the api
     "result_ref": {"api": (R, A), "worker": (R, A), "compactor": (R,)},
     "result_ref_ref_id_seq": {"api": (U,), "worker": (U,)},  # nextval(pg_get_serial_sequence(...))

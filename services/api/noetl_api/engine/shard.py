@@ -537,8 +537,10 @@ class ShardEngine:
                 DEAD_LETTERS.labels(str(self.shard)).inc(dead)
         for _eid, d in dead_letters:
             DEAD_LETTERED.labels(str(self.shard), d.reason).inc()
-        for _dl, cid, _why, _who in redrives:
+        for dl, cid, why, _who in redrives:
             REDRIVES.labels(str(self.shard), "redriven" if cid else "refused").inc()
+            logger.info("redrive of dead letter %s on shard %s: %s", dl, self.shard,
+                        f"re-issued as {cid}" if cid else f"refused: {why}")
             BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
             await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
         BATCH_INPUTS.observe(len(inputs))
@@ -628,11 +630,7 @@ class ShardEngine:
         req = requests.get(eid) or (await sql.load_requests(conn, [eid])).get(eid)
         deadline_ms = int((time.time() + float(req["timeout_sec"])) * 1000) if req else None
         flow = (await self.d.catalog.compiled(state.catalog_id)).flow
-        t = flow.on_redrive(state, items, deadline_ms)
-        for dl, cid, why in t.redrive_outcomes:
-            logger.info("redrive of dead letter %s of execution %s: %s", dl, eid,
-                        f"re-issued as {cid}" if cid else f"refused: {why}")
-        return t
+        return flow.on_redrive(state, items, deadline_ms)
 
     async def _values(self, refs: dict[str, dict[str, Any] | None], conn: Any, eid: int,
                       batch_loop_results: list[tuple[int, str, int, str, int | None]]) -> dict[str, Any]:
