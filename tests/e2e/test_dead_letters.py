@@ -187,3 +187,19 @@ def test_a_failure_the_playbook_handled_and_a_caller_who_may_not_redrive_are_ref
         worker.close()
     proc = runner.cli("dlq", "list", "--limit", "0")
     assert proc.returncode == 2 and "--limit must be positive" in proc.stderr
+
+
+def test_a_redrive_whose_nudge_was_lost_is_applied_by_the_sweep(runner: Runner) -> None:
+    """The request row is what counts: committed without a NATS nudge (as if it was lost),
+    the shard's engine finds it on its sweep and applies it."""
+    fix = marker()
+    out = runner.run(STEP, {"marker": str(fix)})
+    assert out.status == "FAILED", out.error
+    [dl] = dlq(runner, "list", "--execution", str(out.execution_id), "--json")
+    fix.touch()
+    runner.sql("INSERT INTO noetl.redrive_request (dead_letter_id, execution_id, shard_id, requested_by)"
+               " VALUES (%s, %s, %s, 'test')", (dl["dead_letter_id"], dl["execution_id"], dl["shard_id"]))
+    wait_until(lambda: status(runner, out.execution_id) == "COMPLETED", 60, "the swept redrive to complete it")
+    [after] = dlq(runner, "list", "--execution", str(out.execution_id), "--json")
+    assert (after["status"], after["redriven_by"]) == ("redriven", "test")
+    assert not runner.sql("SELECT 1 FROM noetl.redrive_request WHERE dead_letter_id = %s", (dl["dead_letter_id"],))

@@ -535,14 +535,14 @@ class ShardEngine:
             self.d.traces.committed(events)
             if dead := sum(1 for e in events if e[3] == EV_DEAD):
                 DEAD_LETTERS.labels(str(self.shard)).inc(dead)
+            BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
+            await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
         for _eid, d in dead_letters:
             DEAD_LETTERED.labels(str(self.shard), d.reason).inc()
         for dl, cid, why, _who in redrives:
             REDRIVES.labels(str(self.shard), "redriven" if cid else "refused").inc()
             logger.info("redrive of dead letter %s on shard %s: %s", dl, self.shard,
                         f"re-issued as {cid}" if cid else f"refused: {why}")
-            BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
-            await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
         BATCH_INPUTS.observe(len(inputs))
         BATCH_SECONDS.observe(time.perf_counter() - started)
 
