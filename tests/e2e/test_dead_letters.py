@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import Runner, metric_sum, wait_until
+from harness import Runner, execute, metric_sum, wait_until
 
 from noetl_cli.client import Api
 from noetl_proto.v1 import common_pb2, deadletter_pb2, deadletter_pb2_grpc, execution_pb2
@@ -197,8 +197,8 @@ def test_a_redrive_whose_nudge_was_lost_is_applied_by_the_sweep(runner: Runner) 
     assert out.status == "FAILED", out.error
     [dl] = dlq(runner, "list", "--execution", str(out.execution_id), "--json")
     fix.touch()
-    runner.sql("INSERT INTO noetl.redrive_request (dead_letter_id, execution_id, shard_id, requested_by)"
-               " VALUES (%s, %s, %s, 'test')", (dl["dead_letter_id"], dl["execution_id"], dl["shard_id"]))
+    execute(runner, "INSERT INTO noetl.redrive_request (dead_letter_id, execution_id, shard_id, requested_by)"
+            " VALUES (%s, %s, %s, 'test')", (dl["dead_letter_id"], dl["execution_id"], dl["shard_id"]))
     wait_until(lambda: status(runner, out.execution_id) == "COMPLETED", 60, "the swept redrive to complete it")
     [after] = dlq(runner, "list", "--execution", str(out.execution_id), "--json")
     assert (after["status"], after["redriven_by"]) == ("redriven", "test")
