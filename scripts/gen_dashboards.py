@@ -192,8 +192,9 @@ def overview() -> list[Row]:
             stat("Lease losses (1h)", f"sum(increase(noetl_lease_losses_total{sel()}[1h]))"),
             stat("Pods up", f"sum(up{up})"),
             stat("Commands republished (1h)", f"sum(increase(noetl_engine_republished_commands_total{sel()}[1h]))"),
-            stat("Dead letters (1h)", f"sum(increase(noetl_engine_dead_letters_total{sel()}[1h]))",
-                 description="Commands that ran out of attempts (NOETL_COMMAND_MAX_ATTEMPTS): their steps failed."),
+            stat("Dead letters (1h)", f"sum(increase(noetl_dead_letters_total{sel()}[1h]))",
+                 description="Commands that exhausted their attempts (a task that still failed after its policy's "
+                             "retries, or claims expired NOETL_COMMAND_MAX_ATTEMPTS times): `noetl-rt dlq list`."),
             stat("Events compacted/s", f"sum(noetl_compactor_events_per_second{sel()})", "ops"),
             Panel("Pods up by role", [(f"sum by (component) (up{up})", "{{component}}")]),
             Panel("Shards owned by role", [(f"sum by (role) (noetl_shard_owner{sel()})", "{{role}}")],
@@ -242,6 +243,12 @@ def api() -> list[Row]:
                 (f"sum by (shard) (increase(noetl_engine_dead_letters_total{c}[{RI}]))", "shard {{shard}}")],
                 description="command.dead_lettered appended: a command's claim expired NOETL_COMMAND_MAX_ATTEMPTS "
                             "times; its step failed."),
+            Panel("Dead letters and redrives", [
+                (f"sum by (reason) (increase(noetl_dead_letters_total{c}[{RI}]))", "dead letter: {{reason}}"),
+                (f"sum by (outcome) (increase(noetl_dead_letter_redrives_total{c}[{RI}]))", "redrive: {{outcome}}")],
+                description="Commands recorded in noetl.dead_letter (failed: a call.error accepted after the task's "
+                            "retries; expired: claim leases ran out) and redrive requests the engine applied "
+                            "(redriven, or refused: `noetl-rt dlq show ID` says why)."),
             Panel("Quarantined inputs and stream resets by shard", [
                 (f"sum by (shard) (increase(noetl_engine_quarantined_total{c}[{RI}]))", "quarantined {{shard}}"),
                 (f"sum by (shard) (increase(noetl_engine_stream_resets_total{c}[{RI}]))", "stream reset {{shard}}"),

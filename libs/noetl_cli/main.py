@@ -19,7 +19,7 @@ from typing import Any
 from noetl_common.errors import InvalidInput, NoetlError, Overloaded, Unavailable
 from noetl_common.roles import Role
 
-from . import client, limitcmd, reruncmd, schedulecmd, stackprobe
+from . import client, dlqcmd, limitcmd, reruncmd, schedulecmd, stackprobe
 from .home import Resolved, resolve_api, resolve_dsn, resolve_home, resolve_shard_manager
 from .output import CliError, eprint
 
@@ -228,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     schedulecmd.add_parsers(sub, with_api, _with_api)
     limitcmd.add_parsers(sub, with_api, _with_api, _count)
+    dlqcmd.add_parsers(sub, with_api, _with_api)
 
     p = sub.add_parser("migrate", parents=[home_only], help="apply database migrations")
     p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")

@@ -71,6 +71,7 @@ _MEMBERS = "/noetl.v1.ShardManagerService/"
 _TOKENS = "/noetl.v1.AuthService/"
 _SCHEDULES = "/noetl.v1.ScheduleService/"
 _CONCURRENCY = "/noetl.v1.ConcurrencyService/"
+_DEAD_LETTERS = "/noetl.v1.DeadLetterService/"
 
 #: Which roles may call which method (full gRPC method name).
 METHOD_ROLES: Mapping[str, frozenset[Role]] = {
@@ -110,6 +111,11 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     _CONCURRENCY + "SetLimit": frozenset({_A}),
     _CONCURRENCY + "ListLimits": _READERS,
     _CONCURRENCY + "DeleteLimit": frozenset({_A}),
+    # dead letters (docs/ARCHITECTURE.md "Dead letters"): a redrive is an operator write,
+    # like a cancellation (a submit token: its own executions only)
+    _DEAD_LETTERS + "ListDeadLetters": frozenset({_A, _S, _R}),
+    _DEAD_LETTERS + "GetDeadLetter": frozenset({_A, _S, _R}),
+    _DEAD_LETTERS + "RedriveDeadLetter": frozenset({_A, _S}),
 }
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 

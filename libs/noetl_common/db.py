@@ -25,6 +25,11 @@ from .errors import Conflict, LeaseLost, NoetlError, NotFound, Unavailable
 logger = logging.getLogger(__name__)
 
 MIGRATION_LOCK_KEY = 0x6E6F65746C  # "noetl"
+# pg_advisory_xact_lock(REDRIVE_LOCK_CLASS, <execution id folded to int4>): the engine holds
+# it while it applies a redrive, the compactor (shared, try) before it compacts the
+# execution: a redrive never lands on an execution being compacted (ARCHITECTURE.md
+# "Dead letters").
+REDRIVE_LOCK_CLASS = 0x444C51  # "DLQ"
 # SQLSTATE raised by noetl.assert_lease (migration 0006): the writer's lease is gone.
 LEASE_NOT_HELD = "NL001"
 PARTITION_LOCK_KEY = 0x6E6F65746C + 1

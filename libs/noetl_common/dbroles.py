@@ -64,13 +64,19 @@ GRANTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "cancel_request": {"api": (R, A, D)},
     "quarantine": {"api": (R, A)},
     "quarantine_quarantine_id_seq": {"api": (U,)},
+    # dead letters: the engine (api) records and redrives them; RedriveDeadLetter commits
+    # a request the engine applies and deletes (docs/ARCHITECTURE.md "Dead letters")
+    "dead_letter": {"api": (R, A, W)},
+    "dead_letter_dead_letter_id_seq": {"api": (U,)},
+    "redrive_request": {"api": (R, A, D)},
     # the event log: the engine (api) appends, the compactor deletes (retention)
     "event": {"api": (R, A), "projector": (R,), "checkpointer": (R,), "compactor": (R, D)},
     "event_id_seq": {"api": (U,)},
     "engine_state": {"api": (R, A, W)},
     "command": {"api": (R, A, W), "reaper": (R,)},
     "loop_item": {"api": (R, A)},
-    "loop_result": {"api": (R, A), "worker": (R,)},
+    # a redrive takes a failed iteration's result back (DELETE) before re-issuing it
+    "loop_result": {"api": (R, A, D), "worker": (R,)},
     # results: written by workers (and the engine's loop results), read by the api
     "result_ref": {"api": (R, A), "worker": (R, A), "compactor": (R,)},
     "result_ref_ref_id_seq": {"api": (U,), "worker": (U,)},  # nextval(pg_get_serial_sequence(...))

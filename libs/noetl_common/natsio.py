@@ -65,6 +65,7 @@ KIND_SUBMIT = "submit"
 KIND_CANCEL = "cancel"
 KIND_EXPIRED = "expired"
 KIND_BARRIER = "barrier"
+KIND_REDRIVE = "redrive"
 
 
 def events_subject(shard: int | str, kind: str) -> str:

@@ -9,8 +9,8 @@ not list) and ``tests/e2e/test_nats_security.py`` (against the running roles).
 Least privilege, by role:
 
   role          publishes                                subscribes
-  api           events .submit/.cancel, commands,        progress hints, its inbox
-                cancel/projector hints; manages both
+  api           events .submit/.cancel/.redrive,         progress hints, its inbox
+                commands, cancel/projector hints; manages both
                 streams, the worker consumer, its own
                 ordered consumers on NOETL_EVENTS; the
                 result KV (create, read, write)
@@ -67,6 +67,7 @@ USES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     f"events_subject:{natsio.KIND_CALL}": (natsio.events_subject(ANY, natsio.KIND_CALL), ("worker",), ()),
     f"events_subject:{natsio.KIND_SUBMIT}": (natsio.events_subject(ANY, natsio.KIND_SUBMIT), ("api",), ()),
     f"events_subject:{natsio.KIND_CANCEL}": (natsio.events_subject(ANY, natsio.KIND_CANCEL), ("api",), ()),
+    f"events_subject:{natsio.KIND_REDRIVE}": (natsio.events_subject(ANY, natsio.KIND_REDRIVE), ("api",), ()),
     f"events_subject:{natsio.KIND_EXPIRED}": (natsio.events_subject(ANY, natsio.KIND_EXPIRED), ("reaper",), ()),
     f"events_subject:{natsio.KIND_BARRIER}": (natsio.events_subject(ANY, natsio.KIND_BARRIER), ("checkpointer",), ()),
     "commands_subject": (natsio.commands_subject(ANY), ("api", "reaper"), ()),

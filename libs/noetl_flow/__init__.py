@@ -1,6 +1,7 @@
 """The engine's pure core: execution state, folding inputs, routing. No I/O."""
 
 from . import rerun
+from .redrive import RedriveItem, redrive_command_id, refusal
 from .rerun import RerunPlan, RerunRefused
 from .router import (
     EV_CALL_DONE,
@@ -10,13 +11,22 @@ from .router import (
     EV_DEAD,
     EV_DUPLICATE,
     EV_FAILED,
+    EV_REDRIVEN,
     EV_REISSUED,
     EV_STARTED,
     EV_STEP_ENTER,
     Flow,
 )
 from .state import ExecState, Pending, StepRun
-from .transitions import CallResultInput, CommandUpdate, NewCommand, NewEvent, StartInput, Transition
+from .transitions import (
+    CallResultInput,
+    CommandUpdate,
+    DeadLetter,
+    NewCommand,
+    NewEvent,
+    StartInput,
+    Transition,
+)
 
 __all__ = [
     "EV_CALL_DONE",
@@ -26,20 +36,25 @@ __all__ = [
     "EV_DEAD",
     "EV_DUPLICATE",
     "EV_FAILED",
+    "EV_REDRIVEN",
     "EV_REISSUED",
     "EV_STARTED",
     "EV_STEP_ENTER",
     "CallResultInput",
     "CommandUpdate",
+    "DeadLetter",
     "ExecState",
     "Flow",
     "NewCommand",
     "NewEvent",
     "Pending",
+    "RedriveItem",
     "RerunPlan",
     "RerunRefused",
     "StartInput",
     "StepRun",
     "Transition",
+    "redrive_command_id",
+    "refusal",
     "rerun",
 ]

@@ -204,8 +204,10 @@ def finish(t: Transition, step_name: str, run: StepRun) -> bool:
         envelope["error"] = {"code": "LOOP_FAILED", "message": f"{count} of {total} {what} failed"}
     t.set_result(run, envelope)
     t.loop_refs.append((lr.instance, step_name, envelope))
-    t.emit(EV_LOOP_DONE, step=step_name, result=envelope,
-           meta={"loop_instance": lr.instance, **stats})
+    meta: dict[str, Any] = {"loop_instance": lr.instance, **stats}
+    if t.state.redrives:  # loop.done is exactly once per loop instance and redrive generation
+        meta["redrive"] = t.state.redrives
+    t.emit(EV_LOOP_DONE, step=step_name, result=envelope, meta=meta)
     return ok
 
 

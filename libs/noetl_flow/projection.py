@@ -132,6 +132,22 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
         s.status = FAILED
         s.error = _message(result)
         s.ended_at = at
+    elif kind == r.EV_REDRIVEN and name:
+        # a dead letter re-issued: the execution runs again (if it had failed), the step
+        # runs its command again, and the steps the failure had cancelled resume
+        view.status = RUNNING
+        view.error = None
+        view.ended_at = None
+        s = view.step(name)
+        s.status = RUNNING
+        s.attempts = 1
+        s.error = None
+        s.result_ref_id = None
+        s.ended_at = None
+        for other in meta.get("resumed") or ():
+            o = view.step(other)
+            o.status = RUNNING
+            o.ended_at = None
     elif kind in (r.EV_COMPLETED, r.EV_FAILED, r.EV_CANCELLED):
         view.status = {r.EV_COMPLETED: COMPLETED, r.EV_FAILED: FAILED, r.EV_CANCELLED: CANCELLED}[kind]
         view.error = _message(result) if result else None

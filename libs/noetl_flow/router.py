@@ -49,7 +49,7 @@ from noetl_dsl.templates import (
     set_path,
 )
 
-from . import loops, rerun
+from . import loops, redrive, rerun
 from .reach import Reachability
 from .state import (
     CANCELLED,
@@ -64,7 +64,7 @@ from .state import (
     Pending,
     StepRun,
 )
-from .transitions import CallResultInput, CommandUpdate, NewCommand, StartInput, Transition
+from .transitions import CallResultInput, CommandUpdate, DeadLetter, NewCommand, StartInput, Transition
 
 EV_STARTED = "playbook.started"
 EV_COMPLETED = "playbook.completed"
@@ -77,6 +77,7 @@ EV_DUPLICATE = "call.duplicate"
 EV_REISSUED = "command.reissued"
 EV_DEAD = "command.dead_lettered"
 EV_LOOP_DONE = loops.EV_LOOP_DONE
+EV_REDRIVEN = redrive.EV_REDRIVEN
 # The name a step's own `set` and `next` arcs read its result by (upstream's), and
 # upstream's Python reference's `result` (the result alone: `output.data`).
 OUTPUT = "output"
@@ -230,6 +231,11 @@ class Flow:
         t.emit(EV_CALL_DONE if ok else EV_CALL_ERROR, step=step_name, command_id=res.command_id,
                result=res.envelope, meta=meta)
         t.updates.append(CommandUpdate(res.command_id, "done" if ok else "failed"))
+        if not ok:
+            in_loop = pending.index is not None and run.loop is not None
+            t.dead_letters.append(DeadLetter(
+                res.command_id, step_name, res.attempt, "failed", dict(res.envelope.get("error") or {}),
+                res.worker_id, run.loop.instance if in_loop and run.loop else None, pending.index))
         _apply_updates(st.ctx, (res.set_updates or {}).get("ctx") or {})
         io = Inputs(workload, dict(values))
         try:
@@ -292,9 +298,20 @@ class Flow:
                result={"status": "error", "error": {"code": "DEAD_LETTERED", "message": message}},
                meta={"attempt": attempt, "reason": reason})
         t.updates.append(CommandUpdate(command_id, "dead"))
+        t.dead_letters.append(DeadLetter(command_id, pending.step, attempt, redrive.EXPIRED,
+                                         {"code": "DEAD_LETTERED", "message": message},
+                                         loop_instance=run.loop.instance if run.loop and pending.index is not None
+                                         else None, loop_index=pending.index))
         run.status = STEP_FAILED
         run.error = message
-        self._fail(t, message, step=pending.step)
+        self._fail(t, message, cause={"step": pending.step, "command_id": command_id, "instance": None})
+        return t
+
+    def on_redrive(self, state: ExecState, items: list[redrive.RedriveItem], deadline_ms: int | None) -> Transition:
+        """Redrive dead letters of this execution (``redrive.py``): each is re-issued, or
+        refused with the reason in ``Transition.redrive_outcomes``."""
+        t = Transition(self._own(state))
+        redrive.apply(self, t, items, deadline_ms)
         return t
 
     # ------------------------------------------------------------ routing
@@ -332,7 +349,10 @@ class Flow:
             if step.next_mode == "exclusive":
                 break
         if not ok and fired == 0:
-            self._fail(t, f"step '{step_name}' failed: {st.steps[step_name].error}", step=step_name)
+            run = st.steps[step_name]
+            cause = {"step": step_name, "command_id": None if run.loop else run.command_id,
+                     "instance": run.loop.instance if run.loop else None}
+            self._fail(t, f"step '{step_name}' failed: {run.error}", cause=cause)
 
     def _arcs(self, step: Step) -> list[Any]:
         if step.arcs:
@@ -422,16 +442,25 @@ class Flow:
         if not st.terminal and not st.pending and not st.armed:
             self._finish(t, COMPLETED, EV_COMPLETED, None)
 
-    def _fail(self, t: Transition, message: str, step: str | None = None) -> None:
-        """Fail the execution; ``step``: the step whose failure it is (a rerun starts there)."""
+    def _fail(self, t: Transition, message: str, cause: dict[str, Any] | None = None,
+              step: str | None = None) -> None:
+        """Fail the execution. ``cause``: the command (or loop) whose failure this is; the
+        state then keeps what the failure stops, for a redrive to resume (``redrive.py``).
+        ``step`` (else the cause's): the step whose failure it is, where a rerun starts
+        (``rerun.py``)."""
         if not t.state.terminal:
-            t.state.failed_step = step
-            self._finish(t, FAILED, EV_FAILED, message)
+            t.state.failed_step = step or (cause["step"] if cause else None)
+            self._finish(t, FAILED, EV_FAILED, message, cause)
 
-    def _finish(self, t: Transition, status: str, event_type: str, message: str | None) -> None:
+    def _finish(self, t: Transition, status: str, event_type: str, message: str | None,
+                cause: dict[str, Any] | None = None) -> None:
         st = t.state
         st.status = status
         st.error = message
+        st.suspended = None
+        if cause is not None and status == FAILED:
+            st.suspended = {**cause, "pending": {cid: dict(p.__dict__) for cid, p in st.pending.items()},
+                            "armed": list(st.armed)}
         for command_id, pending in list(st.pending.items()):
             t.updates.append(CommandUpdate(command_id, "cancelled"))
             st.steps[pending.step].status = STEP_CANCELLED
@@ -442,7 +471,7 @@ class Flow:
             code = "CANCELLED" if status == CANCELLED else "EXECUTION_FAILED"
             result = {"status": "error" if status == FAILED else "cancelled",
                       "error": {"code": code, "message": message}}
-        t.emit(event_type, result=result)
+        t.emit(event_type, result=result, meta={"redrive": st.redrives} if st.redrives else {})
 
     # ------------------------------------------------------------ helpers
 

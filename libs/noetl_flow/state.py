@@ -112,6 +112,13 @@ class ExecState:
     failed_step: str | None = None
     # The execution this one reruns (rerun.py); 0 for a submitted one.
     rerun_of: int = 0
+    # What a failure caused by a command stopped, so a redrive can resume it (``redrive.py``):
+    # {"step", "command_id", "instance", "pending": {command_id: Pending fields}, "armed"}.
+    # None while running, and for failures no command caused (timeout, template, abort).
+    suspended: dict[str, Any] | None = None
+    # Redrives applied so far: events that are exactly-once per execution (its terminal
+    # event, a loop's loop.done) carry it as meta.redrive once it is not 0.
+    redrives: int = 0
 
     @property
     def terminal(self) -> bool:

@@ -54,6 +54,21 @@ class CommandUpdate:
 
 
 @dataclass
+class DeadLetter:
+    """A command that exhausted its attempts: the engine records it (``noetl.dead_letter``)
+    in the batch that accepts the failure."""
+
+    command_id: str
+    step: str
+    attempts: int
+    reason: str  # failed (its accepted result is call.error) | expired (claim leases ran out)
+    error: dict[str, Any]
+    worker_id: str = ""  # empty: the command row's (the worker that last claimed it)
+    loop_instance: str | None = None
+    loop_index: int | None = None
+
+
+@dataclass
 class Transition:
     state: ExecState
     events: list[NewEvent] = field(default_factory=list)
@@ -72,6 +87,14 @@ class Transition:
     # instance): the engine copies the original's items and successful iteration results
     # (references) into the new instance, in the same transaction.
     loop_copies: list[tuple[int, str, str]] = field(default_factory=list)
+    # failed iteration results a redrive takes back (instance, index): deleted from
+    # noetl.loop_result so the re-issued iteration's result takes their place.
+    loop_results_cleared: list[tuple[str, int]] = field(default_factory=list)
+    # commands that exhausted their attempts (noetl.dead_letter rows).
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    # what a redrive input did with each dead letter: (dead_letter_id, new command id, None)
+    # or (dead_letter_id, None, the refusal)
+    redrive_outcomes: list[tuple[int, str | None, str | None]] = field(default_factory=list)
     # The results of completed steps as the commands of this transition snapshot them
     # (built once, shared until a step's result changes: a fan-out to n steps would
     # otherwise rebuild it n times, quadratic in one routing step).

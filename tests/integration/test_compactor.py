@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from noetl_api.queries import Queries
-from noetl_common.db import Pool, partition_name
+from noetl_common.db import REDRIVE_LOCK_CLASS, Pool, partition_name
 from noetl_common.errors import LeaseLost, NotFound
 from noetl_compactor.bench import measure
 from noetl_compactor.compaction import Compaction
@@ -146,6 +146,24 @@ async def test_unprojected_events_wait_and_full_partitions_stay(pool: Pool, leas
         await sql(pool, "DELETE FROM noetl.projection_checkpoint WHERE shard_id = %s", (SHARD,))
     await drop_expired_partitions(pool, horizon=datetime.now(UTC), keep_from=datetime.now(UTC).date())
     assert not await sql(pool, "SELECT 1 FROM pg_class WHERE relname = %s", (name,))
+
+
+async def test_an_execution_being_redriven_is_left_out_and_compacted_after(pool: Pool, lease: None) -> None:
+    """The engine holds an execution's redrive lock while it applies a redrive: a batch
+    leaves that execution out (the others are compacted) and takes it once the lock is gone."""
+    made = await write_executions(pool, day=old_day(), count=3, events_per_execution=4, chain=1,
+                                  shard_count=SHARDS, shard=SHARD)
+    ids = [m.execution_id for m in made]
+    held = ids[1]
+    async with pool.connection() as engine:  # the engine's redrive transaction, still open
+        await engine.execute("SELECT pg_advisory_xact_lock(%s, (%s %% 2147483647)::int)",
+                             (REDRIVE_LOCK_CLASS, held))
+        result = await compaction(pool).batch()
+        assert sorted(result.compacted_ids) == sorted(i for i in ids if i != held) and result.skipped >= 1
+        assert await events_of(pool, [held]) == 4
+        await engine.rollback()
+    result = await compaction(pool).batch()
+    assert result.compacted_ids == [held] and await events_of(pool, [held]) == 0
 
 
 def test_partition_expiry_rule() -> None:

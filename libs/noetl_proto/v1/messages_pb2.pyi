@@ -266,6 +266,29 @@ class CheckpointBarrier(_message.Message):
 Global___CheckpointBarrier: _TypeAlias = CheckpointBarrier  # noqa: Y015
 
 @_typing.final
+class RedriveRequested(_message.Message):
+    """Nudge: a redrive of a dead letter of this execution was committed to
+    `noetl.redrive_request` (the engine sweeps committed requests too).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        execution_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RedriveRequested: _TypeAlias = RedriveRequested  # noqa: Y015
+
+@_typing.final
 class EngineInput(_message.Message):
     """Everything that travels to a shard's engine on `noetl.events.{shard}.{type}`."""
 
@@ -276,6 +299,7 @@ class EngineInput(_message.Message):
     CANCEL_FIELD_NUMBER: _builtins.int
     EXPIRED_FIELD_NUMBER: _builtins.int
     BARRIER_FIELD_NUMBER: _builtins.int
+    REDRIVE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def call_result(self) -> Global___CallResult: ...
     @_builtins.property
@@ -286,6 +310,8 @@ class EngineInput(_message.Message):
     def expired(self) -> Global___CommandExpired: ...
     @_builtins.property
     def barrier(self) -> Global___CheckpointBarrier: ...
+    @_builtins.property
+    def redrive(self) -> Global___RedriveRequested: ...
     def __init__(
         self,
         *,
@@ -294,12 +320,13 @@ class EngineInput(_message.Message):
         cancel: Global___CancelRequested | None = ...,
         expired: Global___CommandExpired | None = ...,
         barrier: Global___CheckpointBarrier | None = ...,
+        redrive: Global___RedriveRequested | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["barrier", b"barrier", "call_result", b"call_result", "cancel", b"cancel", "expired", b"expired", "input", b"input", "submitted", b"submitted"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["barrier", b"barrier", "call_result", b"call_result", "cancel", b"cancel", "expired", b"expired", "input", b"input", "redrive", b"redrive", "submitted", b"submitted"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["barrier", b"barrier", "call_result", b"call_result", "cancel", b"cancel", "expired", b"expired", "input", b"input", "submitted", b"submitted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["barrier", b"barrier", "call_result", b"call_result", "cancel", b"cancel", "expired", b"expired", "input", b"input", "redrive", b"redrive", "submitted", b"submitted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["call_result", "submitted", "cancel", "expired", "barrier"]  # noqa: Y015
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["call_result", "submitted", "cancel", "expired", "barrier", "redrive"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 

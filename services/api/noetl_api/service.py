@@ -35,6 +35,8 @@ from noetl_proto.v1 import (
     catalog_pb2_grpc,
     concurrency_pb2,
     concurrency_pb2_grpc,
+    deadletter_pb2,
+    deadletter_pb2_grpc,
     execution_pb2,
     execution_pb2_grpc,
     schedule_pb2,
@@ -49,6 +51,7 @@ from .catalog import Catalog
 from .claims import Claims
 from .concurrency import ConcurrencyServicer
 from .credentials import CredentialStore
+from .deadletters import DeadLetterServicer, DeadLetterStore
 from .engine.shard import EngineDeps, ShardEngine
 from .grants import CredentialGrants
 from .keyring import Keyring
@@ -80,6 +83,7 @@ class ApiService(Service):
         auth_pb2.DESCRIPTOR.services_by_name["AuthService"].full_name,
         schedule_pb2.DESCRIPTOR.services_by_name["ScheduleService"].full_name,
         concurrency_pb2.DESCRIPTOR.services_by_name["ConcurrencyService"].full_name,
+        deadletter_pb2.DESCRIPTOR.services_by_name["DeadLetterService"].full_name,
     )
     worker_service_names = (worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,)
 
@@ -165,6 +169,8 @@ class ApiService(Service):
             self.limits), server)
         concurrency_pb2_grpc.add_ConcurrencyServiceServicer_to_server(ConcurrencyServicer(self.pool, self.catalog),
                                                                       server)
+        deadletter_pb2_grpc.add_DeadLetterServiceServicer_to_server(
+            DeadLetterServicer(DeadLetterStore(self.pool), self.js), server)
         # the worker API: its own server and port, so the client port can be the only one
         # reachable from outside the release (docs/DEPLOY.md "Security")
         self.worker_server, self.worker_grpc_address = self.new_server(self.core.worker_api_listen,

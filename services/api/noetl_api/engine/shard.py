@@ -34,7 +34,17 @@ from noetl_common.ids import barrier_execution_id, snowflake_at
 from noetl_common.retry import is_transient
 from noetl_common.shards import ShardOwnership
 from noetl_dsl import merged_workload
-from noetl_flow import EV_DEAD, CallResultInput, ExecState, Flow, StartInput, Transition, rerun
+from noetl_flow import (
+    EV_DEAD,
+    CallResultInput,
+    ExecState,
+    Flow,
+    RedriveItem,
+    StartInput,
+    Transition,
+    refusal,
+    rerun,
+)
 from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, envelope_from_proto
 
@@ -55,6 +65,11 @@ REPLAYED = Counter("noetl_engine_replayed_inputs_total",
                    "(delivered to the previous owner but not committed by it)", ["shard"])
 REPUBLISHED = Counter("noetl_engine_republished_commands_total", "Commands republished on takeover or re-issue")
 DEAD_LETTERS = Counter("noetl_engine_dead_letters_total", "command.dead_lettered events appended", ["shard"])
+DEAD_LETTERED = Counter("noetl_dead_letters_total",
+                        "Commands that exhausted their attempts, recorded in noetl.dead_letter (reason: failed, a"
+                        " call.error accepted; expired, claim leases ran out)", ["shard", "reason"])
+REDRIVES = Counter("noetl_dead_letter_redrives_total",
+                   "Redrive requests the engine applied, by outcome (redriven, refused)", ["shard", "outcome"])
 QUARANTINED = Counter("noetl_engine_quarantined_total",
                       "Engine inputs quarantined after failing their batch repeatedly (not an outage)", ["shard"])
 STREAM_RESETS = Counter("noetl_engine_stream_resets_total",
@@ -98,11 +113,15 @@ class EngineDeps:
 
 @dataclass
 class _Input:
-    kind: str  # submitted | call_result | cancel | expired | barrier | timeout | abort
+    kind: str  # submitted | call_result | cancel | expired | barrier | timeout | abort | redrive
     execution_id: int
     msg: Any = None
     seq: int = 0  # stream position (0: a sweep input)
     data: bytes | None = None  # the raw message (kept for a quarantine record)
+    # a redrive input: who asked for each dead letter, and the refusals made without a
+    # transition (the execution has no state, or was compacted)
+    requested_by: dict[int, str] = field(default_factory=dict)
+    refused: list[tuple[int, str | None, str | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -273,6 +292,10 @@ class ShardEngine:
             await conn.commit()
         REPLAYED.labels(str(self.shard))  # the series exists (0) from the takeover on
         DEAD_LETTERS.labels(str(self.shard))
+        for reason in ("failed", "expired"):
+            DEAD_LETTERED.labels(str(self.shard), reason)
+        for outcome in ("redriven", "refused"):
+            REDRIVES.labels(str(self.shard), outcome)
         QUARANTINED.labels(str(self.shard))
         STREAM_RESETS.labels(str(self.shard))
         RESUBSCRIBES.labels(str(self.shard))
@@ -293,7 +316,7 @@ class ShardEngine:
 
     async def _tick_inputs(self) -> list[_Input]:
         """Sweep inputs: committed submissions never started (a lost nudge), executions
-        past their deadline, cancellations committed but not applied. A failed sweep is
+        past their deadline, cancellations and redrives committed but not applied. A failed sweep is
         logged and tried again next tick."""
         try:
             async with self.d.pool.connection() as conn:
@@ -305,6 +328,7 @@ class ShardEngine:
                 starts += [eid for eid, _ in await limits.startable(conn, shard=self.shard)]
                 late = await sql.overdue(conn, self.shard, 200)
                 cancels = await sql.pending_cancels(conn, self.shard, 200)
+                redrives = await sql.pending_redrive_executions(conn, self.shard, 200)
                 await conn.commit()
         except Exception as exc:
             if is_transient(exc):
@@ -314,7 +338,8 @@ class ShardEngine:
             return []
         return ([_Input("submitted", e) for e in starts] + [_Input("timeout", e) for e in late]
                 + [_Input("cancel", c["execution_id"], messages_pb2.CancelRequested(
-                    execution_id=c["execution_id"], reason=c["reason"])) for c in cancels])
+                    execution_id=c["execution_id"], reason=c["reason"])) for c in cancels]
+                + [_Input("redrive", e) for e in redrives])
 
     # ------------------------------------------------------------ the batch
 
@@ -417,6 +442,12 @@ class ShardEngine:
         updates: list[Any] = []
         publish: list[tuple[str, int, int, str]] = []
         loop_results: list[tuple[int, str, int, str, int | None]] = []
+        dead_letters: list[tuple[int, Any]] = []
+        redrives: list[tuple[int, str | None, str | None, str]] = []
+        cleared: list[tuple[int, str, int]] = []
+        # one redrive input per execution and batch (a nudge and a sweep may both bring it)
+        inputs = [i for n, i in enumerate(inputs) if i.kind != "redrive"
+                  or not any(j.kind == "redrive" and j.execution_id == i.execution_id for j in inputs[:n])]
         # Pipeline mode for the whole transaction: BEGIN travels with the fence, and the
         # batch's writes with the COMMIT (two round trips when the states are cached).
         async with pipelined_transaction(self.d.pool) as conn:
@@ -446,6 +477,7 @@ class ShardEngine:
                                                    "lease_epoch": self.epoch})))
                     continue
                 t = await self.d.traces.fold(inp, self.shard, self._apply(inp, states, requests, conn, loop_results))
+                redrives.extend((dl, cid, why, inp.requested_by.get(dl, "")) for dl, cid, why in inp.refused)
                 if t is None:
                     continue
                 eid = t.state.execution_id
@@ -458,6 +490,9 @@ class ShardEngine:
                     envelope["reference"]["ref_id"] = await sql.loop_reference(
                         conn, eid, step_name, envelope["reference"]["uri"], envelope["context"])
                 loop_results.extend((eid, *r) for r in t.loop_results)
+                dead_letters.extend((eid, d) for d in t.dead_letters)
+                cleared.extend((eid, *c) for c in t.loop_results_cleared)
+                redrives.extend((dl, cid, why, inp.requested_by.get(dl, "")) for dl, cid, why in t.redrive_outcomes)
                 for ev in t.events:
                     seq += 1
                     meta = {**ev.meta, "epoch_id": barrier_epoch, "lease_epoch": self.epoch}
@@ -482,7 +517,10 @@ class ShardEngine:
             await sql.append_events(conn, events)
             await sql.save_states(conn, self.shard, [(s, last, _deadline(s)) for s, last in touched.values()])
             await sql.insert_commands(conn, self.shard, new_commands)
+            await sql.clear_loop_results(conn, cleared)
             await sql.store_loop_results(conn, loop_results)
+            await sql.insert_dead_letters(conn, self.shard, dead_letters)
+            await sql.applied_redrives(conn, redrives)
             await sql.update_commands(conn, updates)
             await sql.applied_cancels(conn, sorted({i.execution_id for i in inputs if i.kind == "cancel"}))
             await sql.cascade_cancels(conn, ended)
@@ -521,6 +559,12 @@ class ShardEngine:
                 DEAD_LETTERS.labels(str(self.shard)).inc(dead)
             BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
             await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
+        for _eid, d in dead_letters:
+            DEAD_LETTERED.labels(str(self.shard), d.reason).inc()
+        for dl, cid, why, _who in redrives:
+            REDRIVES.labels(str(self.shard), "redriven" if cid else "refused").inc()
+            logger.info("redrive of dead letter %s on shard %s: %s", dl, self.shard,
+                        f"re-issued as {cid}" if cid else f"refused: {why}")
         BATCH_INPUTS.observe(len(inputs))
         BATCH_SECONDS.observe(time.perf_counter() - started)
 
@@ -556,6 +600,8 @@ class ShardEngine:
                 t2 = compiled.flow.on_cancel(t.state, inp.msg.reason)
                 _merge(t, t2)
             return t
+        if inp.kind == "redrive":
+            return await self._redrive(inp, state, conn, requests)
         if state is None:
             logger.warning("input %s for execution %s with no engine state ignored", inp.kind, eid)
             return None
@@ -611,6 +657,31 @@ class ShardEngine:
         refs = rerun.needs(flow, original, plan, {name: ranges for name, (_, ranges) in todo.items()})
         values = await self._values(refs, conn, start.execution_id, []) if refs else {}
         return flow.rerun(start, original, plan, workload, values, todo)
+
+    async def _redrive(self, inp: _Input, state: ExecState | None, conn: Any,
+                       requests: dict[int, dict[str, Any]]) -> Transition | None:
+        """Apply the execution's committed redrive requests (docs/ARCHITECTURE.md "Dead
+        letters"): each dead letter is re-issued, or its refusal recorded; the requests are
+        deleted in this batch either way."""
+        eid = inp.execution_id
+        inp.refused = []  # a batch retried after a failure folds its inputs again
+        compacted = await sql.lock_for_redrive(conn, eid)
+        rows = await sql.redrive_requests(conn, eid)
+        if not rows:
+            return None  # applied already (a nudge and a sweep)
+        inp.requested_by = {int(r["dead_letter_id"]): r["requested_by"] for r in rows}
+        items = [RedriveItem(int(r["dead_letter_id"]), r["command_id"], r["step"], r["reason"], r["loop_instance"],
+                             r["loop_index"], r["status"], r["redrive_command_id"]) for r in rows]
+        if compacted or state is None:
+            for item in items:
+                why = (f"execution {eid} was compacted (its events are gone, past NOETL_RETENTION_DAYS)" if compacted
+                       else refusal(None, item))
+                inp.refused.append((item.dead_letter_id, None, why))
+            return None
+        req = requests.get(eid) or (await sql.load_requests(conn, [eid])).get(eid)
+        deadline_ms = int((time.time() + float(req["timeout_sec"])) * 1000) if req else None
+        flow = (await self.d.catalog.compiled(state.catalog_id)).flow
+        return flow.on_redrive(state, items, deadline_ms)
 
     async def _values(self, refs: dict[str, dict[str, Any] | None], conn: Any, eid: int,
                       batch_loop_results: list[tuple[int, str, int, str, int | None]]) -> dict[str, Any]:
@@ -720,6 +791,8 @@ def _decode(data: bytes, seq: int = 0) -> _Input | None:
     kind = msg.WhichOneof("input")
     if kind == "submitted":
         return _Input(kind, msg.submitted.execution_id, seq=seq, data=data)
+    if kind == "redrive":
+        return _Input(kind, msg.redrive.execution_id, seq=seq, data=data)
     if kind in ("call_result", "cancel", "expired"):
         inner = getattr(msg, kind)
         return _Input(kind, inner.execution_id, inner, seq=seq, data=data)
@@ -744,5 +817,5 @@ def _deadline(state: ExecState) -> datetime | None:
 def _merge(first: Transition, second: Transition) -> None:
     first.state = second.state
     for name in ("events", "commands", "updates", "republish", "loop_items", "loop_results", "loop_refs",
-                 "loop_copies"):
+                 "loop_copies", "loop_results_cleared", "dead_letters", "redrive_outcomes"):
         getattr(first, name).extend(getattr(second, name))

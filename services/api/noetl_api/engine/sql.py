@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 
-from noetl_common.db import columns
+from noetl_common.db import REDRIVE_LOCK_CLASS, columns
 from noetl_common.errors import LeaseLost
 from noetl_flow import CommandUpdate, ExecState, NewCommand
 
@@ -279,3 +279,78 @@ async def copy_loop(conn: psycopg.AsyncConnection[Any], source: int, source_inst
         "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
         " SELECT %s, %s, idx, status, ref_id FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s"
         " AND status = 'ok' ON CONFLICT DO NOTHING", (execution_id, instance, source, source_instance))
+# ---------------------------------------------------------------- dead letters
+
+
+
+async def insert_dead_letters(conn: psycopg.AsyncConnection[Any], shard: int,
+                              rows: Sequence[tuple[int, Any]]) -> None:
+    """Record the batch's dead letters ((execution_id, DeadLetter)); the worker is the
+    result's, else the command row's (the worker that last held it)."""
+    if not rows:
+        return
+    data = [(eid, shard, d.command_id, d.step, d.loop_instance, d.loop_index, d.attempts, d.reason,
+             json.dumps(d.error, default=str), d.worker_id or None) for eid, d in rows]
+    await conn.execute(
+        "INSERT INTO noetl.dead_letter (execution_id, shard_id, command_id, step, loop_instance, loop_index,"
+        " attempts, reason, error, worker_id)"
+        " SELECT x.e, x.sh, x.c, x.st, x.li, x.ix, x.a, x.r, x.err::jsonb, COALESCE(x.w, c.worker_id)"
+        " FROM unnest(%b::bigint[], %b::int[], %b::text[], %b::text[], %b::text[], %b::int[], %b::int[],"
+        " %b::text[], %b::text[], %b::text[]) AS x(e, sh, c, st, li, ix, a, r, err, w)"
+        " LEFT JOIN noetl.command c ON c.command_id = x.c"
+        " ON CONFLICT (command_id) DO NOTHING",
+        columns(data, 10))
+
+
+async def pending_redrive_executions(conn: psycopg.AsyncConnection[Any], shard: int, limit: int) -> list[int]:
+    """Executions with a committed redrive request not applied yet (the sweep)."""
+    cur = await conn.execute(
+        "SELECT execution_id FROM noetl.redrive_request r WHERE r.shard_id = %s AND "
+        + _NOT_QUARANTINED.format(col="r.execution_id")
+        + " GROUP BY execution_id ORDER BY min(requested_at) LIMIT %s", (shard, limit))
+    return [r["execution_id"] for r in await cur.fetchall()]
+
+
+async def lock_for_redrive(conn: psycopg.AsyncConnection[Any], execution_id: int) -> bool:
+    """Take the execution's redrive lock (waits out a compactor batch holding it); True
+    when the execution was compacted (its events are gone: nothing can be redriven)."""
+    await conn.execute("SELECT pg_advisory_xact_lock(%s, (%s %% 2147483647)::int)",
+                       (REDRIVE_LOCK_CLASS, execution_id))
+    cur = await conn.execute("SELECT 1 AS x FROM noetl.manifest WHERE execution_id = %s", (execution_id,))
+    return await cur.fetchone() is not None
+
+
+async def redrive_requests(conn: psycopg.AsyncConnection[Any], execution_id: int) -> list[dict[str, Any]]:
+    """The execution's pending redrive requests with their dead letters, oldest first."""
+    cur = await conn.execute(
+        "SELECT d.dead_letter_id, d.command_id, d.step, d.reason, d.loop_instance, d.loop_index, d.status,"
+        " d.redrive_command_id, r.requested_by FROM noetl.redrive_request r"
+        " JOIN noetl.dead_letter d ON d.dead_letter_id = r.dead_letter_id"
+        " WHERE r.execution_id = %s ORDER BY r.requested_at, r.dead_letter_id", (execution_id,))
+    return list(await cur.fetchall())
+
+
+async def applied_redrives(conn: psycopg.AsyncConnection[Any],
+                           outcomes: Sequence[tuple[int, str | None, str | None, str]]) -> None:
+    """Record what the batch did with redrive requests ((dead_letter_id, new command id or
+    None, refusal or None, requested_by)) and delete the requests."""
+    if not outcomes:
+        return
+    await conn.execute(
+        "UPDATE noetl.dead_letter d SET status = CASE WHEN o.c IS NULL THEN d.status ELSE 'redriven' END,"
+        " redrive_command_id = COALESCE(o.c, d.redrive_command_id),"
+        " redriven_at = CASE WHEN o.c IS NULL THEN d.redriven_at ELSE now() END,"
+        " redriven_by = CASE WHEN o.c IS NULL THEN d.redriven_by ELSE o.who END, refusal = o.why"
+        " FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::text[]) AS o(id, c, why, who)"
+        " WHERE d.dead_letter_id = o.id", columns(list(outcomes), 4))
+    await conn.execute("DELETE FROM noetl.redrive_request WHERE dead_letter_id = ANY(%b::bigint[])",
+                       ([o[0] for o in outcomes],))
+
+
+async def clear_loop_results(conn: psycopg.AsyncConnection[Any], rows: Sequence[tuple[int, str, int]]) -> None:
+    """Take back failed iteration results a redrive re-issues ((execution, instance, index))."""
+    if rows:
+        await conn.execute(
+            "DELETE FROM noetl.loop_result l USING unnest(%b::bigint[], %b::text[], %b::int[]) AS x(e, li, ix)"
+            " WHERE l.execution_id = x.e AND l.loop_instance = x.li AND l.idx = x.ix AND l.status = 'error'",
+            columns(list(rows), 3))

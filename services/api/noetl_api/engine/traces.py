@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 from opentelemetry.context import Context
 
 from noetl_common import tracing
-from noetl_flow import EV_CANCELLED, EV_COMPLETED, EV_DEAD, EV_FAILED
+from noetl_flow import EV_CANCELLED, EV_COMPLETED, EV_DEAD, EV_FAILED, EV_REDRIVEN
 
-TRACED_EVENTS = (EV_COMPLETED, EV_FAILED, EV_CANCELLED, EV_DEAD)
+TRACED_EVENTS = (EV_COMPLETED, EV_FAILED, EV_CANCELLED, EV_DEAD, EV_REDRIVEN)
 _ERROR_EVENTS = (EV_FAILED, EV_DEAD)
 T = TypeVar("T")
 
