@@ -358,9 +358,10 @@ class WorkerSettings(BaseSettings):
     # The only directory `script: {source: {type: file}}` may read (a task's path resolves
     # beside its playbook's catalog path under it); empty: file scripts are refused.
     script_dir: str = ""
-    # The pool this worker serves, its labels (`key=value,key=value`) and the tool kinds it
-    # runs (comma-separated; empty: every kind): it takes only commands placed in its pool
-    # whose required labels it has (noetl_common.pools).
+    # The pools this worker serves (comma-separated, its own first), its labels
+    # (`key=value,key=value`) and the tool kinds it runs (comma-separated; empty: every
+    # kind): it takes only commands placed in its pools whose required labels it has
+    # (noetl_common.pools).
     pool: str = "default"
     labels: str = ""
     tools: str = ""
@@ -368,8 +369,7 @@ class WorkerSettings(BaseSettings):
     @field_validator("pool")
     @classmethod
     def _pool_name(cls, value: str) -> str:
-        if why := pools.pool_problem(value):
-            raise ValueError(why)
+        pools.parse_pools(value)  # ValueError names the bad name
         return value
 
     @field_validator("labels")

@@ -6,11 +6,12 @@ merged the same way). Its **priority** is one of ``high``, ``normal``, ``low``: 
 submission's (``SubmitExecutionRequest.priority``, ``noetl-rt run --priority``) when it
 gives one, else its step's ``spec.priority``, else the playbook's, else ``normal``.
 
-A worker serves one pool (``NOETL_WORKER_POOL``), has labels (``NOETL_WORKER_LABELS``,
-``key=value,key=value``) and may limit the tool kinds it runs (``NOETL_WORKER_TOOLS``,
-comma-separated; empty: every kind). It *qualifies* for a command when the pools are
-equal, the command's required labels are a subset of its labels, and it runs the
-command's kind (:func:`qualifies`; the claim checks the same in SQL).
+A worker serves one pool or several (``NOETL_WORKER_POOL``, comma-separated, its own
+first: ``gpu,default`` backfills default work on a gpu node), has labels
+(``NOETL_WORKER_LABELS``, ``key=value,key=value``) and may limit the tool kinds it runs
+(``NOETL_WORKER_TOOLS``, comma-separated; empty: every kind). It *qualifies* for a
+command when it serves the command's pool, has the labels it requires, and runs its
+kind (:func:`qualifies`; the claim and :func:`no_live_worker` say the same in SQL).
 
 Notices travel on ``noetl.commands.{pool}.{priority}.{shard}`` (``natsio``), and each
 (pool, priority) has its own durable consumer (:func:`consumer_name`), so a worker only
@@ -31,6 +32,7 @@ __all__ = [
     "label_value",
     "no_live_worker",
     "parse_labels",
+    "parse_pools",
     "parse_tools",
     "pool_problem",
     "priority_problem",
@@ -53,6 +55,15 @@ class Priority(StrEnum):
 
 #: fetch order: a worker takes a higher priority's notices first
 PRIORITIES: tuple[Priority, ...] = (Priority.HIGH, Priority.NORMAL, Priority.LOW)
+
+
+def parse_pools(text: str) -> tuple[str, ...]:
+    """``gpu,default`` as names in order (empty: the default pool); ValueError naming a bad one."""
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip())) or (DEFAULT_POOL,)
+    for name in names:
+        if why := pool_problem(name):
+            raise ValueError(why)
+    return names
 
 
 def pool_problem(value: object) -> str | None:
@@ -106,10 +117,10 @@ def parse_tools(text: str) -> tuple[str, ...]:
     return tuple(sorted({t.strip() for t in text.split(",") if t.strip()}))
 
 
-def qualifies(pool: str, labels: Mapping[str, str], tools: Iterable[str], *, command_pool: str,
+def qualifies(serves: Iterable[str], labels: Mapping[str, str], tools: Iterable[str], *, command_pool: str,
               requires: Mapping[str, str] | None, kind: str) -> bool:
-    """Whether a worker (pool, labels, tools; empty tools: every kind) may take a command."""
-    if (pool or DEFAULT_POOL) != (command_pool or DEFAULT_POOL):
+    """Whether a worker (its pools, labels, tools; empty tools: every kind) may take a command."""
+    if (command_pool or DEFAULT_POOL) not in (tuple(serves) or (DEFAULT_POOL,)):
         return False
     if any(labels.get(k) != v for k, v in (requires or {}).items()):
         return False
@@ -122,7 +133,7 @@ def no_live_worker(c: str = "c") -> str:
     (``noetl.runtime``: what alive workers declared when they joined; a worker that joined
     without a pool serves the default one). The same test as :func:`qualifies`."""
     return (f"NOT EXISTS (SELECT 1 FROM noetl.runtime r WHERE r.role = 'worker' AND r.status = 'alive'"
-            f" AND COALESCE(r.pool, '{DEFAULT_POOL}') = {c}.pool"
+            f" AND {c}.pool = ANY(COALESCE(r.pools, ARRAY['{DEFAULT_POOL}']))"
             f" AND ({c}.requires IS NULL OR {c}.requires <@ COALESCE(r.labels, '{{}}'::jsonb))"
             f" AND (r.tools IS NULL OR {c}.kind = ANY(r.tools)))")
 

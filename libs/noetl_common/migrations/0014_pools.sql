@@ -15,9 +15,9 @@ ALTER TABLE noetl.execution_request
   ADD COLUMN priority text,
   ADD CONSTRAINT chk_request_priority CHECK (priority IN ('high', 'normal', 'low'));
 
--- What a worker declared when it joined (JoinRequest): its pool, labels and the tool
--- kinds it runs (NULL: every kind). Other roles leave them NULL.
+-- What a worker declared when it joined (JoinRequest): the pools it serves, its labels and
+-- the tool kinds it runs (NULL: every kind). Other roles leave them NULL.
 ALTER TABLE noetl.runtime
-  ADD COLUMN pool   text,
+  ADD COLUMN pools  text[],
   ADD COLUMN labels jsonb,
   ADD COLUMN tools  text[];

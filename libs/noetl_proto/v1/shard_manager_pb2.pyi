@@ -75,7 +75,7 @@ class JoinRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
-    POOL_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
@@ -85,8 +85,10 @@ class JoinRequest(_message.Message):
     metrics_address: _builtins.str
     """Prometheus /metrics address (host:port)."""
     pid: _builtins.int
-    pool: _builtins.str
-    """A worker's pool, labels and the tool kinds it runs (empty: every kind); other roles leave them unset."""
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """A worker's pools, labels and the tool kinds it runs (empty: every kind); other roles leave them unset."""
+
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -99,13 +101,13 @@ class JoinRequest(_message.Message):
         address: _builtins.str = ...,
         metrics_address: _builtins.str = ...,
         pid: _builtins.int = ...,
-        pool: _builtins.str = ...,
+        pools: _abc.Iterable[_builtins.str] | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         tools: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "instance", b"instance", "labels", b"labels", "metrics_address", b"metrics_address", "pid", b"pid", "pool", b"pool", "role", b"role", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "instance", b"instance", "labels", b"labels", "metrics_address", b"metrics_address", "pid", b"pid", "pools", b"pools", "role", b"role", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,7 +95,9 @@ Global___ClaimCommandRequest: _TypeAlias = ClaimCommandRequest  # noqa: Y015
 
 @_typing.final
 class WorkerPlacement(_message.Message):
-    """A worker's pool, its labels and the tool kinds it runs (empty: every kind)."""
+    """The pools a worker serves (empty: the default pool), its labels and the tool kinds it
+    runs (empty: every kind).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -119,10 +121,11 @@ class WorkerPlacement(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-    POOL_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
-    pool: _builtins.str
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -130,13 +133,13 @@ class WorkerPlacement(_message.Message):
     def __init__(
         self,
         *,
-        pool: _builtins.str = ...,
+        pools: _abc.Iterable[_builtins.str] | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         tools: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["labels", b"labels", "pool", b"pool", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["labels", b"labels", "pools", b"pools", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

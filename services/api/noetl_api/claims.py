@@ -38,7 +38,7 @@ WITH wanted AS (
   FROM wanted w
   WHERE c.command_id = w.command_id
     -- only a worker that qualifies (noetl_common.pools.qualifies says the same)
-    AND c.pool = %(pool)s AND (c.requires IS NULL OR c.requires <@ %(labels)s::jsonb)
+    AND c.pool = ANY(%(pools)s::text[]) AND (c.requires IS NULL OR c.requires <@ %(labels)s::jsonb)
     AND (cardinality(%(tools)s::text[]) = 0 OR c.kind = ANY(%(tools)s::text[]))
     AND (c.status = 'queued' AND (c.attempt = w.attempt OR w.attempt = 0)
          -- the same worker claiming the same attempt again: its first claim committed but the
@@ -61,7 +61,7 @@ LEFT JOIN noetl.loop_item li
 class WorkerPlacement:
     """What a claiming worker serves (``noetl_common.pools``)."""
 
-    pool: str = pools.DEFAULT_POOL
+    pools: tuple[str, ...] = (pools.DEFAULT_POOL,)
     labels: dict[str, str] = field(default_factory=dict)
     tools: tuple[str, ...] = ()
 
@@ -106,7 +106,7 @@ class Claims:
         async with autocommit(self._pool) as conn:
             cur = await conn.execute(_CLAIM, {"worker": worker_id, "lease": self._lease, "ids": ids,
                                               "attempts": [a for _, a in wanted], "need_payload": need,
-                                              "pool": placement.pool or pools.DEFAULT_POOL,
+                                              "pools": list(placement.pools or (pools.DEFAULT_POOL,)),
                                               "labels": json.dumps(placement.labels), "tools": list(placement.tools)})
             rows = {r["command_id"]: r for r in await cur.fetchall()}
             missing = [c for c in ids if c not in rows]
@@ -127,12 +127,12 @@ class Claims:
                 now = current.get(command_id)
                 if now is None:
                     out.append(NotFound(f"command {command_id} not found"))
-                elif not pools.qualifies(placement.pool, placement.labels, placement.tools, command_pool=now["pool"],
+                elif not pools.qualifies(placement.pools, placement.labels, placement.tools, command_pool=now["pool"],
                                          requires=now["requires"], kind=now["kind"]):
                     out.append(NotQualified(
                         f"command {command_id} is placed in pool {now['pool']}"
                         + (f" requiring {now['requires']}" if now["requires"] else "")
-                        + f" (kind {now['kind']}); worker {worker_id} serves pool {placement.pool or pools.DEFAULT_POOL}"
+                        + f" (kind {now['kind']}); worker {worker_id} serves pools {','.join(placement.pools)}"
                         + f" with labels {placement.labels or {}}"
                         + (f" and tools {list(placement.tools)}" if placement.tools else "")))
                 else:

@@ -306,7 +306,7 @@ PRIORITY_NAMES = {execution_pb2.PRIORITY_HIGH: Priority.HIGH.value, execution_pb
 
 
 def _placement(p: worker_pb2.WorkerPlacement) -> WorkerPlacement:
-    return WorkerPlacement(p.pool or DEFAULT_POOL, dict(p.labels), tuple(p.tools))
+    return WorkerPlacement(tuple(p.pools) or (DEFAULT_POOL,), dict(p.labels), tuple(p.tools))
 
 
 # A ClaimCommands answer stops carrying commands past this many bytes (the rest come back

@@ -31,9 +31,10 @@ class ShardManagerServicer(shard_manager_pb2_grpc.ShardManagerServiceServicer):
             raise PermissionDenied(f"a worker token may join as a worker only, not as {request.role!r}")
         placement = None
         if request.role == "worker":  # what it serves: read by the reaper and GetExecution (unschedulable commands)
-            if why := pool_problem(request.pool or DEFAULT_POOL):
-                raise InvalidInput(why)
-            placement = (request.pool or DEFAULT_POOL, dict(request.labels), list(request.tools) or None)
+            for name in request.pools:
+                if why := pool_problem(name):
+                    raise InvalidInput(why)
+            placement = (list(request.pools) or [DEFAULT_POOL], dict(request.labels), list(request.tools) or None)
         row = await self._m.join(request.role, request.instance, request.address, request.metrics_address,
                                  request.pid, placement)
         self._on_change()

@@ -26,28 +26,36 @@ import time
 from noetl_common.pools import PRIORITIES
 
 
+def queues(pools: tuple[str, ...]) -> list[str]:
+    """A worker's consumers in fetch order, as ``pool.priority``: every priority, highest
+    first, and within one priority its pools in the order it lists them."""
+    return [f"{pool}.{priority}" for priority in PRIORITIES for pool in pools]
+
+
 class Levels:
-    def __init__(self, capacity: int, backstop_sec: float) -> None:
+    """Keys are ``pool.priority`` (``queues``), in the order they are asked."""
+
+    def __init__(self, keys: list[str], capacity: int, backstop_sec: float) -> None:
         self.capacity = max(1, capacity)
         self.backstop_sec = backstop_sec
-        self.maybe: dict[str, bool] = {str(p): True for p in PRIORITIES}
-        self._gen: dict[str, int] = {str(p): 0 for p in PRIORITIES}
+        self.maybe: dict[str, bool] = dict.fromkeys(keys, True)
+        self._gen: dict[str, int] = dict.fromkeys(keys, 0)
         self._hints = 0
         self._event = asyncio.Event()
         self._backstop_at = 0.0
 
     def order(self) -> list[str]:
-        """The priorities to ask now, highest first."""
-        return [str(p) for p in PRIORITIES if self.maybe[str(p)]]
+        """The queues to ask now, highest priority first."""
+        return [k for k, maybe in self.maybe.items() if maybe]
 
-    def generation(self, priority: str) -> int:
-        return self._gen[priority]
+    def generation(self, key: str) -> int:
+        return self._gen[key]
 
-    def hinted(self, priority: str) -> None:
-        if priority not in self.maybe:
+    def hinted(self, key: str) -> None:
+        if key not in self.maybe:
             return
-        self._gen[priority] += 1
-        self.maybe[priority] = True
+        self._gen[key] += 1
+        self.maybe[key] = True
         self.wake()
 
     def wake(self) -> None:
@@ -55,10 +63,10 @@ class Levels:
         self._hints = min(self._hints + 1, self.capacity)
         self._event.set()
 
-    def empty(self, priority: str, generation: int) -> None:
-        """A fetch asked at ``generation`` found nothing: skip ``priority`` until a hint."""
-        if self._gen[priority] == generation:
-            self.maybe[priority] = False
+    def empty(self, key: str, generation: int) -> None:
+        """A fetch asked at ``generation`` found nothing: skip ``key`` until a hint."""
+        if self._gen[key] == generation:
+            self.maybe[key] = False
 
     def backstop(self) -> bool:
         """True (and every priority may have notices again) at most once per backstop period."""

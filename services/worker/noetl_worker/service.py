@@ -11,9 +11,9 @@
                  publish EngineInput{call_result} on noetl.events.{shard}.call
                  (Msg-Id {command_id}#{attempt}#result) until JetStream acks it
 
-Pools and priorities: the worker serves one pool (``NOETL_WORKER_POOL``) with labels and
-tool kinds (``NOETL_WORKER_LABELS``, ``NOETL_WORKER_TOOLS``); it reads only its pool's
-consumers, one per priority, and every claim carries its placement, so the api hands it
+Pools and priorities: the worker serves one pool or several (``NOETL_WORKER_POOL``) with
+labels and tool kinds (``NOETL_WORKER_LABELS``, ``NOETL_WORKER_TOOLS``); it reads only its
+pools' consumers, one per pool and priority, and every claim carries its placement, so the api hands it
 only commands it qualifies for (a notice of one it does not qualify for, in a pool whose
 workers differ in labels, is nak'ed with a delay for another worker: NOT_QUALIFIED).
 
@@ -86,7 +86,7 @@ from noetl_store import ResultStore, encode_json, envelope_from_proto, make_resu
 from .cursor import CURSOR_KIND, run_cursor_slot
 from .cursor_drivers import Row, default_drivers
 from .metrics import BUSY, CANCEL_HINTS, CLAIMS, COMMANDS, CONCURRENCY, RESULT_BYTES, RESULTS_REPUBLISHED
-from .notices import Levels
+from .notices import Levels, queues
 from .runner import error_result, execute_command
 from .secrecy import scrub_call_result
 from .tools import (
@@ -213,14 +213,14 @@ class WorkerService(Service):
         self._claims: Coalescer[worker_pb2.ClaimCommandRequest, messages_pb2.Command] = Coalescer(
             self._claim_batch, max_batch=worker.claim_batch)
         self._batch_claims = True  # until the api answers UNIMPLEMENTED (an older api)
-        self.pool_name = worker.pool or pools.DEFAULT_POOL
+        self.pools = pools.parse_pools(worker.pool)
         self.labels = pools.parse_labels(worker.labels)
-        self.placement = worker_pb2.WorkerPlacement(pool=self.pool_name, labels=self.labels,
+        self.placement = worker_pb2.WorkerPlacement(pools=list(self.pools), labels=self.labels,
                                                     tools=list(pools.parse_tools(worker.tools)))
-        self._levels = Levels(worker.concurrency, backstop_sec=FETCH_POLL_SEC / 2)
+        self._levels = Levels(queues(self.pools), worker.concurrency, backstop_sec=FETCH_POLL_SEC / 2)
 
     def join_fields(self) -> dict[str, Any]:
-        return {"pool": self.pool_name, "labels": self.labels, "tools": list(self.placement.tools)}
+        return {"pools": list(self.pools), "labels": self.labels, "tools": list(self.placement.tools)}
 
     @property
     def worker_id(self) -> str:
@@ -271,25 +271,27 @@ class WorkerService(Service):
         if self.tools.python is not None:
             await self.tools.python.start()
         await self.nc.subscribe(CANCEL_HINTS_SUBJECT, cb=self._on_cancel_hint)
-        # copies of the pool's notices: which priority has work (a hint; notices.py)
-        await self.nc.subscribe(natsio.commands_filter(self.pool_name, "*"), cb=self._on_notice_hint)
+        # copies of the pools' notices: which priority has work (a hint; notices.py)
+        for pool in self.pools:
+            await self.nc.subscribe(natsio.commands_filter(pool, "*"), cb=self._on_notice_hint)
 
     async def _ensure_streams_and_consumers(self) -> None:
         assert self.js is not None
         await natsio.ensure_streams(self.js, manage=False)
-        await natsio.ensure_pool_consumers(self.js, self.pool_name)
+        for pool in self.pools:
+            await natsio.ensure_pool_consumers(self.js, pool)
 
     async def _on_notice_hint(self, msg: Msg) -> None:
-        parts = msg.subject.split(".")
+        parts = msg.subject.split(".")  # noetl.commands.{pool}.{priority}.{shard}
         if len(parts) == 5:
-            self._levels.hinted(parts[3])
+            self._levels.hinted(f"{parts[2]}.{parts[3]}")
 
     async def on_serving(self) -> None:
         CONCURRENCY.set(self.worker_cfg.concurrency)
         for n in range(self.worker_cfg.concurrency):
             self._slots.append(self.spawn(self._slot_loop(n), f"worker-slot-{n}"))
-        logger.info("worker %s running %d slots in pool %s (labels %s)", self.worker_id, len(self._slots),
-                    self.pool_name, self.labels or "none")
+        logger.info("worker %s running %d slots in pool(s) %s (labels %s)", self.worker_id, len(self._slots),
+                    ",".join(self.pools), self.labels or "none")
 
     async def check_health(self) -> list[str]:
         if self.nc is not None and not self.nc.is_connected:
@@ -338,7 +340,8 @@ class WorkerService(Service):
             return
         self._consumer_checked = time.monotonic()
         try:
-            await natsio.ensure_pool_consumers(self.js, self.pool_name)
+            for pool in self.pools:
+                await natsio.ensure_pool_consumers(self.js, pool)
         except Exception as exc:
             logger.warning("checking the worker consumer failed: %s", exc)
 
@@ -379,19 +382,21 @@ class WorkerService(Service):
 
     async def _slot_loop(self, n: int) -> None:
         assert self.js is not None
-        subs = {str(p): await self.js.pull_subscribe_bind(durable=pools.consumer_name(self.pool_name, p),
+        subs = {}
+        for key in queues(self.pools):
+            pool, _, priority = key.partition(".")
+            subs[key] = await self.js.pull_subscribe_bind(durable=pools.consumer_name(pool, priority),
                                                           stream=natsio.COMMANDS_STREAM)
-                for p in pools.PRIORITIES}
         levels = self._levels
         while not self._draining:
             msg: Msg | None = None
             try:
-                for priority in levels.order():  # highest first
-                    generation = levels.generation(priority)
-                    msg = await natsio.fetch_now(subs[priority])
+                for key in levels.order():  # highest priority first
+                    generation = levels.generation(key)
+                    msg = await natsio.fetch_now(subs[key])
                     if msg is not None:
                         break
-                    levels.empty(priority, generation)
+                    levels.empty(key, generation)
             except NoetlError as exc:
                 logger.warning("fetching commands failed: %s", exc)
                 await self._ensure_consumer()
