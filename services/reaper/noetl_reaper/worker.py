@@ -106,7 +106,8 @@ class ShardReaper:
             cur = await conn.execute(
                 "SELECT c.pool, count(*) AS n FROM noetl.command c WHERE c.shard_id = %s AND c.status = 'queued'"
                 f" AND {pools.no_live_worker('c')} GROUP BY c.pool", (self.shard,))
-            waiting = {row["pool"]: int(row["n"]) for row in await cur.fetchall()}
+            # the default pool is always exported (0 when nothing waits): the alert has a series
+            waiting = {pools.DEFAULT_POOL: 0, **{row["pool"]: int(row["n"]) for row in await cur.fetchall()}}
         for pool in self._unschedulable - set(waiting):
             UNSCHEDULABLE.labels(pool, str(self.shard)).set(0)
         for pool, n in waiting.items():
