@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from noetl_api.engine.placing import DEFAULT, place
-from noetl_worker.notices import Levels, queues
 
+from noetl_api.engine.placing import DEFAULT, place
 from noetl_common import natsio, pools
 from noetl_common.errors import PlaybookInvalid
 from noetl_dsl import Placement, parse_playbook, placements
+from noetl_worker.notices import Levels, queues
 
 PLAYBOOK = """
 apiVersion: noetl.io/v2
