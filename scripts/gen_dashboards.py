@@ -359,6 +359,12 @@ def reaper() -> list[Row]:
             stat("Republished (1h)", f"sum(increase(noetl_reaped_commands_total{comp('reaper', eq('reason', 'republished'))}[1h]))"),
             Panel("Commands reaped by reason", [
                 (f"sum by (reason) (rate(noetl_reaped_commands_total{c}[{RI}]))", "{{reason}}")], "ops"),
+            stat("Unschedulable commands", f"sum(noetl_commands_unschedulable{c})",
+                 description="Queued commands no live worker qualifies for (their pool has no live worker, or none"
+                             " with their labels); docs/ARCHITECTURE.md \"Worker pools and priorities\"."),
+            Panel("Unschedulable commands by pool", [
+                (f"sum by (pool) (noetl_commands_unschedulable{c})", "{{pool}}")], "short",
+                description="Per pool, queued commands no live worker can take: start a worker in that pool."),
         ]),
         Row("Schedules", [
             stat("Ticks fired (1h)", f"sum(increase(noetl_schedule_fired_total{c}[1h]))",

@@ -152,13 +152,14 @@ def parse_playbook_ref(text: str) -> execution_pb2.PlaybookRef:
 
 def run(api: Api, playbook_yaml: str = "", *, ref: execution_pb2.PlaybookRef | None = None,
         payload_json: str = "", as_json: bool = False, timeout: float | None = None,
-        idempotency_key: str = "", detach: bool = False) -> int:
+        idempotency_key: str = "", detach: bool = False, priority: str = "") -> int:
     """``noetl-rt run``: submit (a playbook's text, or a registered one by ``ref``), then
     follow with live progress on stderr and print the outcome, or with ``detach`` print
     the execution id and return. Inputs are validated by the caller (``parse_payload``,
     ``read_file``, ``parse_playbook_ref``) before any RPC."""
     request = execution_pb2.SubmitExecutionRequest(
-        payload_json=payload_json, timeout_seconds=timeout or 0.0, idempotency_key=idempotency_key)
+        payload_json=payload_json, timeout_seconds=timeout or 0.0, idempotency_key=idempotency_key,
+        priority=execution_pb2.Priority.Value(f"PRIORITY_{(priority or 'unspecified').upper()}"))
     if ref is not None:
         request.ref.CopyFrom(ref)
     else:

@@ -102,12 +102,14 @@ RolePostgresDsn = str | Callable[[str], str]
 def up(home: str | os.PathLike[str], scale: Mapping[str, int] | None = None, *, timeout: float = 90.0,
        roles: Sequence[str] = ROLES, role_command: RoleCommand | None = None,
        env: Mapping[str, str] | None = None, progress: Progress | None = None,
-       role_postgres_dsn: RolePostgresDsn | None = None, synchronous_commit: bool = True) -> StackState:
+       role_postgres_dsn: RolePostgresDsn | None = None, synchronous_commit: bool = True,
+       replica_env: Mapping[str, Mapping[str, str]] | None = None) -> StackState:
     """Start Postgres, NATS and every role in ``roles`` (``scale[role]`` replicas each,
     default 1) as separate processes; return once every process answers SERVING.
 
     ``role_command(role)`` gives the argv of a role process (default ``python -m
-    noetl_<role>``); ``env`` adds environment variables for the role processes.
+    noetl_<role>``); ``env`` adds environment variables for the role processes, and
+    ``replica_env`` for one replica over them, by instance (``{"worker-1": {...}}``).
     ``role_postgres_dsn`` is the roles' NOETL_POSTGRES_DSN when it is not the direct one:
     a DSN, or a function of the direct DSN called once Postgres is up (a test's fault
     proxy: ``role_postgres_dsn=proxy.dsn_via``); ``state.postgres_dsn`` (migrations,
@@ -144,7 +146,8 @@ def up(home: str | os.PathLike[str], scale: Mapping[str, int] | None = None, *, 
             existing.heal(timeout=timeout, progress=say)
             return existing
         clean_home(home, say=quiet)
-        state = StackState(home=home, env_overrides=dict(env or {}))
+        state = StackState(home=home, env_overrides=dict(env or {}),
+                           replica_env={k: dict(v) for k, v in (replica_env or {}).items()})
         return _start(state, replicas, command, timeout, say, role_postgres_dsn, synchronous_commit)
 
 

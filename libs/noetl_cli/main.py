@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive, metavar="S",
                    help="execution timeout in seconds (the client waits at most S+5 s)")
     p.add_argument("--idempotency-key", default="", metavar="K", help="resubmitting with K returns the same id")
+    p.add_argument("--priority", choices=("high", "normal", "low"), default=None,
+                   help="the order workers take its commands in, over the playbook's spec.priority")
     p.add_argument("--detach", action="store_true",
                    help="print the execution id and return once submitted (follow later with `watch ID`)")
     p.set_defaults(handler=_run)
@@ -319,7 +321,8 @@ def _run(args: argparse.Namespace) -> int:
     content = client.read_file(args.file) if args.file is not None else ""
     return _with_api(args, lambda api: client.run(
         api, content, ref=ref, payload_json=payload_json, as_json=args.json, timeout=args.timeout,
-        idempotency_key=args.idempotency_key, detach=args.detach), needs=("postgres", "nats"))
+        idempotency_key=args.idempotency_key, detach=args.detach, priority=args.priority or ""),
+        needs=("postgres", "nats"))
 
 
 def _cluster(args: argparse.Namespace) -> int:

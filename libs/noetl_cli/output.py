@@ -104,6 +104,8 @@ def execution_json(execution: execution_pb2.Execution, *, error: str | None = No
         steps[step.name] = {"status": step_status(step.status), "result": parse_json_text(step.result_json)}
         if step.HasField("loop"):
             steps[step.name]["loop"] = {"total": step.loop.total, "done": step.loop.done, "failed": step.loop.failed}
+        if step.waiting:  # queued with no live worker that may take it (worker pools)
+            steps[step.name]["waiting"] = step.waiting
     doc = {
         "execution_id": str(execution.execution_id),
         "status": execution_status(execution.status),
@@ -223,6 +225,8 @@ def execution_summary(execution: execution_pb2.Execution, *, error: str | None =
             extra = f"  ({first})" if first else ""
             if s.HasField("loop"):
                 extra = f"  {loop_progress_text(s.loop)}{extra}"
+            if s.waiting:
+                extra = f"{extra}  waiting: {s.waiting}"
             lines.append(f"  {s.name.ljust(width)}  {paint(step_status(s.status), colour)}{extra}")
             lines.extend("      " + ln for ln in more)  # a python task's traceback
     results = [(s.name, parse_json_text(s.result_json)) for s in execution.steps if s.result_json]

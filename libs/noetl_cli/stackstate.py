@@ -62,6 +62,9 @@ class StackState:
     services: dict[str, list[ServiceProcess]] = field(default_factory=dict)
     phase: str = "starting"
     env_overrides: dict[str, str] = field(default_factory=dict)
+    # Environment of one replica over ``env_overrides``, by instance (``worker-1``: e.g. its
+    # NOETL_WORKER_POOL); kept across restarts and heals.
+    replica_env: dict[str, dict[str, str]] = field(default_factory=dict)
     # The roles' NOETL_POSTGRES_DSN when it is not ``postgres_dsn`` (e.g. through a fault proxy).
     role_postgres_dsn: str = ""
     # What the call that returned this object restarted in place (``heal``); not recorded.
@@ -159,6 +162,7 @@ class StackState:
         service token)."""
         env = dict(os.environ)
         env.update(self.env_overrides)
+        env.update(self.replica_env.get(proc.instance, {}))
         tokens = self.tokens
         env.update({
             "NOETL_POSTGRES_DSN": self.role_dsn(proc.role),
@@ -380,6 +384,7 @@ class StackState:
             "postgres": dict(self.postgres), "nats": dict(self.nats),
             "services": {role: [p.to_json() for p in procs] for role, procs in self.services.items()},
             "env": dict(self.env_overrides), "role_postgres_dsn": self.role_postgres_dsn,
+            "replica_env": {k: dict(v) for k, v in self.replica_env.items()},
         }
 
     def save(self) -> None:
@@ -397,6 +402,8 @@ class StackState:
                       for role, procs in (data.get("services") or {}).items()},
             env_overrides={str(k): str(v) for k, v in (data.get("env") or {}).items()},
             role_postgres_dsn=str(data.get("role_postgres_dsn") or ""),
+            replica_env={str(k): {str(a): str(b) for a, b in dict(v).items()}
+                         for k, v in (data.get("replica_env") or {}).items()},
         )
 
     @classmethod

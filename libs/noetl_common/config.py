@@ -11,9 +11,10 @@ import os
 import socket
 from typing import Literal, TypedDict, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from . import pools
 from .errors import ConfigError
 
 T = TypeVar("T", bound=BaseSettings)
@@ -357,6 +358,25 @@ class WorkerSettings(BaseSettings):
     # The only directory `script: {source: {type: file}}` may read (a task's path resolves
     # beside its playbook's catalog path under it); empty: file scripts are refused.
     script_dir: str = ""
+    # The pools this worker serves (comma-separated, its own first), its labels
+    # (`key=value,key=value`) and the tool kinds it runs (comma-separated; empty: every
+    # kind): it takes only commands placed in its pools whose required labels it has
+    # (noetl_common.pools).
+    pool: str = "default"
+    labels: str = ""
+    tools: str = ""
+
+    @field_validator("pool")
+    @classmethod
+    def _pool_name(cls, value: str) -> str:
+        pools.parse_pools(value)  # ValueError names the bad name
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: str) -> str:
+        pools.parse_labels(value)  # ValueError names the bad entry
+        return value
 
 
 class TracingSettings(BaseSettings):

@@ -8,6 +8,7 @@ and chained with ``from``. Servicers map these to gRPC status codes in one place
     │   └── PlaybookInvalid   names the field path of the problem
     ├── NotFound              unknown execution, playbook, command -> NOT_FOUND
     ├── PermissionDenied      the caller's identity may not do this -> PERMISSION_DENIED
+    │   └── NotQualified      a worker claimed a command of another pool / labels
     ├── Conflict              lost a race (claimed by another)     -> FAILED_PRECONDITION
     ├── Overloaded            backpressure, retry later            -> RESOURCE_EXHAUSTED
     ├── LeaseLost             a fenced write found the lease gone  -> ABORTED
@@ -47,6 +48,11 @@ class PermissionDenied(NoetlError):
 
 class Conflict(NoetlError):
     """The operation lost a race or the target is in the wrong state."""
+
+
+class NotQualified(PermissionDenied):
+    """A worker claimed a command placed in another pool, or requiring labels or a tool
+    kind it does not have (``noetl_common.pools``)."""
 
 
 class Overloaded(NoetlError):

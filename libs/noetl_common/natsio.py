@@ -5,10 +5,14 @@ Streams:
                  (worker results, submission nudges, cancels, expiries, barriers).
                  Limits retention: engines read it with an ordered consumer per owned
                  shard from the stream position recorded in their lease row.
-  NOETL_COMMANDS ``noetl.commands.{shard}``       command notifications; work-queue
-                 retention, one durable pull consumer shared by every worker.
+  NOETL_COMMANDS ``noetl.commands.{pool}.{priority}.{shard}``  command notifications;
+                 work-queue retention, one durable pull consumer per (pool, priority),
+                 ``noetl-workers-{pool}-{priority}``, shared by that pool's workers
+                 (``pools.py``; their filters are disjoint, as a work queue requires).
 
-Core (non-JetStream) subjects carry hints only, never facts:
+Core (non-JetStream) subjects carry hints only, never facts (and a pool's workers also
+subscribe to ``noetl.commands.{pool}.*.*`` itself: a notice's copy tells them which
+priority has work, so idle slots ask that consumer at once and busy ones skip levels with none):
   ``noetl.progress.{execution_id}``  the read model of an execution changed
   ``noetl.projector.{shard}``        new events were appended to a shard
   ``noetl.checkpointer.{shard}``     the projection passed a checkpoint barrier of a shard
@@ -36,6 +40,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import AuthorizationError
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -44,20 +49,23 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     RetentionPolicy,
+    StatusCode,
     StorageType,
     StreamConfig,
 )
 from nats.js.errors import NotFoundError
 from opentelemetry.context import Context
 
-from . import tracing
+from . import pools, tracing
 from .errors import ConfigError, NoetlError, Unavailable
 
 logger = logging.getLogger(__name__)
 
 EVENTS_STREAM = "NOETL_EVENTS"
 COMMANDS_STREAM = "NOETL_COMMANDS"
-WORKER_CONSUMER = "noetl-workers"
+# The one shared consumer of the runtime before pools (filter ``noetl.commands.>``): the
+# api deletes it (a work queue refuses the per-pool consumers while it overlaps them).
+LEGACY_WORKER_CONSUMER = "noetl-workers"
 
 # Event kinds (the last subject token).
 KIND_CALL = "call"
@@ -76,8 +84,13 @@ def events_filter(shard: int | str) -> str:
     return f"noetl.events.{shard}.>"
 
 
-def commands_subject(shard: int | str) -> str:
-    return f"noetl.commands.{shard}"
+def commands_subject(pool: str, priority: str, shard: int | str) -> str:
+    return f"noetl.commands.{pool}.{priority}.{shard}"
+
+
+def commands_filter(pool: str, priority: str) -> str:
+    """One pool's notices of one priority, every shard (a worker consumer's filter)."""
+    return commands_subject(pool, priority, "*")
 
 
 def progress_subject(execution_id: int | str) -> str:
@@ -293,9 +306,10 @@ async def ensure_streams(js: JetStreamContext, *, events_max_age_sec: float = 7 
     """Create the streams and the shared worker consumer when missing (idempotent). An
     existing stream is updated only where a managed setting differs from the wanted one
     (logged), so every role's start does not re-apply, and undo, an operator's changes
-    to the rest of its configuration. ``manage=False`` (workers: their NATS user may not
-    create or change streams) only checks the streams exist (``Unavailable`` naming the
-    missing one) and ensures the worker consumer."""
+    to the rest of its configuration, and the shared consumer of a runtime before pools is
+    deleted (every queued command is republished: a new engine owner and the reaper both do). ``manage=False`` (workers: their NATS user may not create or
+    change streams) only checks the streams exist (``Unavailable`` naming the missing one);
+    workers ensure their own pool's consumers (``ensure_pool_consumers``)."""
     try:
         for cfg in stream_configs(events_max_age_sec=events_max_age_sec, replicas=replicas):
             try:
@@ -318,7 +332,8 @@ async def ensure_streams(js: JetStreamContext, *, events_max_age_sec: float = 7 
                 await js.update_stream(merged)
                 logger.warning("stream %s updated: %s", cfg.name,
                                ", ".join(f"{f} {old!r} -> {new!r}" for f, (old, new) in changed.items()))
-        await ensure_worker_consumer(js, command_ack_wait_sec=command_ack_wait_sec)
+        if manage:
+            await _drop_legacy_consumer(js)
     except NatsError as exc:
         raise translate(exc) from exc
 
@@ -331,24 +346,71 @@ def _differs(have: Any, want: Any) -> bool:
     return bool(have != want)
 
 
-async def ensure_worker_consumer(js: JetStreamContext, *, command_ack_wait_sec: float = 30.0) -> None:
-    """Create the durable pull consumer every worker shares, if it is missing."""
+async def _drop_legacy_consumer(js: JetStreamContext) -> None:
     try:
-        await js.consumer_info(COMMANDS_STREAM, WORKER_CONSUMER)
-        return
+        await js.consumer_info(COMMANDS_STREAM, LEGACY_WORKER_CONSUMER)
     except NotFoundError:
-        pass
-    await js.add_consumer(
-        COMMANDS_STREAM,
-        ConsumerConfig(
-            durable_name=WORKER_CONSUMER,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=command_ack_wait_sec,
-            max_ack_pending=-1,
-            filter_subject="noetl.commands.>",
-        ),
-    )
+        return
+    await js.delete_consumer(COMMANDS_STREAM, LEGACY_WORKER_CONSUMER)
+    # Its undelivered notices (``noetl.commands.{shard}``) stay in the stream, read by no one:
+    # nobody may purge it; the queued commands they named are republished on their pools' subjects.
+    logger.warning("deleted the pre-pool worker consumer %s: queued commands are republished on their pool's"
+                   " subjects", LEGACY_WORKER_CONSUMER)
+
+
+async def ensure_pool_consumers(js: JetStreamContext, pool: str, *, command_ack_wait_sec: float = 30.0) -> None:
+    """Create the durable pull consumers of a pool's notices, one per priority, if missing
+    (NATS errors come out as ``Unavailable``: the pre-pool consumer, until the api deletes
+    it, makes the server refuse them)."""
+    try:
+        for priority in pools.PRIORITIES:
+            name = pools.consumer_name(pool, priority)
+            try:
+                await js.consumer_info(COMMANDS_STREAM, name)
+                continue
+            except NotFoundError:
+                pass
+            await js.add_consumer(
+                COMMANDS_STREAM,
+                ConsumerConfig(
+                    name=name,  # CONSUMER.CREATE.{stream}.{name}.{filter}: the worker may create only these
+                    durable_name=name,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    deliver_policy=DeliverPolicy.ALL,
+                    ack_wait=command_ack_wait_sec,
+                    max_ack_pending=-1,
+                    filter_subject=commands_filter(pool, priority),
+                ),
+            )
+    except NatsError as exc:
+        raise translate(exc) from exc
+
+
+async def fetch_now(sub: JetStreamContext.PullSubscription, *, wait_sec: float = 5.0) -> Msg | None:
+    """The next message of a pull consumer if it has one now, else None: a ``no_wait`` pull
+    request of one message, which the server answers at once (a message, or a 404/408
+    status). No request lingers on the server afterwards, so a worker holds a notice only
+    while it has a slot for it. A message left in the subscription by an earlier request
+    that timed out is returned first. NATS errors come out as ``Unavailable``."""
+    inner = sub._sub
+    assert inner is not None
+    queue = inner._pending_queue
+    while not queue.empty():
+        msg = queue.get_nowait()
+        inner._pending_size -= len(msg.data)
+        if not JetStreamContext.is_status_msg(msg):
+            return msg
+    try:
+        await sub._nc.publish(sub._nms, b'{"batch":1,"no_wait":true}', sub._deliver)
+        msg = await inner.next_msg(timeout=wait_sec)
+    except (NatsError, OSError, TimeoutError) as exc:
+        raise translate(exc) from exc
+    status = JetStreamContext.is_status_msg(msg)
+    if not status:
+        return msg
+    if status in (StatusCode.NO_MESSAGES, StatusCode.REQUEST_TIMEOUT):
+        return None
+    raise Unavailable(f"nats pull from {sub._nms}: status {status} {msg.headers or ''}")
 
 
 async def publish(js: JetStreamContext, subject: str, payload: bytes, *, msg_id: str | None = None,

@@ -14,9 +14,10 @@ Least privilege, by role:
                 streams, the worker consumer, its own
                 ordered consumers on NOETL_EVENTS; the
                 result KV (create, read, write)
-  worker        events .call only; pulls and acks the    cancel hints, its inbox
-                shared ``noetl-workers`` consumer (and
-                re-creates it); reads stream info; the
+  worker        events .call only; creates (filtered on  cancel hints, command notices
+                commands only), pulls and acks its pool's  (hints of which priority has
+                ``noetl-workers-{pool}-{priority}``       work), its inbox
+                consumers; reads stream info; the
                 result KV (read, write; not create)
   projector     checkpointer and progress hints          projector hints, its inbox
   checkpointer  events .barrier                          projector and checkpointer hints,
@@ -70,7 +71,7 @@ USES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     f"events_subject:{natsio.KIND_REDRIVE}": (natsio.events_subject(ANY, natsio.KIND_REDRIVE), ("api",), ()),
     f"events_subject:{natsio.KIND_EXPIRED}": (natsio.events_subject(ANY, natsio.KIND_EXPIRED), ("reaper",), ()),
     f"events_subject:{natsio.KIND_BARRIER}": (natsio.events_subject(ANY, natsio.KIND_BARRIER), ("checkpointer",), ()),
-    "commands_subject": (natsio.commands_subject(ANY), ("api", "reaper"), ()),
+    "commands_subject": (natsio.commands_subject(ANY, ANY, ANY), ("api", "reaper"), ("worker",)),
     "progress_subject": (natsio.progress_subject(ANY), ("projector",), ("api",)),
     "projector_subject": (natsio.projector_subject(ANY), ("api",), ("projector", "checkpointer")),
     "checkpointer_subject": (natsio.checkpointer_subject(ANY), ("projector",), ("checkpointer",)),
@@ -93,10 +94,18 @@ def _kv(bucket: str, *, create: bool) -> list[str]:
     return out
 
 
-def _worker_consumer() -> list[str]:
-    stream, name = natsio.COMMANDS_STREAM, natsio.WORKER_CONSUMER
-    return [f"{_API}.CONSUMER.INFO.{stream}.{name}", f"{_API}.CONSUMER.CREATE.{stream}.{name}",
-            f"{_API}.CONSUMER.CREATE.{stream}.{name}.>", f"{_API}.CONSUMER.DURABLE.CREATE.{stream}.{name}"]
+def _worker_consumers() -> list[str]:
+    """A pool's consumers (``pools.consumer_name``): created only filtered on commands
+    subjects (``CONSUMER.CREATE.{stream}.{name}.{filter}``), read, pulled from and acked."""
+    stream = natsio.COMMANDS_STREAM
+    return [f"{_API}.CONSUMER.INFO.{stream}.*", f"{_API}.CONSUMER.CREATE.{stream}.*.noetl.commands.>",
+            f"{_API}.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.*.>"]
+
+
+def _legacy_consumer() -> list[str]:
+    """The api deletes the shared consumer of a runtime before pools, and its notices."""
+    stream, name = natsio.COMMANDS_STREAM, natsio.LEGACY_WORKER_CONSUMER
+    return [f"{_API}.CONSUMER.INFO.{stream}.{name}", f"{_API}.CONSUMER.DELETE.{stream}.{name}"]
 
 
 @dataclass(frozen=True)
@@ -116,16 +125,14 @@ def role_permissions(kv_bucket: str = DEFAULT_KV_BUCKET) -> dict[str, Permission
             sub[r].append(subject)
     events, commands = natsio.EVENTS_STREAM, natsio.COMMANDS_STREAM
     pub["api"] += [
-        *_stream_admin(events), *_stream_admin(commands), *_worker_consumer(),
+        *_stream_admin(events), *_stream_admin(commands), *_legacy_consumer(),
         # the engine's ordered consumers on its shards' events (created, re-created, deleted)
         f"{_API}.STREAM.NAMES", f"{_API}.CONSUMER.CREATE.{events}", f"{_API}.CONSUMER.CREATE.{events}.>",
         f"{_API}.CONSUMER.INFO.{events}.*", f"{_API}.CONSUMER.DELETE.{events}.*", f"$JS.FC.{events}.>",
         *_kv(kv_bucket, create=True),
     ]
     pub["worker"] += [
-        f"{_API}.STREAM.INFO.{events}", f"{_API}.STREAM.INFO.{commands}", *_worker_consumer(),
-        f"{_API}.CONSUMER.MSG.NEXT.{commands}.{natsio.WORKER_CONSUMER}",
-        f"$JS.ACK.{commands}.{natsio.WORKER_CONSUMER}.>",
+        f"{_API}.STREAM.INFO.{events}", f"{_API}.STREAM.INFO.{commands}", *_worker_consumers(),
         *_kv(kv_bucket, create=False),
     ]
     perms = {r: Permissions(tuple(dict.fromkeys(pub[r])), tuple(dict.fromkeys(sub[r]))) for r in ROLES}

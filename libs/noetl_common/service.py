@@ -391,6 +391,10 @@ class Service:
 
     # ------------------------------------------------------------ membership
 
+    def join_fields(self) -> dict[str, Any]:
+        """Extra ``JoinRequest`` fields of this role (a worker's pool, labels and tools)."""
+        return {}
+
     async def _join(self) -> None:
         self.core.require("shard_manager_target")
         if self._sm_channel is None:  # a rejoin reuses the channel
@@ -402,7 +406,7 @@ class Service:
             try:
                 resp = await self._sm.Join(sm_pb2.JoinRequest(
                     role=self.role, instance=self.core.instance, address=self.grpc_address,
-                    metrics_address=self.metrics_address, pid=os.getpid()), timeout=5)
+                    metrics_address=self.metrics_address, pid=os.getpid(), **self.join_fields()), timeout=5)
                 break
             except grpc.RpcError as exc:
                 if time.monotonic() > deadline or self._stop.is_set():

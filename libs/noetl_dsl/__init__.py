@@ -4,6 +4,7 @@ Jinja rendering. Pure, no I/O."""
 from .checks import TOOL_KINDS
 from .graph import predecessors, reachable_from, successors
 from .model import Arc, Loop, Next, Playbook, Step, Task
+from .placement import Placement, placements
 from .templates import (
     RenderContext,
     TemplateError,
@@ -21,6 +22,7 @@ __all__ = [
     "Arc",
     "Loop",
     "Next",
+    "Placement",
     "Playbook",
     "RenderContext",
     "Step",
@@ -32,6 +34,7 @@ __all__ = [
     "load_yaml",
     "merged_workload",
     "parse_playbook",
+    "placements",
     "predecessors",
     "reachable_from",
     "referenced_names",

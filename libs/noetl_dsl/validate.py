@@ -30,6 +30,7 @@ from .checks import (
 )
 from .credrefs import check_keychain, playbook_refs, static_name
 from .model import Playbook, Step, workbook_entry_task
+from .placement import check_placement
 from .yamlload import load_yaml
 
 __all__ = ["TOOL_KINDS", "load_playbook", "load_yaml", "merged_workload", "parse_playbook", "static_auth_refs"]
@@ -103,6 +104,7 @@ def load_playbook(doc: Any, *, supported_kinds: frozenset[str] | None = None,
             problems.add(path, message)
         workbook_names = _check_workbook(doc.get("workbook"), problems, supported_kinds)
         _check_workflow(workflow, problems, workbook_names, supported_kinds)
+        check_placement(doc, problems.add)
         problems.raise_if_any()
         try:
             return Playbook.model_validate({**doc, "raw": doc})

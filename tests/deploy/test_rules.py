@@ -22,7 +22,7 @@ def test_promtool_check_rules(rendered: dict[str, str], tmp_path: Path) -> None:
 
 def test_every_alert_has_severity_and_runbook_text(rendered: dict[str, str]) -> None:
     rules = alert_rules(rendered["scale-3"])
-    assert len(rules) == 12
+    assert len(rules) == 13
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         for key in REQUIRED_ANNOTATIONS:

@@ -25,13 +25,14 @@ from nats.aio.client import Client as NATS
 from nats.js.api import StreamConfig
 
 from noetl_cli import stacknats
-from noetl_common import natsio, natsperms
+from noetl_common import natsio, natsperms, pools
 from noetl_common.errors import ConfigError
 
 pytestmark = pytest.mark.e2e
 
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello_world.yaml"
 PROBE_SHARD = 424242  # no such shard: nothing of the runtime's uses these subjects
+WORKERS = pools.consumer_name("default", "normal")  # a consumer the workers created
 
 
 def run(coro: Awaitable[Any]) -> Any:
@@ -135,7 +136,7 @@ def test_the_worker_credential_cannot_publish_a_command(runner: Runner) -> None:
             await admin.subscribe("noetl.events.>", cb=on_msg)
             await admin.flush()
             # ... but a command (core and JetStream) or an engine-only event kind is refused.
-            command = natsio.commands_subject(PROBE_SHARD)
+            command = natsio.commands_subject('default', 'normal', PROBE_SHARD)
             await worker.publish(command, b"forged")
             with pytest.raises(nats.errors.TimeoutError):
                 await worker.jetstream(timeout=1).publish(command, b"forged")
@@ -175,8 +176,8 @@ def test_the_worker_credential_cannot_manage_streams_or_read_other_roles_subject
                                                        max_msgs=1))),
                 (f"{api}.STREAM.CREATE.KV_noetl_results",
                  lambda: js.add_stream(StreamConfig(name="KV_noetl_results", subjects=["$KV.noetl_results.>"]))),
-                (f"{api}.CONSUMER.DELETE.{natsio.COMMANDS_STREAM}.{natsio.WORKER_CONSUMER}",
-                 lambda: js.delete_consumer(natsio.COMMANDS_STREAM, natsio.WORKER_CONSUMER)),
+                (f"{api}.CONSUMER.DELETE.{natsio.COMMANDS_STREAM}.{WORKERS}",
+                 lambda: js.delete_consumer(natsio.COMMANDS_STREAM, WORKERS)),
             ]
             for subject, attempt in attempts:
                 with pytest.raises(nats.errors.TimeoutError):
@@ -192,7 +193,7 @@ def test_the_worker_credential_cannot_manage_streams_or_read_other_roles_subject
             ajs = admin.jetstream()
             for name in (natsio.EVENTS_STREAM, natsio.COMMANDS_STREAM):
                 await ajs.stream_info(name)
-            await ajs.consumer_info(natsio.COMMANDS_STREAM, natsio.WORKER_CONSUMER)
+            await ajs.consumer_info(natsio.COMMANDS_STREAM, WORKERS)
             assert "SNEAKY" not in [s.config.name for s in await ajs.streams_info()]
         finally:
             await worker.close()

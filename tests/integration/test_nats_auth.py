@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig, StorageType
 
 from noetl_cli import localstack, stackcerts, stacknats
-from noetl_common import natsio, natsperms
+from noetl_common import natsio, natsperms, pools
 from noetl_common.errors import ConfigError
 
 pytestmark = pytest.mark.integration
@@ -63,8 +63,10 @@ async def test_each_role_can_do_what_the_runtime_does(secured: Secured) -> None:
 
         sub = await ajs.subscribe(natsio.events_filter(5), ordered_consumer=True, cb=on_event)
         # the engine publishes a command; a worker pulls it, acks it, publishes its result
-        await natsio.publish(ajs, natsio.commands_subject(5), b"command", msg_id="c1")
-        pull = await wjs.pull_subscribe_bind(durable=natsio.WORKER_CONSUMER, stream=natsio.COMMANDS_STREAM)
+        await natsio.ensure_pool_consumers(wjs, "default")  # the worker creates its pool's consumers
+        await natsio.publish(ajs, natsio.commands_subject("default", "normal", 5), b"command", msg_id="c1")
+        pull = await wjs.pull_subscribe_bind(durable=pools.consumer_name("default", "normal"),
+                                             stream=natsio.COMMANDS_STREAM)
         msgs = await pull.fetch(1, timeout=5)
         assert [m.data for m in msgs] == [b"command"]
         await msgs[0].ack_sync(timeout=3)

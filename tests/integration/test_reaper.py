@@ -52,7 +52,7 @@ class Shard:
             self.notices.put_nowait(messages_pb2.CommandNotice.FromString(msg.data))
 
         self.subs = [await self.nc.subscribe(natsio.events_subject(self.shard, natsio.KIND_EXPIRED), cb=on_expired),
-                     await self.nc.subscribe(natsio.commands_subject(self.shard), cb=on_notice)]
+                     await self.nc.subscribe(natsio.commands_subject('default', 'normal', self.shard), cb=on_notice)]
         await self.nc.flush()  # the subscriptions are registered before anything is published
 
     async def command(self, status: str, *, attempt: int = 1, kind: str = "python", worker: str | None = None,
@@ -93,7 +93,7 @@ class Shard:
             await conn.execute("DELETE FROM noetl.command WHERE command_id = ANY(%s)", (self.command_ids,))
         # nothing of ours is left for the workers' consumer or an engine
         await self.js.purge_stream(natsio.EVENTS_STREAM, subject=f"noetl.events.{self.shard}.>")
-        await self.js.purge_stream(natsio.COMMANDS_STREAM, subject=natsio.commands_subject(self.shard))
+        await self.js.purge_stream(natsio.COMMANDS_STREAM, subject=natsio.commands_subject('default', 'normal', self.shard))
 
 
 @pytest.fixture
@@ -136,7 +136,7 @@ async def test_reports_expired_claims_and_republishes_stale_queued_commands(shar
     subject = natsio.events_subject(shard.shard, natsio.KIND_EXPIRED)
     stored = await shard.js.get_last_msg(natsio.EVENTS_STREAM, subject)
     assert messages_pb2.EngineInput.FromString(stored.data) == report
-    queued = await shard.js.get_last_msg(natsio.COMMANDS_STREAM, natsio.commands_subject(shard.shard))
+    queued = await shard.js.get_last_msg(natsio.COMMANDS_STREAM, natsio.commands_subject('default', 'normal', shard.shard))
     assert messages_pb2.CommandNotice.FromString(queued.data) == notice
 
     # the reaper decides nothing: the rows are as they were

@@ -100,7 +100,7 @@ class Stack:
     async def notify(self, command_id: str, execution_id: int, attempt: int, kind: str = "cursor") -> None:
         notice = messages_pb2.CommandNotice(command_id=command_id, execution_id=execution_id, shard_id=SHARD,
                                             attempt=attempt, kind=kind)
-        await natsio.publish(self.nc.jetstream(), natsio.commands_subject(SHARD), notice.SerializeToString(),
+        await natsio.publish(self.nc.jetstream(), natsio.commands_subject('default', 'normal', SHARD), notice.SerializeToString(),
                              msg_id=f"{command_id}#{attempt}")
 
     async def result_for(self, command_id: str, limit: float = 20) -> messages_pb2.CallResult:
@@ -325,7 +325,7 @@ async def test_a_claim_whose_answer_was_lost_is_claimed_again_and_runs_once(stac
         # A late duplicate notice of the same attempt (a republish under another Msg-Id)
         # is claimed again by the same worker (the row is still claimed: no engine here)
         # and dropped by the worker: the command does not run twice.
-        await natsio.publish(stack.nc.jetstream(), natsio.commands_subject(SHARD), messages_pb2.CommandNotice(
+        await natsio.publish(stack.nc.jetstream(), natsio.commands_subject('default', 'normal', SHARD), messages_pb2.CommandNotice(
             command_id=command_id, execution_id=execution_id, shard_id=SHARD, attempt=1,
             kind="python").SerializeToString(), msg_id=f"{command_id}#1#r-test")
         await wait_for(lambda: stack.servicer.claim_calls.count(command_id) == 3, limit=10)

@@ -115,7 +115,7 @@ class Harness:
     async def notify(self, command: messages_pb2.Command) -> None:
         notice = messages_pb2.CommandNotice(command_id=command.command_id, execution_id=command.execution_id,
                                             shard_id=command.shard_id, attempt=command.attempt, kind=command.kind)
-        await natsio.publish(self.nc.jetstream(), natsio.commands_subject(command.shard_id),
+        await natsio.publish(self.nc.jetstream(), natsio.commands_subject('default', 'normal', command.shard_id),
                              notice.SerializeToString(), msg_id=f"{command.command_id}#{command.attempt}")
 
     async def result_for(self, command_id: str, limit: float = 10) -> messages_pb2.CallResult:

@@ -11,7 +11,7 @@ def test_public_surface_is_pinned() -> None:
         "parse_playbook", "load_playbook", "load_yaml", "static_auth_refs", "merged_workload", "TOOL_KINDS",
         "successors", "predecessors", "reachable_from",
         "render", "render_str", "render_text", "evaluate_when", "referenced_names",
-        "RenderContext", "TemplateError", "is_template",
+        "RenderContext", "TemplateError", "is_template", "Placement", "placements",
     ])
     for name in noetl_dsl.__all__:
         assert getattr(noetl_dsl, name) is not None, name

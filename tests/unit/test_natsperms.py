@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from noetl_common import natsio, natsperms
+from noetl_common import natsio, natsperms, pools
 
 PERMS = natsperms.role_permissions()
 KINDS = sorted(v for k, v in vars(natsio).items() if k.startswith("KIND_"))
@@ -23,6 +23,8 @@ def concrete(key: str) -> str:
     """A real subject of a ``USES`` key (shard/execution 7)."""
     name, _, kind = key.partition(":")
     fn = getattr(natsio, name)
+    if name == "commands_subject":
+        return fn("gpu", "high", 7)
     return str(fn(7, kind) if kind else fn(7))
 
 
@@ -59,7 +61,7 @@ def test_each_role_subscribes_to_its_own_inbox_only() -> None:
 
 
 @pytest.mark.parametrize("subject", [
-    natsio.commands_subject(0), natsio.events_subject(0, natsio.KIND_SUBMIT),
+    natsio.commands_subject("default", "normal", 0), natsio.events_subject(0, natsio.KIND_SUBMIT),
     natsio.events_subject(0, natsio.KIND_CANCEL), natsio.events_subject(0, natsio.KIND_EXPIRED),
     natsio.events_subject(0, natsio.KIND_BARRIER), natsio.cancel_subject(0), natsio.progress_subject(1),
     f"$JS.API.STREAM.CREATE.{natsio.COMMANDS_STREAM}", f"$JS.API.STREAM.UPDATE.{natsio.EVENTS_STREAM}",
@@ -67,7 +69,9 @@ def test_each_role_subscribes_to_its_own_inbox_only() -> None:
     "$JS.API.STREAM.CREATE.KV_noetl_results", "$JS.API.STREAM.DELETE.KV_noetl_results",
     "$JS.API.STREAM.PURGE.KV_noetl_results", f"$JS.API.CONSUMER.DELETE.{natsio.COMMANDS_STREAM}.noetl-workers",
     f"$JS.API.CONSUMER.CREATE.{natsio.EVENTS_STREAM}", f"$JS.API.CONSUMER.CREATE.{natsio.COMMANDS_STREAM}.other",
-    f"$JS.API.CONSUMER.MSG.NEXT.{natsio.COMMANDS_STREAM}.other", f"$JS.ACK.{natsio.EVENTS_STREAM}.x.1.1.1.1.1",
+    f"$JS.API.CONSUMER.CREATE.{natsio.COMMANDS_STREAM}.other.noetl.events.>",
+    f"$JS.API.CONSUMER.DURABLE.CREATE.{natsio.COMMANDS_STREAM}.other",
+    f"$JS.API.CONSUMER.MSG.NEXT.{natsio.EVENTS_STREAM}.other", f"$JS.ACK.{natsio.EVENTS_STREAM}.x.1.1.1.1.1",
     "$JS.API.STREAM.MSG.DELETE.NOETL_EVENTS", "$JS.API.ACCOUNT.PURGE.x", "$SYS.REQ.SERVER.PING", "other.subject",
 ])
 def test_the_worker_may_not_publish(subject: str) -> None:
@@ -76,8 +80,10 @@ def test_the_worker_may_not_publish(subject: str) -> None:
 
 @pytest.mark.parametrize("subject", [
     natsio.events_subject(3, natsio.KIND_CALL), f"$JS.API.STREAM.INFO.{natsio.EVENTS_STREAM}",
-    f"$JS.API.CONSUMER.MSG.NEXT.{natsio.COMMANDS_STREAM}.{natsio.WORKER_CONSUMER}",
-    f"$JS.ACK.{natsio.COMMANDS_STREAM}.{natsio.WORKER_CONSUMER}.1.2.3.4.0",
+    f"$JS.API.CONSUMER.MSG.NEXT.{natsio.COMMANDS_STREAM}.{pools.consumer_name('gpu', 'high')}",
+    f"$JS.ACK.{natsio.COMMANDS_STREAM}.{pools.consumer_name('gpu', 'high')}.1.2.3.4.0",
+    f"$JS.API.CONSUMER.CREATE.{natsio.COMMANDS_STREAM}.{pools.consumer_name('gpu', 'high')}"
+    f".{natsio.commands_filter('gpu', 'high')}",
     "$KV.noetl_results.42", "$JS.API.DIRECT.GET.KV_noetl_results.$KV.noetl_results.42",
 ])
 def test_the_worker_may_publish(subject: str) -> None:
@@ -88,7 +94,10 @@ def test_only_the_api_manages_streams() -> None:
     for role in natsperms.ROLES:
         manage = [p for p in PERMS[role].publish if any(op in p for op in (".STREAM.CREATE.", ".STREAM.UPDATE."))]
         assert bool(manage) == (role == "api"), (role, manage)
-        assert not [p for p in PERMS[role].publish if ".DELETE." in p and "NOETL_COMMANDS" in p], role
+        deletes = [p for p in PERMS[role].publish if ".DELETE." in p and "NOETL_COMMANDS" in p]
+        # the api deletes the pre-pool shared consumer, and nothing else of the commands stream
+        assert deletes == ([f"$JS.API.CONSUMER.DELETE.NOETL_COMMANDS.{natsio.LEGACY_WORKER_CONSUMER}"]
+                           if role == "api" else []), role
         assert not [p for p in PERMS[role].publish if ".PURGE." in p or p in (">", "$JS.API.>")], role
 
 

@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from noetl_proto.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -19,6 +20,28 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _Priority:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PriorityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Priority.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PRIORITY_UNSPECIFIED: _Priority.ValueType  # 0
+    PRIORITY_HIGH: _Priority.ValueType  # 1
+    PRIORITY_NORMAL: _Priority.ValueType  # 2
+    PRIORITY_LOW: _Priority.ValueType  # 3
+
+class Priority(_Priority, metaclass=_PriorityEnumTypeWrapper):
+    """The order in which workers take queued commands (docs/ARCHITECTURE.md "Worker pools
+    and priorities"); UNSPECIFIED: the playbook's spec.priority, else normal.
+    """
+
+PRIORITY_UNSPECIFIED: Priority.ValueType  # 0
+PRIORITY_HIGH: Priority.ValueType  # 1
+PRIORITY_NORMAL: Priority.ValueType  # 2
+PRIORITY_LOW: Priority.ValueType  # 3
+Global___Priority: _TypeAlias = Priority  # noqa: Y015
 
 @_typing.final
 class PlaybookRef(_message.Message):
@@ -54,6 +77,7 @@ class SubmitExecutionRequest(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     PARENT_EXECUTION_ID_FIELD_NUMBER: _builtins.int
     PARENT_CLAIM_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     playbook_yaml: _builtins.str
     """Inline playbook YAML: registered (or matched by content) in the catalog, then pinned."""
     payload_json: _builtins.str
@@ -62,6 +86,8 @@ class SubmitExecutionRequest(_message.Message):
     timeout_seconds: _builtins.float
     """Execution timeout; 0 = the server default."""
     parent_execution_id: _builtins.int
+    priority: Global___Priority.ValueType
+    """Overrides the playbook's and its steps' spec.priority for every command of the run."""
     @_builtins.property
     def ref(self) -> Global___PlaybookRef: ...
     @_builtins.property
@@ -80,10 +106,11 @@ class SubmitExecutionRequest(_message.Message):
         timeout_seconds: _builtins.float = ...,
         parent_execution_id: _builtins.int = ...,
         parent_claim: Global___ParentClaim | None = ...,
+        priority: Global___Priority.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["parent_claim", b"parent_claim", "playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "parent_claim", b"parent_claim", "parent_execution_id", b"parent_execution_id", "payload_json", b"payload_json", "playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "ref", b"ref", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "parent_claim", b"parent_claim", "parent_execution_id", b"parent_execution_id", "payload_json", b"payload_json", "playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "priority", b"priority", "ref", b"ref", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_playbook: _TypeAlias = _typing.Literal["ref", "playbook_yaml"]  # noqa: Y015
     _WhichOneofArgType_playbook: _TypeAlias = _typing.Literal["playbook", b"playbook"]  # noqa: Y015
@@ -167,6 +194,7 @@ class StepState(_message.Message):
     ENDED_AT_FIELD_NUMBER: _builtins.int
     VISITS_FIELD_NUMBER: _builtins.int
     LOOP_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     status: _common_pb2.StepStatus.ValueType
     attempts: _builtins.int
@@ -175,6 +203,10 @@ class StepState(_message.Message):
     error: _builtins.str
     visits: _builtins.int
     """Number of times the step was entered."""
+    waiting: _builtins.str
+    """Why queued commands of the step wait with no live worker to take them (e.g. "no live
+    worker in pool gpu"); empty when any is queued for a pool that has one.
+    """
     @_builtins.property
     def result_ref(self) -> _common_pb2.ResultReference: ...
     @_builtins.property
@@ -200,10 +232,11 @@ class StepState(_message.Message):
         ended_at: _timestamp_pb2.Timestamp | None = ...,
         visits: _builtins.int = ...,
         loop: Global___LoopProgress | None = ...,
+        waiting: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "loop", b"loop", "result_ref", b"result_ref", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "ended_at", b"ended_at", "error", b"error", "loop", b"loop", "name", b"name", "result_json", b"result_json", "result_ref", b"result_ref", "started_at", b"started_at", "status", b"status", "visits", b"visits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "ended_at", b"ended_at", "error", b"error", "loop", b"loop", "name", b"name", "result_json", b"result_json", "result_ref", b"result_ref", "started_at", b"started_at", "status", b"status", "visits", b"visits", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,35 +25,39 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cnoetl/v1/shard_manager.proto\x12\x08noetl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"d\n\x0fShardAssignment\x12\x10\n\x08shard_id\x18\x01 \x01(\x05\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x30\n\x0cleased_until\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"d\n\x0bJoinRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\"\xc1\x01\n\x0cJoinResponse\x12\x12\n\nruntime_id\x18\x01 \x01(\x03\x12\x0f\n\x07node_id\x18\x02 \x01(\x05\x12\x13\n\x0bshard_count\x18\x03 \x01(\x05\x12\x19\n\x11heartbeat_seconds\x18\x04 \x01(\x01\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12.\n\x0b\x61ssignments\x18\x06 \x03(\x0b\x32\x19.noetl.v1.ShardAssignment\x12\x15\n\rmember_secret\x18\x07 \x01(\t\"K\n\x10HeartbeatRequest\x12\x12\n\nruntime_id\x18\x01 \x01(\x03\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rmember_secret\x18\x03 \x01(\t\"S\n\x11HeartbeatResponse\x12.\n\x0b\x61ssignments\x18\x01 \x03(\x0b\x32\x19.noetl.v1.ShardAssignment\x12\x0e\n\x06rejoin\x18\x02 \x01(\x08\"9\n\x0cLeaveRequest\x12\x12\n\nruntime_id\x18\x01 \x01(\x03\x12\x15\n\rmember_secret\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\x1f\n\x0f\x44\x65scribeRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"\xb4\x01\n\x06Member\x12\x12\n\nruntime_id\x18\x01 \x01(\x03\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\x12\x30\n\x0cheartbeat_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x61live\x18\x07 \x01(\x08\x12\x0b\n\x03pid\x18\x08 \x01(\x05\"\x9f\x01\n\nShardOwner\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\x05\x12\x18\n\x10owner_runtime_id\x18\x03 \x01(\x03\x12\x16\n\x0eowner_instance\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x03\x12\x30\n\x0cleased_until\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x8a\x01\n\x10\x44\x65scribeResponse\x12\x17\n\x0fleader_instance\x18\x01 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x02 \x01(\x03\x12!\n\x07members\x18\x03 \x03(\x0b\x32\x10.noetl.v1.Member\x12$\n\x06shards\x18\x04 \x03(\x0b\x32\x14.noetl.v1.ShardOwner2\x8f\x02\n\x13ShardManagerService\x12\x35\n\x04Join\x12\x15.noetl.v1.JoinRequest\x1a\x16.noetl.v1.JoinResponse\x12\x44\n\tHeartbeat\x12\x1a.noetl.v1.HeartbeatRequest\x1a\x1b.noetl.v1.HeartbeatResponse\x12\x38\n\x05Leave\x12\x16.noetl.v1.LeaveRequest\x1a\x17.noetl.v1.LeaveResponse\x12\x41\n\x08\x44\x65scribe\x12\x19.noetl.v1.DescribeRequest\x1a\x1a.noetl.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cnoetl/v1/shard_manager.proto\x12\x08noetl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"d\n\x0fShardAssignment\x12\x10\n\x08shard_id\x18\x01 \x01(\x05\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x30\n\x0cleased_until\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe4\x01\n\x0bJoinRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\r\n\x05pools\x18\x06 \x03(\t\x12\x31\n\x06labels\x18\x07 \x03(\x0b\x32!.noetl.v1.JoinRequest.LabelsEntry\x12\r\n\x05tools\x18\x08 \x03(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc1\x01\n\x0cJoinResponse\x12\x12\n\nruntime_id\x18\x01 \x01(\x03\x12\x0f\n\x07node_id\x18\x02 \x01(\x05\x12\x13\n\x0bshard_count\x18\x03 \x01(\x05\x12\x19\n\x11heartbeat_seconds\x18\x04 \x01(\x01\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12.\n\x0b\x61ssignments\x18\x06 \x03(\x0b\x32\x19.noetl.v1.ShardAssignment\x12\x15\n\rmember_secret\x18\x07 \x01(\t\"K\n\x10HeartbeatRequest\x12\x12\n\nruntime_id\x18\x01 \x01(\x03\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rmember_secret\x18\x03 \x01(\t\"S\n\x11HeartbeatResponse\x12.\n\x0b\x61ssignments\x18\x01 \x03(\x0b\x32\x19.noetl.v1.ShardAssignment\x12\x0e\n\x06rejoin\x18\x02 \x01(\x08\"9\n\x0cLeaveRequest\x12\x12\n\nruntime_id\x18\x01 \x01(\x03\x12\x15\n\rmember_secret\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\x1f\n\x0f\x44\x65scribeRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"\xb4\x01\n\x06Member\x12\x12\n\nruntime_id\x18\x01 \x01(\x03\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\x12\x30\n\x0cheartbeat_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x61live\x18\x07 \x01(\x08\x12\x0b\n\x03pid\x18\x08 \x01(\x05\"\x9f\x01\n\nShardOwner\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\x05\x12\x18\n\x10owner_runtime_id\x18\x03 \x01(\x03\x12\x16\n\x0eowner_instance\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x03\x12\x30\n\x0cleased_until\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x8a\x01\n\x10\x44\x65scribeResponse\x12\x17\n\x0fleader_instance\x18\x01 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x02 \x01(\x03\x12!\n\x07members\x18\x03 \x03(\x0b\x32\x10.noetl.v1.Member\x12$\n\x06shards\x18\x04 \x03(\x0b\x32\x14.noetl.v1.ShardOwner2\x8f\x02\n\x13ShardManagerService\x12\x35\n\x04Join\x12\x15.noetl.v1.JoinRequest\x1a\x16.noetl.v1.JoinResponse\x12\x44\n\tHeartbeat\x12\x1a.noetl.v1.HeartbeatRequest\x1a\x1b.noetl.v1.HeartbeatResponse\x12\x38\n\x05Leave\x12\x16.noetl.v1.LeaveRequest\x1a\x17.noetl.v1.LeaveResponse\x12\x41\n\x08\x44\x65scribe\x12\x19.noetl.v1.DescribeRequest\x1a\x1a.noetl.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noetl.v1.shard_manager_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_JOINREQUEST_LABELSENTRY']._loaded_options = None
+  _globals['_JOINREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_SHARDASSIGNMENT']._serialized_start=75
   _globals['_SHARDASSIGNMENT']._serialized_end=175
-  _globals['_JOINREQUEST']._serialized_start=177
-  _globals['_JOINREQUEST']._serialized_end=277
-  _globals['_JOINRESPONSE']._serialized_start=280
-  _globals['_JOINRESPONSE']._serialized_end=473
-  _globals['_HEARTBEATREQUEST']._serialized_start=475
-  _globals['_HEARTBEATREQUEST']._serialized_end=550
-  _globals['_HEARTBEATRESPONSE']._serialized_start=552
-  _globals['_HEARTBEATRESPONSE']._serialized_end=635
-  _globals['_LEAVEREQUEST']._serialized_start=637
-  _globals['_LEAVEREQUEST']._serialized_end=694
-  _globals['_LEAVERESPONSE']._serialized_start=696
-  _globals['_LEAVERESPONSE']._serialized_end=711
-  _globals['_DESCRIBEREQUEST']._serialized_start=713
-  _globals['_DESCRIBEREQUEST']._serialized_end=744
-  _globals['_MEMBER']._serialized_start=747
-  _globals['_MEMBER']._serialized_end=927
-  _globals['_SHARDOWNER']._serialized_start=930
-  _globals['_SHARDOWNER']._serialized_end=1089
-  _globals['_DESCRIBERESPONSE']._serialized_start=1092
-  _globals['_DESCRIBERESPONSE']._serialized_end=1230
-  _globals['_SHARDMANAGERSERVICE']._serialized_start=1233
-  _globals['_SHARDMANAGERSERVICE']._serialized_end=1504
+  _globals['_JOINREQUEST']._serialized_start=178
+  _globals['_JOINREQUEST']._serialized_end=406
+  _globals['_JOINREQUEST_LABELSENTRY']._serialized_start=361
+  _globals['_JOINREQUEST_LABELSENTRY']._serialized_end=406
+  _globals['_JOINRESPONSE']._serialized_start=409
+  _globals['_JOINRESPONSE']._serialized_end=602
+  _globals['_HEARTBEATREQUEST']._serialized_start=604
+  _globals['_HEARTBEATREQUEST']._serialized_end=679
+  _globals['_HEARTBEATRESPONSE']._serialized_start=681
+  _globals['_HEARTBEATRESPONSE']._serialized_end=764
+  _globals['_LEAVEREQUEST']._serialized_start=766
+  _globals['_LEAVEREQUEST']._serialized_end=823
+  _globals['_LEAVERESPONSE']._serialized_start=825
+  _globals['_LEAVERESPONSE']._serialized_end=840
+  _globals['_DESCRIBEREQUEST']._serialized_start=842
+  _globals['_DESCRIBEREQUEST']._serialized_end=873
+  _globals['_MEMBER']._serialized_start=876
+  _globals['_MEMBER']._serialized_end=1056
+  _globals['_SHARDOWNER']._serialized_start=1059
+  _globals['_SHARDOWNER']._serialized_end=1218
+  _globals['_DESCRIBERESPONSE']._serialized_start=1221
+  _globals['_DESCRIBERESPONSE']._serialized_end=1359
+  _globals['_SHARDMANAGERSERVICE']._serialized_start=1362
+  _globals['_SHARDMANAGERSERVICE']._serialized_end=1633
 # @@protoc_insertion_point(module_scope)

@@ -26,33 +26,39 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from noetl_proto.v1 import messages_pb2 as noetl_dot_v1_dot_messages__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15noetl/v1/worker.proto\x12\x08noetl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17noetl/v1/messages.proto\"M\n\x13\x43laimCommandRequest\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\":\n\x14\x43laimCommandResponse\x12\"\n\x07\x63ommand\x18\x01 \x01(\x0b\x32\x11.noetl.v1.Command\"X\n\x14\x43laimCommandsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12-\n\x06\x63laims\x18\x02 \x03(\x0b\x32\x1d.noetl.v1.ClaimCommandRequest\"\x80\x01\n\x0c\x43laimOutcome\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\"\n\x07\x63ommand\x18\x02 \x01(\x0b\x32\x11.noetl.v1.Command\x12\'\n\x07\x66\x61ilure\x18\x03 \x01(\x0e\x32\x16.noetl.v1.ClaimFailure\x12\x0f\n\x07message\x18\x04 \x01(\t\"A\n\x15\x43laimCommandsResponse\x12(\n\x08outcomes\x18\x01 \x03(\x0b\x32\x16.noetl.v1.ClaimOutcome\"b\n\x11RenewLeaseRequest\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x15\n\rprogress_json\x18\x04 \x01(\t\"h\n\x12RenewLeaseResponse\x12/\n\x0blease_until\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04stop\x18\x02 \x01(\x08\x12\x13\n\x0bstop_reason\x18\x03 \x01(\t\"q\n\x14GetCredentialRequest\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x13\n\x0b\x63laim_token\x18\x05 \x01(\t\"F\n\x15GetCredentialResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tdata_json\x18\x03 \x01(\t*\x87\x01\n\x0c\x43laimFailure\x12\x1d\n\x19\x43LAIM_FAILURE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43LAIM_FAILURE_NOT_CLAIMABLE\x10\x01\x12\x1b\n\x17\x43LAIM_FAILURE_NOT_FOUND\x10\x02\x12\x1a\n\x16\x43LAIM_FAILURE_DEFERRED\x10\x03\x32\xcb\x02\n\rWorkerService\x12M\n\x0c\x43laimCommand\x12\x1d.noetl.v1.ClaimCommandRequest\x1a\x1e.noetl.v1.ClaimCommandResponse\x12P\n\rClaimCommands\x12\x1e.noetl.v1.ClaimCommandsRequest\x1a\x1f.noetl.v1.ClaimCommandsResponse\x12G\n\nRenewLease\x12\x1b.noetl.v1.RenewLeaseRequest\x1a\x1c.noetl.v1.RenewLeaseResponse\x12P\n\rGetCredential\x12\x1e.noetl.v1.GetCredentialRequest\x1a\x1f.noetl.v1.GetCredentialResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15noetl/v1/worker.proto\x12\x08noetl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17noetl/v1/messages.proto\"{\n\x13\x43laimCommandRequest\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12,\n\tplacement\x18\x04 \x01(\x0b\x32\x19.noetl.v1.WorkerPlacement\"\x95\x01\n\x0fWorkerPlacement\x12\r\n\x05pools\x18\x01 \x03(\t\x12\x35\n\x06labels\x18\x02 \x03(\x0b\x32%.noetl.v1.WorkerPlacement.LabelsEntry\x12\r\n\x05tools\x18\x03 \x03(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\x14\x43laimCommandResponse\x12\"\n\x07\x63ommand\x18\x01 \x01(\x0b\x32\x11.noetl.v1.Command\"\x86\x01\n\x14\x43laimCommandsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12-\n\x06\x63laims\x18\x02 \x03(\x0b\x32\x1d.noetl.v1.ClaimCommandRequest\x12,\n\tplacement\x18\x03 \x01(\x0b\x32\x19.noetl.v1.WorkerPlacement\"\x80\x01\n\x0c\x43laimOutcome\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\"\n\x07\x63ommand\x18\x02 \x01(\x0b\x32\x11.noetl.v1.Command\x12\'\n\x07\x66\x61ilure\x18\x03 \x01(\x0e\x32\x16.noetl.v1.ClaimFailure\x12\x0f\n\x07message\x18\x04 \x01(\t\"A\n\x15\x43laimCommandsResponse\x12(\n\x08outcomes\x18\x01 \x03(\x0b\x32\x16.noetl.v1.ClaimOutcome\"b\n\x11RenewLeaseRequest\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x15\n\rprogress_json\x18\x04 \x01(\t\"h\n\x12RenewLeaseResponse\x12/\n\x0blease_until\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04stop\x18\x02 \x01(\x08\x12\x13\n\x0bstop_reason\x18\x03 \x01(\t\"q\n\x14GetCredentialRequest\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x13\n\x0b\x63laim_token\x18\x05 \x01(\t\"F\n\x15GetCredentialResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tdata_json\x18\x03 \x01(\t*\xa8\x01\n\x0c\x43laimFailure\x12\x1d\n\x19\x43LAIM_FAILURE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43LAIM_FAILURE_NOT_CLAIMABLE\x10\x01\x12\x1b\n\x17\x43LAIM_FAILURE_NOT_FOUND\x10\x02\x12\x1a\n\x16\x43LAIM_FAILURE_DEFERRED\x10\x03\x12\x1f\n\x1b\x43LAIM_FAILURE_NOT_QUALIFIED\x10\x04\x32\xcb\x02\n\rWorkerService\x12M\n\x0c\x43laimCommand\x12\x1d.noetl.v1.ClaimCommandRequest\x1a\x1e.noetl.v1.ClaimCommandResponse\x12P\n\rClaimCommands\x12\x1e.noetl.v1.ClaimCommandsRequest\x1a\x1f.noetl.v1.ClaimCommandsResponse\x12G\n\nRenewLease\x12\x1b.noetl.v1.RenewLeaseRequest\x1a\x1c.noetl.v1.RenewLeaseResponse\x12P\n\rGetCredential\x12\x1e.noetl.v1.GetCredentialRequest\x1a\x1f.noetl.v1.GetCredentialResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noetl.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CLAIMFAILURE']._serialized_start=914
-  _globals['_CLAIMFAILURE']._serialized_end=1049
+  _globals['_WORKERPLACEMENT_LABELSENTRY']._loaded_options = None
+  _globals['_WORKERPLACEMENT_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_CLAIMFAILURE']._serialized_start=1159
+  _globals['_CLAIMFAILURE']._serialized_end=1327
   _globals['_CLAIMCOMMANDREQUEST']._serialized_start=93
-  _globals['_CLAIMCOMMANDREQUEST']._serialized_end=170
-  _globals['_CLAIMCOMMANDRESPONSE']._serialized_start=172
-  _globals['_CLAIMCOMMANDRESPONSE']._serialized_end=230
-  _globals['_CLAIMCOMMANDSREQUEST']._serialized_start=232
-  _globals['_CLAIMCOMMANDSREQUEST']._serialized_end=320
-  _globals['_CLAIMOUTCOME']._serialized_start=323
-  _globals['_CLAIMOUTCOME']._serialized_end=451
-  _globals['_CLAIMCOMMANDSRESPONSE']._serialized_start=453
-  _globals['_CLAIMCOMMANDSRESPONSE']._serialized_end=518
-  _globals['_RENEWLEASEREQUEST']._serialized_start=520
-  _globals['_RENEWLEASEREQUEST']._serialized_end=618
-  _globals['_RENEWLEASERESPONSE']._serialized_start=620
-  _globals['_RENEWLEASERESPONSE']._serialized_end=724
-  _globals['_GETCREDENTIALREQUEST']._serialized_start=726
-  _globals['_GETCREDENTIALREQUEST']._serialized_end=839
-  _globals['_GETCREDENTIALRESPONSE']._serialized_start=841
-  _globals['_GETCREDENTIALRESPONSE']._serialized_end=911
-  _globals['_WORKERSERVICE']._serialized_start=1052
-  _globals['_WORKERSERVICE']._serialized_end=1383
+  _globals['_CLAIMCOMMANDREQUEST']._serialized_end=216
+  _globals['_WORKERPLACEMENT']._serialized_start=219
+  _globals['_WORKERPLACEMENT']._serialized_end=368
+  _globals['_WORKERPLACEMENT_LABELSENTRY']._serialized_start=323
+  _globals['_WORKERPLACEMENT_LABELSENTRY']._serialized_end=368
+  _globals['_CLAIMCOMMANDRESPONSE']._serialized_start=370
+  _globals['_CLAIMCOMMANDRESPONSE']._serialized_end=428
+  _globals['_CLAIMCOMMANDSREQUEST']._serialized_start=431
+  _globals['_CLAIMCOMMANDSREQUEST']._serialized_end=565
+  _globals['_CLAIMOUTCOME']._serialized_start=568
+  _globals['_CLAIMOUTCOME']._serialized_end=696
+  _globals['_CLAIMCOMMANDSRESPONSE']._serialized_start=698
+  _globals['_CLAIMCOMMANDSRESPONSE']._serialized_end=763
+  _globals['_RENEWLEASEREQUEST']._serialized_start=765
+  _globals['_RENEWLEASEREQUEST']._serialized_end=863
+  _globals['_RENEWLEASERESPONSE']._serialized_start=865
+  _globals['_RENEWLEASERESPONSE']._serialized_end=969
+  _globals['_GETCREDENTIALREQUEST']._serialized_start=971
+  _globals['_GETCREDENTIALREQUEST']._serialized_end=1084
+  _globals['_GETCREDENTIALRESPONSE']._serialized_start=1086
+  _globals['_GETCREDENTIALRESPONSE']._serialized_end=1156
+  _globals['_WORKERSERVICE']._serialized_start=1330
+  _globals['_WORKERSERVICE']._serialized_end=1661
 # @@protoc_insertion_point(module_scope)

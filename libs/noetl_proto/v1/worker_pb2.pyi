@@ -36,6 +36,10 @@ class _ClaimFailureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ClaimFai
     budget: claim it again (a claim is idempotent for its worker and attempt) in a
     later call, where it comes back.
     """
+    CLAIM_FAILURE_NOT_QUALIFIED: _ClaimFailure.ValueType  # 4
+    """Queued, but placed in another pool, or requiring labels or a tool kind this worker
+    does not have: the notice goes back for a worker that qualifies.
+    """
 
 class ClaimFailure(_ClaimFailure, metaclass=_ClaimFailureEnumTypeWrapper):
     """Why a claim of a batch did not succeed."""
@@ -49,6 +53,10 @@ CLAIM_FAILURE_DEFERRED: ClaimFailure.ValueType  # 3
 budget: claim it again (a claim is idempotent for its worker and attempt) in a
 later call, where it comes back.
 """
+CLAIM_FAILURE_NOT_QUALIFIED: ClaimFailure.ValueType  # 4
+"""Queued, but placed in another pool, or requiring labels or a tool kind this worker
+does not have: the notice goes back for a worker that qualifies.
+"""
 Global___ClaimFailure: _TypeAlias = ClaimFailure  # noqa: Y015
 
 @_typing.final
@@ -58,23 +66,84 @@ class ClaimCommandRequest(_message.Message):
     COMMAND_ID_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    PLACEMENT_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     worker_id: _builtins.str
     attempt: _builtins.int
+    @_builtins.property
+    def placement(self) -> Global___WorkerPlacement:
+        """What the claiming worker serves; the claim succeeds only for a command it qualifies
+        for (PERMISSION_DENIED / CLAIM_FAILURE_NOT_QUALIFIED otherwise). Unset: the default
+        pool, no labels, every tool kind.
+        """
+
     def __init__(
         self,
         *,
         command_id: _builtins.str = ...,
         worker_id: _builtins.str = ...,
         attempt: _builtins.int = ...,
+        placement: Global___WorkerPlacement | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command_id", b"command_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command_id", b"command_id", "placement", b"placement", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClaimCommandRequest: _TypeAlias = ClaimCommandRequest  # noqa: Y015
+
+@_typing.final
+class WorkerPlacement(_message.Message):
+    """The pools a worker serves (empty: the default pool), its labels and the tool kinds it
+    runs (empty: every kind).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    POOLS_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        pools: _abc.Iterable[_builtins.str] | None = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        tools: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["labels", b"labels", "pools", b"pools", "tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerPlacement: _TypeAlias = WorkerPlacement  # noqa: Y015
 
 @_typing.final
 class ClaimCommandResponse(_message.Message):
@@ -102,18 +171,24 @@ class ClaimCommandsRequest(_message.Message):
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
     CLAIMS_FIELD_NUMBER: _builtins.int
+    PLACEMENT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     @_builtins.property
     def claims(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimCommandRequest]: ...
+    @_builtins.property
+    def placement(self) -> Global___WorkerPlacement:
+        """The worker's placement, for every claim of the call (theirs are ignored)."""
+
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         claims: _abc.Iterable[Global___ClaimCommandRequest] | None = ...,
+        placement: Global___WorkerPlacement | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims", "placement", b"placement", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

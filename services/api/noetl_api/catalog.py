@@ -7,14 +7,14 @@ import hashlib
 import json
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from noetl_common.config import LimitSettings
 from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import NotFound
-from noetl_dsl import Playbook, load_playbook, parse_playbook
+from noetl_dsl import Placement, Playbook, load_playbook, parse_playbook, placements
 from noetl_flow import Flow
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ class Compiled:
     entry: CatalogEntry
     playbook: Playbook
     flow: Flow
+    # steps whose pool / required labels / priority are not the defaults (noetl_dsl.placement)
+    placements: dict[str, Placement] = field(default_factory=dict)
 
 
 def parse(content: str, limits: LimitSettings | None = None) -> Playbook:
@@ -122,7 +124,7 @@ class Catalog:
         # validating and building the routing tables never run on the loop that drives
         # the engines and the leases
         playbook, flow = await asyncio.to_thread(self._compile, row["doc"])
-        compiled = Compiled(_entry(row), playbook, flow)
+        compiled = Compiled(_entry(row), playbook, flow, placements(playbook))
         self._cache[catalog_id] = compiled
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from noetl_common import auth
+from noetl_common import auth, pools
 from noetl_common.db import Pool, autocommit
-from noetl_common.errors import Conflict, NoetlError, NotFound
+from noetl_common.errors import Conflict, NoetlError, NotFound, NotQualified
 from noetl_dsl import merged_workload
 from noetl_dsl.credrefs import keychain_entries, keychain_reads
 
@@ -37,6 +37,9 @@ WITH wanted AS (
          lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
   FROM wanted w
   WHERE c.command_id = w.command_id
+    -- only a worker that qualifies (noetl_common.pools.qualifies says the same)
+    AND c.pool = ANY(%(pools)s::text[]) AND (c.requires IS NULL OR c.requires <@ %(labels)s::jsonb)
+    AND (cardinality(%(tools)s::text[]) = 0 OR c.kind = ANY(%(tools)s::text[]))
     AND (c.status = 'queued' AND (c.attempt = w.attempt OR w.attempt = 0)
          -- the same worker claiming the same attempt again: its first claim committed but the
          -- answer was lost (an api replica died mid-call); it gets the command back
@@ -52,6 +55,18 @@ LEFT JOIN noetl.loop_item li
   ON li.execution_id = c.execution_id AND li.loop_instance = c.context->'loop'->>'instance'
  AND li.idx = (c.context->'loop'->>'index')::int
 """
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """What a claiming worker serves (``noetl_common.pools``)."""
+
+    pools: tuple[str, ...] = (pools.DEFAULT_POOL,)
+    labels: dict[str, str] = field(default_factory=dict)
+    tools: tuple[str, ...] = ()
+
+
+DEFAULT_PLACEMENT = WorkerPlacement()
 
 
 @dataclass
@@ -71,29 +86,34 @@ class Claims:
         self.claim_key = claim_key
         self._workloads: dict[int, dict[str, Any]] = {}
 
-    async def claim(self, command_id: str, worker_id: str, attempt: int) -> Claimed:
-        """Claim one command; NotFound / Conflict when it cannot be claimed."""
-        outcome = (await self.claim_many([(command_id, attempt)], worker_id))[0]
+    async def claim(self, command_id: str, worker_id: str, attempt: int,
+                    placement: WorkerPlacement = DEFAULT_PLACEMENT) -> Claimed:
+        """Claim one command; NotFound / Conflict / NotQualified when it cannot be claimed."""
+        outcome = (await self.claim_many([(command_id, attempt)], worker_id, placement))[0]
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
 
-    async def claim_many(self, wanted: list[tuple[str, int]], worker_id: str) -> list[Claimed | NoetlError]:
+    async def claim_many(self, wanted: list[tuple[str, int]], worker_id: str,
+                         placement: WorkerPlacement = DEFAULT_PLACEMENT) -> list[Claimed | NoetlError]:
         """Claim several commands in ONE statement (one round trip, its own transaction): the
         claims, the loop items collection-loop iterations need, and the submitted payloads
-        not cached yet. Returns, per requested claim in order, the claim or why it failed."""
+        not cached yet. Returns, per requested claim in order, the claim or why it failed.
+        A worker claims only commands it qualifies for (``placement``; NotQualified)."""
         ids = [c for c, _ in wanted]
         heads = {int(h) for c in ids if (h := c.split(":", 1)[0]).isdigit()}
         need = [e for e in heads if e not in self._workloads]
         async with autocommit(self._pool) as conn:
             cur = await conn.execute(_CLAIM, {"worker": worker_id, "lease": self._lease, "ids": ids,
-                                              "attempts": [a for _, a in wanted], "need_payload": need})
+                                              "attempts": [a for _, a in wanted], "need_payload": need,
+                                              "pools": list(placement.pools or (pools.DEFAULT_POOL,)),
+                                              "labels": json.dumps(placement.labels), "tools": list(placement.tools)})
             rows = {r["command_id"]: r for r in await cur.fetchall()}
             missing = [c for c in ids if c not in rows]
             current: dict[str, dict[str, Any]] = {}
             if missing:
-                cur = await conn.execute("SELECT command_id, status, attempt, worker_id FROM noetl.command"
-                                         " WHERE command_id = ANY(%s)", (missing,))
+                cur = await conn.execute("SELECT command_id, status, attempt, worker_id, pool, requires, kind"
+                                         " FROM noetl.command WHERE command_id = ANY(%s)", (missing,))
                 current = {r["command_id"]: r for r in await cur.fetchall()}
         out: list[Claimed | NoetlError] = []
         asked: set[str] = set()
@@ -107,6 +127,14 @@ class Claims:
                 now = current.get(command_id)
                 if now is None:
                     out.append(NotFound(f"command {command_id} not found"))
+                elif not pools.qualifies(placement.pools, placement.labels, placement.tools, command_pool=now["pool"],
+                                         requires=now["requires"], kind=now["kind"]):
+                    out.append(NotQualified(
+                        f"command {command_id} is placed in pool {now['pool']}"
+                        + (f" requiring {now['requires']}" if now["requires"] else "")
+                        + f" (kind {now['kind']}); worker {worker_id} serves pools {','.join(placement.pools)}"
+                        + f" with labels {placement.labels or {}}"
+                        + (f" and tools {list(placement.tools)}" if placement.tools else "")))
                 else:
                     out.append(Conflict(f"command {command_id} is {now['status']} (attempt {now['attempt']},"
                                         f" worker {now['worker_id'] or '-'}), not claimable as attempt {attempt}"))

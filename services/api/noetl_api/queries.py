@@ -7,6 +7,7 @@ import builtins
 import json
 from typing import Any
 
+from noetl_common import pools
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NotFound
 from noetl_store import ResultStore, entry_from_json, trace
@@ -31,8 +32,17 @@ class Queries:
                 "SELECT s.*, r.tier AS result_tier, r.uri AS result_uri FROM noetl.execution_step s"
                 " LEFT JOIN noetl.result_ref r ON r.ref_id = s.result_ref_id WHERE s.execution_id = %s"
                 " ORDER BY s.started_at NULLS LAST, s.step", (execution_id,))
+            # queued commands no live worker qualifies for: why their steps wait (StepState.waiting)
+            waiting_cur = await conn.execute(
+                "SELECT DISTINCT ON (c.step) c.step, c.pool, c.requires, c.kind FROM noetl.command c"
+                f" WHERE c.execution_id = %s AND c.status = 'queued' AND {pools.no_live_worker('c')}"
+                " ORDER BY c.step", (execution_id,))
             row = await cur.fetchone()
             steps: list[dict[str, Any]] = list(await step_cur.fetchall())
+            waiting = {w["step"]: pools.waiting_reason(w["pool"], w["requires"], w["kind"])
+                       for w in await waiting_cur.fetchall()}
+            for s in steps:
+                s["waiting"] = waiting.get(s["step"], "")
             if row is None:
                 cur = await conn.execute(
                     "SELECT r.execution_id, r.shard_id, r.catalog_id, c.path AS playbook_path,"

@@ -13,8 +13,16 @@ import grpc
 from nats.aio.client import Client as NATS
 
 from noetl_common import auth, natsio
-from noetl_common.errors import InvalidInput, NoetlError, NotFound, PermissionDenied, Unavailable
+from noetl_common.errors import (
+    InvalidInput,
+    NoetlError,
+    NotFound,
+    NotQualified,
+    PermissionDenied,
+    Unavailable,
+)
 from noetl_common.grpcutil import set_timestamp
+from noetl_common.pools import DEFAULT_POOL, Priority
 from noetl_proto.v1 import (
     catalog_pb2,
     catalog_pb2_grpc,
@@ -27,7 +35,7 @@ from noetl_proto.v1 import (
 )
 
 from .catalog import Catalog, CatalogEntry
-from .claims import Claimed, Claims
+from .claims import Claimed, Claims, WorkerPlacement
 from .credentials import KINDS, CredentialStore
 from .grants import CredentialGrants
 from .queries import TERMINAL, Queries
@@ -51,7 +59,7 @@ def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
     for s in row.get("steps", []):
         step = ex.steps.add(name=s["step"], status=common_pb2.StepStatus.Value(f"STEP_STATUS_{s['status']}"),
                             attempts=s["attempts"] or 0, visits=s["visits"] or 0, error=s.get("error") or "",
-                            result_json=s.get("result_json") or "")
+                            result_json=s.get("result_json") or "", waiting=s.get("waiting") or "")
         if s.get("result_ref_id"):
             step.result_ref.CopyFrom(common_pb2.ResultReference(ref_id=s["result_ref_id"],
                                                                 type=s.get("result_tier") or "",
@@ -122,7 +130,8 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
             playbook_yaml=request.playbook_yaml if which == "playbook_yaml" else "",
             path=request.ref.path if which == "ref" else "", version=request.ref.version if which == "ref" else 0,
             payload_json=request.payload_json, idempotency_key=request.idempotency_key,
-            timeout_sec=request.timeout_seconds, parent_execution_id=request.parent_execution_id)
+            timeout_sec=request.timeout_seconds, parent_execution_id=request.parent_execution_id,
+            priority=PRIORITY_NAMES.get(request.priority, ""))
         return execution_pb2.SubmitExecutionResponse(
             execution_id=sub.execution_id, shard_id=sub.shard_id, playbook_path=sub.entry.path,
             playbook_version=sub.entry.version, deduplicated=sub.deduplicated)
@@ -293,6 +302,14 @@ def _command_pb(got: Claimed) -> messages_pb2.Command:
     return cmd
 
 
+PRIORITY_NAMES = {execution_pb2.PRIORITY_HIGH: Priority.HIGH.value, execution_pb2.PRIORITY_NORMAL: Priority.NORMAL.value,
+                  execution_pb2.PRIORITY_LOW: Priority.LOW.value}
+
+
+def _placement(p: worker_pb2.WorkerPlacement) -> WorkerPlacement:
+    return WorkerPlacement(tuple(p.pools) or (DEFAULT_POOL,), dict(p.labels), tuple(p.tools))
+
+
 # A ClaimCommands answer stops carrying commands past this many bytes (the rest come back
 # deferred): a batch of commands with large loop items never outgrows a gRPC message.
 CLAIMS_ANSWER_BUDGET = 4 * 1024 * 1024
@@ -307,7 +324,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                            context: grpc.aio.ServicerContext) -> worker_pb2.ClaimCommandResponse:
         if not request.command_id or not request.worker_id:
             raise InvalidInput("command_id and worker_id are required")
-        got = await self._claims.claim(request.command_id, request.worker_id, request.attempt)
+        got = await self._claims.claim(request.command_id, request.worker_id, request.attempt,
+                                       _placement(request.placement))
         return worker_pb2.ClaimCommandResponse(command=_command_pb(got))
 
     async def ClaimCommands(self, request: worker_pb2.ClaimCommandsRequest,
@@ -317,7 +335,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if len(request.claims) > 1000:
             raise InvalidInput(f"at most 1000 claims per call, got {len(request.claims)}")
         outcomes = await self._claims.claim_many([(c.command_id, c.attempt) for c in request.claims],
-                                                 request.worker_id)
+                                                 request.worker_id, _placement(request.placement))
         out = worker_pb2.ClaimCommandsResponse()
         size = 0
         for c, got in zip(request.claims, outcomes, strict=True):
@@ -333,6 +351,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 out.outcomes.add(command_id=c.command_id, command=command)
             else:
                 failure = (worker_pb2.CLAIM_FAILURE_NOT_FOUND if isinstance(got, NotFound)
+                           else worker_pb2.CLAIM_FAILURE_NOT_QUALIFIED if isinstance(got, NotQualified)
                            else worker_pb2.CLAIM_FAILURE_NOT_CLAIMABLE)
                 out.outcomes.add(command_id=c.command_id, failure=failure, message=str(got))
         return out

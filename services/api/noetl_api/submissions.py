@@ -20,6 +20,7 @@ from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NoetlError, NotFound, PlaybookInvalid
 from noetl_common.ids import SnowflakeGenerator, shard_for
 from noetl_common.limits import check, check_json_depth, exceeded
+from noetl_common.pools import priority_problem
 from noetl_dsl import Playbook, merged_workload
 from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, encode_json
@@ -86,13 +87,15 @@ class Submitter:
 
     async def submit(self, *, playbook_yaml: str = "", path: str = "", version: int = 0, payload_json: str = "",
                      idempotency_key: str = "", timeout_sec: float = 0.0, parent_execution_id: int = 0,
-                     parent_step: str = "") -> Submission:
+                     parent_step: str = "", priority: str = "") -> Submission:
         size = len(payload_json.encode())
         check(size, "payload_bytes", self._limits, "payload", unit="bytes")
         payload = (await asyncio.to_thread(parse_payload, payload_json, self._limits) if size > 64 * 1024
                    else parse_payload(payload_json, self._limits))
         if timeout_sec < 0:
             raise InvalidInput("timeout_seconds must not be negative")
+        if priority and (why := priority_problem(priority)):
+            raise InvalidInput(why)
         if idempotency_key:
             existing = await self.existing(idempotency_key)
             if existing is not None:
@@ -118,7 +121,8 @@ class Submitter:
         workload_ref = await self._workload_reference(execution_id, workload, encoded)
         sub = await self.commit(execution_id, entry, payload, idempotency_key=idempotency_key,
                                 parent_execution_id=parent_execution_id, parent_step=parent_step,
-                                timeout_sec=timeout_sec, depth=depth, workload_ref=workload_ref, size=size)
+                                timeout_sec=timeout_sec, depth=depth, workload_ref=workload_ref, size=size,
+                                priority=priority)
         if not sub.deduplicated:
             logger.info("submitted execution %s (%s v%s) shard %s", execution_id, entry.path, entry.version,
                         sub.shard_id)
@@ -127,24 +131,26 @@ class Submitter:
     async def commit(self, execution_id: int, entry: CatalogEntry, payload: dict[str, Any], *,
                      idempotency_key: str = "", parent_execution_id: int = 0, parent_step: str = "",
                      timeout_sec: float = 0.0, depth: int = 0, workload_ref: int | None = None, size: int = 0,
-                     rerun_of: int | None = None, rerun_from: str | None = None) -> Submission:
+                     rerun_of: int | None = None, rerun_from: str | None = None, priority: str = "") -> Submission:
         """Commit an execution request (before the caller answers), then nudge its shard's
         engine; a request with the same idempotency key committed first wins (returned
-        ``deduplicated``). ``rerun_of``/``rerun_from``: a rerun (reruns.py)."""
+        ``deduplicated``). ``rerun_of``/``rerun_from``: a rerun (reruns.py). ``priority``: the
+        submission's, over the playbook's (empty: the playbook's)."""
         shard = shard_for(execution_id, self._shards)
         timeout = timeout_sec or self._default_timeout
         async with autocommit(self._pool) as conn:  # one statement: its own transaction
             cur = await conn.execute(
                 "INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
                 " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent, depth,"
-                " workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from, priority)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id",
                 (execution_id, shard, entry.catalog_id, json.dumps(payload), idempotency_key or None,
                  parent_execution_id or None, parent_step or None, timeout,
                  # the engine continues this trace for every command (engine/traces.py)
                  tracing.current_traceparent(), depth, workload_ref, size,
-                 who.token_id if (who := auth.require_identity()) is not None else None, rerun_of, rerun_from),
+                 who.token_id if (who := auth.require_identity()) is not None else None, rerun_of, rerun_from,
+                 priority or None),
             )
             inserted = await cur.fetchone()
         if inserted is None:  # lost an idempotency race to a concurrent retry

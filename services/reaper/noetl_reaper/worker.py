@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nats.js import JetStreamContext
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
-from noetl_common import natsio, tracing
+from noetl_common import natsio, pools, tracing
 from noetl_common.config import CommandSettings
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError
@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 REAPED = Counter("noetl_reaped_commands_total", "Commands reported or republished by the reaper", ["reason"])
 for _reason in ("lease_expired", "republished"):  # exported as 0 before the first one
     REAPED.labels(_reason)
+UNSCHEDULABLE = Gauge("noetl_commands_unschedulable",
+                      "Queued commands no live worker qualifies for (their pool has no live worker, or none with"
+                      " their labels / tool kind), per pool and shard", ["pool", "shard"])
 
 
 def renewal_grace(lease_sec: float) -> float:
@@ -49,9 +52,14 @@ class ShardReaper:
         self._failing_since: float | None = None  # monotonic: the first failed round of a run of them
         self._outage_ended: float | None = None  # monotonic: when rounds succeeded again after an outage
         self._stop = asyncio.Event()
+        self._unschedulable: set[str] = set()  # pools this shard reports in the gauge
 
     def stop(self) -> None:
         self._stop.set()
+        for pool in self._unschedulable:  # another reaper reports this shard now
+            with contextlib.suppress(KeyError):
+                UNSCHEDULABLE.remove(pool, str(self.shard))
+        self._unschedulable.clear()
 
     async def run(self) -> None:
         while not self._stop.is_set():
@@ -75,7 +83,9 @@ class ShardReaper:
         return recent or self._hold()
 
     async def reap_once(self) -> tuple[int, int]:
-        """Report expired claims and republish stale queued commands; returns their counts.
+        """Report expired claims, republish stale queued commands (on their pool's and
+        priority's subject) and count the queued ones no live worker qualifies for
+        (``noetl_commands_unschedulable``); returns the first two counts.
         Failures come out as NoetlError (psycopg and nats errors translated)."""
         async with transaction(self.pool) as conn:
             expired: list[Any] = []
@@ -87,11 +97,22 @@ class ShardReaper:
                     " ORDER BY lease_until LIMIT 500", (self.shard, self.cfg.lease_sec))
                 expired = list(await cur.fetchall())
             cur = await conn.execute(
-                "SELECT c.command_id, c.execution_id, c.attempt, c.kind, r.traceparent FROM noetl.command c"
+                "SELECT c.command_id, c.execution_id, c.attempt, c.kind, c.pool, c.priority, r.traceparent"
+                " FROM noetl.command c"
                 " LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id WHERE c.shard_id = %s"
                 " AND c.status = 'queued' AND c.updated_at < now() - make_interval(secs => %s)"
                 " ORDER BY c.updated_at LIMIT 500", (self.shard, self.cfg.republish_after_sec))
             stale = list(await cur.fetchall())
+            cur = await conn.execute(
+                "SELECT c.pool, count(*) AS n FROM noetl.command c WHERE c.shard_id = %s AND c.status = 'queued'"
+                f" AND {pools.no_live_worker('c')} GROUP BY c.pool", (self.shard,))
+            # the default pool is always exported (0 when nothing waits): the alert has a series
+            waiting = {pools.DEFAULT_POOL: 0, **{row["pool"]: int(row["n"]) for row in await cur.fetchall()}}
+        for pool in self._unschedulable - set(waiting):
+            UNSCHEDULABLE.labels(pool, str(self.shard)).set(0)
+        for pool, n in waiting.items():
+            UNSCHEDULABLE.labels(pool, str(self.shard)).set(n)
+        self._unschedulable |= set(waiting)
         for row in expired:
             msg = messages_pb2.EngineInput(expired=messages_pb2.CommandExpired(
                 command_id=row["command_id"], execution_id=row["execution_id"], attempt=row["attempt"],
@@ -104,7 +125,8 @@ class ShardReaper:
             notice = messages_pb2.CommandNotice(command_id=row["command_id"], execution_id=row["execution_id"],
                                                 shard_id=self.shard, attempt=row["attempt"], kind=row["kind"])
             # the execution's trace goes on with the republished notice (docs/DEPLOY.md "Tracing")
-            await natsio.publish(self.js, natsio.commands_subject(self.shard), notice.SerializeToString(),
+            await natsio.publish(self.js, natsio.commands_subject(row["pool"], row["priority"], self.shard),
+                                 notice.SerializeToString(),
                                  msg_id=f"{row['command_id']}#{row['attempt']}#r{window}",
                                  trace_parent=tracing.context_from(row["traceparent"]))
             REAPED.labels("republished").inc()

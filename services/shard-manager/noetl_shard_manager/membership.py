@@ -5,6 +5,7 @@ member side of the leases."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from collections.abc import Sequence
@@ -37,19 +38,23 @@ class Membership:
         self.lease_sec = lease_sec
         self.roles = tuple(roles)  # the sharded roles this leader assigns
 
-    async def join(self, role: str, instance: str, address: str, metrics: str, pid: int) -> dict[str, Any]:
+    async def join(self, role: str, instance: str, address: str, metrics: str, pid: int,
+                   placement: tuple[list[str], dict[str, str], list[str] | None] | None = None) -> dict[str, Any]:
         """A new membership; the row carries ``member_secret`` (returned once, its hash kept):
-        Heartbeat and Leave of the runtime id must present it."""
+        Heartbeat and Leave of the runtime id must present it. ``placement``: a worker's
+        pools, labels and tool kinds (None: every kind)."""
+        pools, labels, tools = placement or (None, None, None)
         secret = secrets.token_urlsafe(24)
         async with transaction(self._pool) as conn:
             await conn.execute("SELECT pg_advisory_xact_lock(%s)", (JOIN_LOCK,))
             cur = await conn.execute(
                 "INSERT INTO noetl.runtime (role, instance, address, metrics_address, pid, node_id,"
-                " member_secret_sha256)"
-                " SELECT %s, %s, %s, %s, %s, min(n), %s FROM generate_series(0, 1022) n"
+                " member_secret_sha256, pools, labels, tools)"
+                " SELECT %s, %s, %s, %s, %s, min(n), %s, %s, %s::jsonb, %s FROM generate_series(0, 1022) n"
                 " WHERE n NOT IN (SELECT node_id FROM noetl.runtime WHERE status = 'alive' AND node_id IS NOT NULL)"
                 " RETURNING runtime_id, node_id",
-                (role, instance, address, metrics, pid, token_sha256(secret)),
+                (role, instance, address, metrics, pid, token_sha256(secret), pools,
+                 json.dumps(labels) if labels is not None else None, tools),
             )
             row = await cur.fetchone()
         assert row is not None

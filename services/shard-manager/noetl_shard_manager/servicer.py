@@ -10,6 +10,7 @@ from noetl_common import auth
 from noetl_common.config import ShardSettings
 from noetl_common.errors import InvalidInput, PermissionDenied
 from noetl_common.grpcutil import set_timestamp
+from noetl_common.pools import DEFAULT_POOL, pool_problem
 from noetl_proto.v1 import shard_manager_pb2 as pb
 from noetl_proto.v1 import shard_manager_pb2_grpc
 
@@ -28,8 +29,14 @@ class ShardManagerServicer(shard_manager_pb2_grpc.ShardManagerServiceServicer):
         who = auth.require_identity()
         if who is not None and who.role is auth.Role.WORKER and request.role != "worker":
             raise PermissionDenied(f"a worker token may join as a worker only, not as {request.role!r}")
+        placement = None
+        if request.role == "worker":  # what it serves: read by the reaper and GetExecution (unschedulable commands)
+            for name in request.pools:
+                if why := pool_problem(name):
+                    raise InvalidInput(why)
+            placement = (list(request.pools) or [DEFAULT_POOL], dict(request.labels), list(request.tools) or None)
         row = await self._m.join(request.role, request.instance, request.address, request.metrics_address,
-                                 request.pid)
+                                 request.pid, placement)
         self._on_change()
         out = pb.JoinResponse(runtime_id=row["runtime_id"], node_id=row["node_id"], shard_count=self._cfg.count,
                               heartbeat_seconds=self._cfg.heartbeat_sec, lease_seconds=self._cfg.lease_sec,

@@ -11,10 +11,16 @@
                  publish EngineInput{call_result} on noetl.events.{shard}.call
                  (Msg-Id {command_id}#{attempt}#result) until JetStream acks it
 
-Concurrency: ``WorkerSettings.concurrency`` slots, each with its own pull subscription
-on the shared durable consumer, fetching one notice when it is free: a worker never
-holds more notices than it has free slots, and a long-poll returns as soon as one
-notice arrives. Claims are group-committed: the claims slots make while a
+Pools and priorities: the worker serves one pool or several (``NOETL_WORKER_POOL``) with
+labels and tool kinds (``NOETL_WORKER_LABELS``, ``NOETL_WORKER_TOOLS``); it reads only its
+pools' consumers, one per pool and priority, and every claim carries its placement, so the api hands it
+only commands it qualifies for (a notice of one it does not qualify for, in a pool whose
+workers differ in labels, is nak'ed with a delay for another worker: NOT_QUALIFIED).
+
+Concurrency: ``WorkerSettings.concurrency`` slots, each with its own pull subscriptions
+on the pool's consumers, fetching one notice when it is free, higher priorities first,
+with ``no_wait`` pull requests (``notices.py``: copies of the pool's notices on core NATS
+wake idle slots): a worker never holds more notices than it has busy slots. Claims are group-committed: the claims slots make while a
 ``ClaimCommands`` call is in flight go out together as the next call (one round trip
 and one SQL statement for the batch, no waiting window: a lone claim goes at once, as
 a plain ``ClaimCommand``). If ``RenewLease`` says stop (cancelled, or the lease is no longer ours)
@@ -56,10 +62,9 @@ import grpc
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
-from noetl_common import natsio, tracing
+from noetl_common import natsio, pools, tracing
 from noetl_common.coalesce import Coalescer
 from noetl_common.config import (
     CommandSettings,
@@ -81,6 +86,7 @@ from noetl_store import ResultStore, encode_json, envelope_from_proto, make_resu
 from .cursor import CURSOR_KIND, run_cursor_slot
 from .cursor_drivers import Row, default_drivers
 from .metrics import BUSY, CANCEL_HINTS, CLAIMS, COMMANDS, CONCURRENCY, RESULT_BYTES, RESULTS_REPUBLISHED
+from .notices import Levels, queues
 from .runner import error_result, execute_command
 from .secrecy import scrub_call_result
 from .tools import (
@@ -103,6 +109,8 @@ logger = logging.getLogger(__name__)
 FETCH_POLL_SEC = 2.0
 CLAIM_TIMEOUT_SEC = 10.0
 NAK_DELAY_SEC = 1.0
+# A notice of a command this worker does not qualify for (labels, tools) goes back for this long.
+NOT_QUALIFIED_NAK_SEC = 5.0
 CLAIM_RETRY_SEC = (0.1, 0.5, 1.5)  # pauses before claiming again when the api did not answer
 PUBLISH_BACKOFF_CAP_SEC = 5.0
 # Earlier step results kept in memory (by count: results may be large).
@@ -133,6 +141,11 @@ class _Published:
 class ClaimLost(Exception):
     """The command cannot be claimed (another worker has it, it finished, was cancelled or
     re-issued under another attempt, or is unknown): the notice is acked and dropped."""
+
+
+class NotQualifiedClaim(Exception):
+    """The command is queued for workers with labels or tools this one does not have: the
+    notice is nak'ed with a delay, for a worker that qualifies."""
 
 
 class _Run:
@@ -200,6 +213,14 @@ class WorkerService(Service):
         self._claims: Coalescer[worker_pb2.ClaimCommandRequest, messages_pb2.Command] = Coalescer(
             self._claim_batch, max_batch=worker.claim_batch)
         self._batch_claims = True  # until the api answers UNIMPLEMENTED (an older api)
+        self.pools = pools.parse_pools(worker.pool)
+        self.labels = pools.parse_labels(worker.labels)
+        self.placement = worker_pb2.WorkerPlacement(pools=list(self.pools), labels=self.labels,
+                                                    tools=list(pools.parse_tools(worker.tools)))
+        self._levels = Levels(queues(self.pools), worker.concurrency, backstop_sec=FETCH_POLL_SEC / 2)
+
+    def join_fields(self) -> dict[str, Any]:
+        return {"pools": list(self.pools), "labels": self.labels, "tools": list(self.placement.tools)}
 
     @property
     def worker_id(self) -> str:
@@ -219,8 +240,7 @@ class WorkerService(Service):
         self.js = self.nc.jetstream()
         # The worker's NATS user may not create streams (the api does): wait for them.
         await retry_transient("waiting for the nats streams",
-                              lambda: natsio.ensure_streams(self.js, manage=False),  # type: ignore[arg-type]
-                              deadline_sec=STREAMS_WAIT_SEC, initial=0.2, cap=2.0)
+                              self._ensure_streams_and_consumers, deadline_sec=STREAMS_WAIT_SEC, initial=0.2, cap=2.0)
         self.reconnects.listen(self._on_reconnect)
         result_bytes = self.limits.result_bytes
         if self.store is None:
@@ -251,12 +271,27 @@ class WorkerService(Service):
         if self.tools.python is not None:
             await self.tools.python.start()
         await self.nc.subscribe(CANCEL_HINTS_SUBJECT, cb=self._on_cancel_hint)
+        # copies of the pools' notices: which priority has work (a hint; notices.py)
+        for pool in self.pools:
+            await self.nc.subscribe(natsio.commands_filter(pool, "*"), cb=self._on_notice_hint)
+
+    async def _ensure_streams_and_consumers(self) -> None:
+        assert self.js is not None
+        await natsio.ensure_streams(self.js, manage=False)
+        for pool in self.pools:
+            await natsio.ensure_pool_consumers(self.js, pool)
+
+    async def _on_notice_hint(self, msg: Msg) -> None:
+        parts = msg.subject.split(".")  # noetl.commands.{pool}.{priority}.{shard}
+        if len(parts) == 5:
+            self._levels.hinted(f"{parts[2]}.{parts[3]}")
 
     async def on_serving(self) -> None:
         CONCURRENCY.set(self.worker_cfg.concurrency)
         for n in range(self.worker_cfg.concurrency):
             self._slots.append(self.spawn(self._slot_loop(n), f"worker-slot-{n}"))
-        logger.info("worker %s running %d slots", self.worker_id, len(self._slots))
+        logger.info("worker %s running %d slots in pool(s) %s (labels %s)", self.worker_id, len(self._slots),
+                    ",".join(self.pools), self.labels or "none")
 
     async def check_health(self) -> list[str]:
         if self.nc is not None and not self.nc.is_connected:
@@ -279,7 +314,7 @@ class WorkerService(Service):
         for delay in (0.0, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0):
             await asyncio.sleep(delay)
             try:
-                await natsio.ensure_streams(self.js, manage=False)  # the api re-creates lost streams
+                await self._ensure_streams_and_consumers()  # the api re-creates lost streams
                 last = int((await self.js.stream_info(natsio.EVENTS_STREAM)).state.last_seq)
                 break
             except Exception as exc:
@@ -300,12 +335,13 @@ class WorkerService(Service):
                 logger.warning("republishing %s failed: %s", p.msg_id, exc)
 
     async def _ensure_consumer(self) -> None:
-        """Re-create the shared consumer if it is gone (at most once a second)."""
+        """Re-create the pool's consumers if they are gone (at most once a second)."""
         if self.js is None or time.monotonic() - self._consumer_checked < 1.0:
             return
         self._consumer_checked = time.monotonic()
         try:
-            await natsio.ensure_worker_consumer(self.js)
+            for pool in self.pools:
+                await natsio.ensure_pool_consumers(self.js, pool)
         except Exception as exc:
             logger.warning("checking the worker consumer failed: %s", exc)
 
@@ -346,25 +382,39 @@ class WorkerService(Service):
 
     async def _slot_loop(self, n: int) -> None:
         assert self.js is not None
-        sub = await self.js.pull_subscribe_bind(durable=natsio.WORKER_CONSUMER, stream=natsio.COMMANDS_STREAM)
+        subs = {}
+        for key in queues(self.pools):
+            pool, _, priority = key.partition(".")
+            subs[key] = await self.js.pull_subscribe_bind(durable=pools.consumer_name(pool, priority),
+                                                          stream=natsio.COMMANDS_STREAM)
+        levels = self._levels
         while not self._draining:
-            self._idle.add(n)
+            msg: Msg | None = None
             try:
-                msgs = await sub.fetch(1, timeout=FETCH_POLL_SEC)
-            except (NatsTimeout, TimeoutError):
-                continue
-            except NatsError as exc:
+                for key in levels.order():  # highest priority first
+                    generation = levels.generation(key)
+                    msg = await natsio.fetch_now(subs[key])
+                    if msg is not None:
+                        break
+                    levels.empty(key, generation)
+            except NoetlError as exc:
                 logger.warning("fetching commands failed: %s", exc)
                 await self._ensure_consumer()
                 await self.sleep(0.5)
                 continue
-            finally:
-                self._idle.discard(n)
-            for msg in msgs:
+            if msg is None:
+                self._idle.add(n)
                 try:
-                    await self.handle_notice(msg)
-                except Exception:
-                    logger.exception("handling a command notice failed; it will be redelivered")
+                    if not await levels.wait(FETCH_POLL_SEC):
+                        levels.backstop()
+                finally:
+                    self._idle.discard(n)
+                continue
+            levels.wake()  # there may be more: another idle slot looks too
+            try:
+                await self.handle_notice(msg)
+            except Exception:
+                logger.exception("handling a command notice failed; it will be redelivered")
 
     @tracing.consumer  # a span per notice, continuing the execution's trace (the notice headers)
     async def handle_notice(self, msg: Msg) -> None:
@@ -375,7 +425,7 @@ class WorkerService(Service):
             await _settle(msg.term())
             return
         claim = worker_pb2.ClaimCommandRequest(command_id=notice.command_id, worker_id=self.worker_id,
-                                               attempt=notice.attempt)
+                                               attempt=notice.attempt, placement=self.placement)
         for retry_in in (*CLAIM_RETRY_SEC, None):
             try:
                 command = await self._claims.submit(claim)
@@ -384,6 +434,12 @@ class WorkerService(Service):
                 CLAIMS.labels("lost").inc()
                 logger.debug("command %s not claimable (%s); dropping", notice.command_id, exc)
                 await _settle(msg.ack())
+                return
+            except NotQualifiedClaim as exc:
+                CLAIMS.labels("not_qualified").inc()
+                logger.info("not qualified for command %s (%s); leaving it for another worker", notice.command_id,
+                            exc)
+                await _settle(msg.nak(delay=NOT_QUALIFIED_NAK_SEC))
                 return
             except (grpc.RpcError, NoetlError) as exc:
                 # The api unreachable or confused. The claim may have committed with only its
@@ -427,7 +483,7 @@ class WorkerService(Service):
         if len(claims) > 1 and self._batch_claims:
             try:
                 resp = await self.api.ClaimCommands(worker_pb2.ClaimCommandsRequest(
-                    worker_id=self.worker_id, claims=claims), timeout=CLAIM_TIMEOUT_SEC)
+                    worker_id=self.worker_id, claims=claims, placement=self.placement), timeout=CLAIM_TIMEOUT_SEC)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
@@ -447,6 +503,8 @@ class WorkerService(Service):
                             out.append(await self._claim_one(claim))
                         except Exception as exc:
                             out.append(exc)
+                    elif o.failure == worker_pb2.CLAIM_FAILURE_NOT_QUALIFIED:
+                        out.append(NotQualifiedClaim(o.message))
                     else:
                         out.append(ClaimLost(o.message or "not claimable"))
                 return out
@@ -457,8 +515,11 @@ class WorkerService(Service):
         try:
             resp = await self.api.ClaimCommand(claim, timeout=CLAIM_TIMEOUT_SEC)
         except grpc.RpcError as exc:
-            if (exc.code() if hasattr(exc, "code") else None) in _LOST_CLAIM:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code in _LOST_CLAIM:
                 raise ClaimLost(f"{exc.code()}: {exc.details() if hasattr(exc, 'details') else ''}") from exc
+            if code == grpc.StatusCode.PERMISSION_DENIED:  # errors.NotQualified
+                raise NotQualifiedClaim(exc.details() if hasattr(exc, "details") else "") from exc
             raise
         return resp.command
 

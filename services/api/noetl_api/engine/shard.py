@@ -51,6 +51,7 @@ from noetl_store import ResultStore, envelope_from_proto
 from ..catalog import Catalog
 from . import limits, sql
 from .limits import EngineLimits
+from .placing import Placed, place
 from .traces import EngineTraces
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class EngineDeps:
     claim_key: bytes = b""
     reconnects: natsio.Reconnects = field(default_factory=natsio.Reconnects)
     workloads: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)
+    # the submission's priority per execution ("" when it gave none), kept and dropped
+    # with the workloads, reloaded with the request when missing
+    priorities: OrderedDict[int, str] = field(default_factory=OrderedDict)
     traces: EngineTraces = field(default_factory=EngineTraces)
     concurrency: EngineLimits = field(default_factory=EngineLimits)
 
@@ -271,7 +275,7 @@ class ShardEngine:
             await conn.commit()
         if queued:
             REPUBLISHED.inc(len(queued))
-            await self._publish([(q["command_id"], q["execution_id"], q["attempt"], q["kind"]) for q in queued])
+            await self._publish([_queued(q) for q in queued])
         return last + 1
 
     # ------------------------------------------------------------ takeover and ticks
@@ -309,7 +313,7 @@ class ShardEngine:
             start = await self._stream_went_back(last, stream_seq)
         elif queued:
             REPUBLISHED.inc(len(queued))
-            await self._publish([(q["command_id"], q["execution_id"], q["attempt"], q["kind"]) for q in queued])
+            await self._publish([_queued(q) for q in queued])
         logger.info("engine took shard %s epoch %s at stream_seq %s event_seq %s (republished %s)",
                     self.shard, self.epoch, stream_seq, row["event_seq"], len(queued))
         return start
@@ -438,9 +442,9 @@ class ShardEngine:
             last_stream_seq = max(last_stream_seq, self._reset_to)
         events: list[tuple[Any, ...]] = []
         touched: dict[int, tuple[ExecState, int]] = {}
-        new_commands: list[tuple[int, int, Any]] = []
+        new_commands: list[tuple[int, int, Any, Placed]] = []
         updates: list[Any] = []
-        publish: list[tuple[str, int, int, str]] = []
+        publish: list[tuple[str, int, int, str, Placed]] = []
         loop_results: list[tuple[int, str, int, str, int | None]] = []
         dead_letters: list[tuple[int, Any]] = []
         redrives: list[tuple[int, str | None, str | None, str]] = []
@@ -462,8 +466,11 @@ class ShardEngine:
             ids = {i.execution_id for i in inputs if i.kind != "barrier"}
             states: dict[int, ExecState] = {e: self._cache[e] for e in ids if e in self._cache}
             states.update(await sql.load_states(conn, [e for e in ids if e not in states]))
-            need_requests = [e for e in ids if e not in states or e not in self.d.workloads]
+            need_requests = [e for e in ids if e not in states or e not in self.d.workloads
+                             or e not in self.d.priorities]
             requests = await sql.load_requests(conn, need_requests)
+            for e, req in requests.items():
+                self.d.priorities[e] = req.get("priority") or ""
             await self.d.traces.load(conn, ids, requests)
             for inp in inputs:
                 if inp.kind == "barrier":
@@ -500,9 +507,17 @@ class ShardEngine:
                                    json.dumps(ev.result) if ev.result is not None else None,
                                    json.dumps(meta)))
                 touched[eid] = (t.state, seq)
-                new_commands.extend((eid, t.state.catalog_id, c) for c in t.commands)
-                publish.extend((c.command_id, eid, c.attempt, c.kind) for c in t.commands)
-                publish.extend((cid, eid, attempt, kind) for cid, attempt, kind in t.republish)
+                if t.commands or t.republish:
+                    placements = (await self.d.catalog.compiled(t.state.catalog_id)).placements
+                    submitted = self.d.priorities.get(eid) or None
+                    for c in t.commands:
+                        placed = place(placements, c.step, submitted)
+                        new_commands.append((eid, t.state.catalog_id, c, placed))
+                        publish.append((c.command_id, eid, c.attempt, c.kind, placed))
+                    for cid, attempt, kind in t.republish:
+                        pending = t.state.pending.get(cid)
+                        publish.append((cid, eid, attempt, kind, place(placements, pending.step if pending else "",
+                                                                       submitted)))
                 updates.extend(t.updates)
             started_ids = [e for e in requests if e in touched]
             horizon = snowflake_at(int((time.time() - 60) * 1000))
@@ -538,11 +553,14 @@ class ShardEngine:
             if state.terminal:
                 self._cache.pop(eid, None)
                 self.d.workloads.pop(eid, None)
+                self.d.priorities.pop(eid, None)
             else:
                 self._cache[eid] = state
                 self._cache.move_to_end(eid)
         while len(self._cache) > 10_000:
             self._cache.popitem(last=False)
+        while len(self.d.priorities) > 20_000:
+            self.d.priorities.popitem(last=False)
         if publish:
             await self._publish(publish)
         cancelled = [u.command_id for u in updates if u.status == "cancelled"]
@@ -561,10 +579,10 @@ class ShardEngine:
             await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
         for _eid, d in dead_letters:
             DEAD_LETTERED.labels(str(self.shard), d.reason).inc()
-        for dl, cid, why, _who in redrives:
-            REDRIVES.labels(str(self.shard), "redriven" if cid else "refused").inc()
+        for dl, new_id, why, _who in redrives:
+            REDRIVES.labels(str(self.shard), "redriven" if new_id else "refused").inc()
             logger.info("redrive of dead letter %s on shard %s: %s", dl, self.shard,
-                        f"re-issued as {cid}" if cid else f"refused: {why}")
+                        f"re-issued as {new_id}" if new_id else f"refused: {why}")
         BATCH_INPUTS.observe(len(inputs))
         BATCH_SECONDS.observe(time.perf_counter() - started)
 
@@ -767,11 +785,12 @@ class ShardEngine:
             except NoetlError as exc:
                 logger.warning("cancel nudge of child execution %s not published: %s", child["execution_id"], exc)
 
-    async def _publish(self, items: list[tuple[str, int, int, str]]) -> None:
-        async def one(cid: str, eid: int, attempt: int, kind: str) -> None:
+    async def _publish(self, items: list[tuple[str, int, int, str, Placed]]) -> None:
+        async def one(cid: str, eid: int, attempt: int, kind: str, placed: Placed) -> None:
             notice = messages_pb2.CommandNotice(command_id=cid, execution_id=eid, shard_id=self.shard,
                                                 attempt=attempt, kind=kind)
-            await natsio.publish(self.d.js, natsio.commands_subject(self.shard), notice.SerializeToString(),
+            await natsio.publish(self.d.js, natsio.commands_subject(placed.pool, placed.priority, self.shard),
+                                 notice.SerializeToString(),
                                  msg_id=f"{cid}#{attempt}", trace_parent=self.d.traces.notice_parent(eid))
 
         results = await asyncio.gather(*(one(*i) for i in items), return_exceptions=True)
@@ -779,6 +798,11 @@ class ShardEngine:
         if failed:
             logger.warning("%s command notices not published (%s); the reaper republishes queued commands",
                            len(failed), failed[0])
+
+
+def _queued(q: dict[str, Any]) -> tuple[str, int, int, str, Placed]:
+    """A queued command row as a notice to publish (on its pool's and priority's subject)."""
+    return (q["command_id"], q["execution_id"], q["attempt"], q["kind"], Placed(q["pool"], None, q["priority"]))
 
 
 def _decode(data: bytes, seq: int = 0) -> _Input | None:

@@ -13,6 +13,8 @@ from noetl_common.db import REDRIVE_LOCK_CLASS, columns
 from noetl_common.errors import LeaseLost
 from noetl_flow import CommandUpdate, ExecState, NewCommand
 
+from .placing import Placed
+
 ROLE = "api"
 
 # The lease must be ours (owner and epoch) and not run out on the database's clock.
@@ -137,7 +139,7 @@ async def quarantine(conn: psycopg.AsyncConnection[Any], shard: int, execution_i
 
 async def queued_commands(conn: psycopg.AsyncConnection[Any], shard: int) -> list[dict[str, Any]]:
     cur = await conn.execute(
-        "SELECT command_id, execution_id, attempt, kind FROM noetl.command"
+        "SELECT command_id, execution_id, attempt, kind, pool, priority FROM noetl.command"
         " WHERE shard_id = %s AND status = 'queued' ORDER BY created_at", (shard,))
     return list(await cur.fetchall())
 
@@ -173,20 +175,21 @@ async def save_states(conn: psycopg.AsyncConnection[Any], shard: int,
 
 
 async def insert_commands(conn: psycopg.AsyncConnection[Any], shard: int,
-                          commands: Iterable[tuple[int, int, NewCommand]]) -> None:
-    """Insert the batch's new commands, queued (one statement)."""
+                          commands: Iterable[tuple[int, int, NewCommand, Placed]]) -> None:
+    """Insert the batch's new commands, queued, with their placement (one statement)."""
     rows = [(c.command_id, eid, shard, catalog_id, c.step, c.kind, c.attempt, json.dumps(c.context),
-             float(c.timeout_sec)) for eid, catalog_id, c in commands]
+             float(c.timeout_sec), p.pool, json.dumps(p.requires) if p.requires else None, p.priority)
+            for eid, catalog_id, c, p in commands]
     if not rows:
         return
     await conn.execute(
         "INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
-        " attempt, context, timeout_sec)"
-        " SELECT c, e, sh, cat, st, k, 'queued', a, ctx::jsonb, t FROM unnest(%b::text[], %b::bigint[],"
-        " %b::int[], %b::bigint[], %b::text[], %b::text[], %b::int[], %b::text[], %b::float8[])"
-        " AS x(c, e, sh, cat, st, k, a, ctx, t)"
+        " attempt, context, timeout_sec, pool, requires, priority)"
+        " SELECT c, e, sh, cat, st, k, 'queued', a, ctx::jsonb, t, po, rq::jsonb, pr FROM unnest(%b::text[],"
+        " %b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::int[], %b::text[], %b::float8[],"
+        " %b::text[], %b::text[], %b::text[]) AS x(c, e, sh, cat, st, k, a, ctx, t, po, rq, pr)"
         " ON CONFLICT (command_id) DO NOTHING",
-        columns(rows, 9),
+        columns(rows, 12),
     )
 
 
