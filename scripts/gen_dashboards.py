@@ -249,6 +249,14 @@ def api() -> list[Row]:
                 description="Commands recorded in noetl.dead_letter (failed: a call.error accepted after the task's "
                             "retries; expired: claim leases ran out) and redrive requests the engine applied "
                             "(redriven, or refused: `noetl-rt dlq show ID` says why)."),
+            Panel("Reruns", [
+                (f"sum by (outcome) (increase(noetl_reruns_total{c}[{RI}]))", "{{outcome}}")],
+                description="RerunExecution (`noetl-rt rerun`): new executions that rerun a finished one from its "
+                            "failed (or a named) step; deduplicated: a retried call answered with its rerun."),
+            Panel("Executions queued by concurrency limits", [
+                (f"sum by (shard) (increase(noetl_engine_concurrency_queued_total{c}[{RI}]))", "shard {{shard}}")],
+                description="Executions that were to start but waited for a slot of a concurrency limit "
+                            "(`noetl-rt limit list` shows what runs and waits per key)."),
             Panel("Quarantined inputs and stream resets by shard", [
                 (f"sum by (shard) (increase(noetl_engine_quarantined_total{c}[{RI}]))", "quarantined {{shard}}"),
                 (f"sum by (shard) (increase(noetl_engine_stream_resets_total{c}[{RI}]))", "stream reset {{shard}}"),

@@ -72,7 +72,7 @@ def test_at_most_n_run_the_rest_wait_in_order_and_say_why(runner: Runner) -> Non
     assert out.returncode == 0, out.stderr
     limit_id = json.loads(out.stdout)["limit_id"]
     time.sleep(1.2)  # the engine reads the limits at most once a second: let it see this one
-    ids = [submit(runner, path) for _ in range(6)]
+    ids = [submit(runner, path) for _ in range(10)]  # the acceptance: 10 submitted, at most 2 running
 
     reason = wait_until(lambda: get(runner, ids[-1]).waiting, 30, "the last execution waiting for the limit")
     assert f"concurrency limit {limit_id} ({path})" in reason and "of 2 running" in reason, reason

@@ -7,7 +7,7 @@ serving the ``default`` and ``batch`` pools with one slot, ``worker-1`` serving 
   are refused NOT_QUALIFIED); the rest on either;
 - with worker-1 stopped, a gpu step waits visibly (``StepState.waiting``, ``noetl-rt
   status``, the reaper's ``noetl_commands_unschedulable{pool="gpu"}``) and runs once it is back;
-- with 50 low-priority sleeps queued for the one slot of pool batch, a high-priority
+- with 200 low-priority sleeps queued for the one slot of pool batch, a high-priority
   submission's command is taken before most of them (FIFO would take it last).
 """
 
@@ -132,8 +132,8 @@ BACKLOG = HEADER.format(name="backlog") + """
 workflow:
   - step: start
     spec: {pool: batch}
-    loop: {in: "{{ range(50) | list }}", iterator: i, spec: {mode: parallel, max_in_flight: 50}}
-    tool: {kind: python, code: "import time\\ntime.sleep(0.1)\\nresult = 1"}
+    loop: {in: "{{ range(200) | list }}", iterator: i, spec: {mode: parallel, max_in_flight: 200}}
+    tool: {kind: python, code: "import time\\ntime.sleep(0.05)\\nresult = 1"}
 """
 
 URGENT = HEADER.format(name="urgent") + """
@@ -150,9 +150,9 @@ def test_a_high_priority_command_is_taken_before_a_queued_low_priority_backlog(r
                  timeout=30).execution_id
     # the backlog is queued and the one slot of pool batch is working through it
     wait_for(lambda: db.value("SELECT count(*) FROM noetl.command WHERE execution_id = %s AND status = 'queued'",
-                              (low,)) >= 40 and
+                              (low,)) >= 150 and
              db.value("SELECT count(*) FROM noetl.command WHERE execution_id = %s AND worker_id IS NOT NULL",
-                      (low,)) >= 1, 60, "50 low-priority commands queued and the first taken")
+                      (low,)) >= 1, 60, "200 low-priority commands queued and the first taken")
     high = submit(execution_pb2.SubmitExecutionRequest(playbook_yaml=URGENT, priority=execution_pb2.PRIORITY_HIGH),
                   timeout=30).execution_id
     assert runner.wait(high, 60).status == "COMPLETED"
@@ -163,8 +163,13 @@ def test_a_high_priority_command_is_taken_before_a_queued_low_priority_backlog(r
     assert db.value("SELECT priority FROM noetl.command WHERE execution_id = %s", (high,)) == "high"
     assert {r["priority"] for r in db.all("SELECT priority FROM noetl.command WHERE execution_id = %s", (low,))} \
         == {"low"}
-    # FIFO would have taken it after all 50; with priorities it went ahead of the queued ones
-    assert after >= 35, f"the high-priority command was taken after {before} low ones, before {after}"
+    # FIFO would have taken it after all 200; with priorities it went ahead of every low one
+    # still queued when it was issued (the one slot finishes the low task it is running)
+    issued = db.value("SELECT created_at FROM noetl.command WHERE execution_id = %s", (high,))
+    between = db.value("SELECT count(*) FROM noetl.command WHERE execution_id = %s AND claimed_at > %s"
+                       " AND claimed_at < %s", (low, issued, taken))
+    assert between <= 1, f"{between} low-priority commands were taken after the high one was issued, before it"
+    assert after >= 100, f"the high-priority command was taken after {before} low ones, before {after}"
     assert workers_of(db, high, "start") == {CPU_WORKER}
 
 

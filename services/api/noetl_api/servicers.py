@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 from nats.aio.client import Client as NATS
+from prometheus_client import Counter
 
 from noetl_common import auth, natsio
 from noetl_common.errors import (
@@ -43,6 +44,11 @@ from .reruns import Rerunner
 from .submissions import Submitter
 
 logger = logging.getLogger(__name__)
+
+RERUNS = Counter("noetl_reruns_total", "RerunExecution calls answered: a new rerun started, or a retried call's "
+                 "rerun answered again (idempotency key)", ["outcome"])
+for _outcome in ("started", "deduplicated"):
+    RERUNS.labels(_outcome)  # the series exist (0) from the start
 
 
 def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
@@ -142,6 +148,7 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
             raise Unavailable("the api is starting (not joined yet); retry")
         sub, plan = await self._rerunner_.rerun(request.execution_id, from_step=request.from_step,
                                                 key=request.idempotency_key, timeout_sec=request.timeout_seconds)
+        RERUNS.labels("deduplicated" if sub.deduplicated else "started").inc()
         return execution_pb2.RerunExecutionResponse(
             execution_id=sub.execution_id, shard_id=sub.shard_id, playbook_path=sub.entry.path,
             playbook_version=sub.entry.version, deduplicated=sub.deduplicated, rerun_of=request.execution_id,

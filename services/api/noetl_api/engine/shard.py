@@ -301,6 +301,7 @@ class ShardEngine:
         for outcome in ("redriven", "refused"):
             REDRIVES.labels(str(self.shard), outcome)
         QUARANTINED.labels(str(self.shard))
+        limits.QUEUED.labels(str(self.shard))
         STREAM_RESETS.labels(str(self.shard))
         RESUBSCRIBES.labels(str(self.shard))
         FORGED.labels(str(self.shard))
