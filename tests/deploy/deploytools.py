@@ -32,11 +32,12 @@ NAMESPACE = "noetl"
 RELEASE = "noetl"
 # Values files rendered by the checks: the chart's defaults (TLS, tokens, NetworkPolicies
 # on), every role at 3 replicas with every optional object on and every Secret named,
-# mutual TLS with cert-manager Certificates, every security default off, and the local
+# mutual TLS with cert-manager Certificates, every security default off, every extension
+# point on (extra env/volumes/objects, digests, KEDA, Ingress, GRPCRoute), and the local
 # stack's settings (live metrics check).
 VALUES = {"default": None, "scale-3": CHART / "ci" / "scale-3-values.yaml",
           "mtls": CHART / "ci" / "mtls-values.yaml", "plaintext": CHART / "ci" / "plaintext-values.yaml",
-          "live": HERE / "live-values.yaml"}
+          "features": CHART / "ci" / "features-values.yaml", "live": HERE / "live-values.yaml"}
 # NOETL_* settings the chart sets that the runtime does not read yet (docs/DEPLOY.md
 # "Security" marks them planned); remove each name as the runtime lands it.
 PLANNED_SETTINGS: frozenset[str] = frozenset()
@@ -77,6 +78,22 @@ def render(values: str, *extra: str) -> str:
     if VALUES[values] is not None:
         argv += ["--values", str(VALUES[values])]
     return helm(*argv, *extra).stdout
+
+
+def json_schema_errors(schema: Mapping[str, Any], instance: Any) -> list[str]:
+    """Errors of ``instance`` against a JSON schema (draft 2020-12), by the `jsonschema`
+    package that kubernetes-validate brings into .tools/venv: one line per error, with
+    the path of the offending field."""
+    python = TOOLS / "venv" / "bin" / "python"
+    if not python.exists():
+        raise ToolMissing("the .tools/venv python is not installed: run `make deploy-tools`")
+    code = ("import json, sys, jsonschema\n"
+            "d = json.load(sys.stdin)\n"
+            "v = jsonschema.Draft202012Validator(d['schema'])\n"
+            "for e in sorted(v.iter_errors(d['instance']), key=lambda e: list(e.absolute_path)):\n"
+            "    print('/'.join(map(str, e.absolute_path)) + ': ' + e.message)\n")
+    proc = run([str(python), "-c", code], input=json.dumps({"schema": schema, "instance": instance}), timeout=60)
+    return [line for line in proc.stdout.splitlines() if line]
 
 
 def documents(text: str) -> list[dict[str, Any]]:
