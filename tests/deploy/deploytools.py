@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / ".tools"
 CHART = REPO / "deploy" / "helm" / "noetl"
 DASHBOARDS = CHART / "dashboards"
+EXAMPLES = REPO / "deploy" / "helm" / "examples"
 HERE = Path(__file__).resolve().parent
 ROLES = ("api", "shard-manager", "projector", "checkpointer", "compactor", "reaper", "worker")
 ROLE_KEYS = {r: ("shardManager" if r == "shard-manager" else r) for r in ROLES}
@@ -33,11 +34,12 @@ RELEASE = "noetl"
 # Values files rendered by the checks: the chart's defaults (TLS, tokens, NetworkPolicies
 # on), every role at 3 replicas with every optional object on and every Secret named,
 # mutual TLS with cert-manager Certificates, every security default off, every extension
-# point on (extra env/volumes/objects, digests, KEDA, Ingress, GRPCRoute), and the local
-# stack's settings (live metrics check).
+# point on (extra env/volumes/objects, digests, KEDA, Ingress, GRPCRoute), the local
+# stack's settings (live metrics check), and lite mode (one evaluation pod).
 VALUES = {"default": None, "scale-3": CHART / "ci" / "scale-3-values.yaml",
           "mtls": CHART / "ci" / "mtls-values.yaml", "plaintext": CHART / "ci" / "plaintext-values.yaml",
-          "features": CHART / "ci" / "features-values.yaml", "live": HERE / "live-values.yaml"}
+          "features": CHART / "ci" / "features-values.yaml", "live": HERE / "live-values.yaml",
+          "lite": EXAMPLES / "lite-values.yaml"}
 # NOETL_* settings the chart sets that the runtime does not read yet (docs/DEPLOY.md
 # "Security" marks them planned); remove each name as the runtime lands it.
 PLANNED_SETTINGS: frozenset[str] = frozenset()

@@ -38,7 +38,7 @@ def _values_args(name: str) -> list[str]:
     return ["--values", str(VALUES[name])] if VALUES[name] is not None else []
 
 
-@pytest.mark.parametrize("values", [*VALUE_SETS, "live"])
+@pytest.mark.parametrize("values", [*VALUE_SETS, "live", "lite"])
 def test_helm_lint_strict(values: str) -> None:
     out = helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, *_values_args(values)).stdout
     assert "1 chart(s) linted, 0 chart(s) failed" in out, out
@@ -46,7 +46,7 @@ def test_helm_lint_strict(values: str) -> None:
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("values", VALUE_SETS)
+@pytest.mark.parametrize("values", [*VALUE_SETS, "lite"])
 def test_rendered_objects_validate_against_kubernetes_schemas(rendered: dict[str, str], values: str, version: str,
                                                               tmp_path: Any) -> None:
     docs = [d for d in documents(rendered[values]) if not d["apiVersion"].startswith(CRD_GROUPS)]
@@ -261,7 +261,7 @@ def test_config_map_settings_are_known_and_valid(rendered: dict[str, str]) -> No
     known = {f"{c.model_config.get('env_prefix', '')}{f}".upper() for c in classes for f in c.model_fields}
     # a planned name must not be read already (then it belongs out of PLANNED_SETTINGS)
     assert not PLANNED_SETTINGS & known, sorted(PLANNED_SETTINGS & known)
-    for values in (*VALUE_SETS, "live"):
+    for values in (*VALUE_SETS, "live", "lite"):
         docs = documents(rendered[values])
         env: dict[str, str] = dict(find(docs, "ConfigMap", f"{NAMESPACE}-config")["data"])
         for dep in by_kind(docs, "Deployment"):

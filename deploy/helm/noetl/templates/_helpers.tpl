@@ -326,6 +326,36 @@ namespace={{ .Release.Namespace | quote }}
      Refuse to render values the runtime cannot run with, naming the value. */}}
 {{- define "noetl.validate" -}}
 {{- $v := .Values -}}
+{{- if $v.lite.enabled -}}
+{{- include "noetl.validateLite" . -}}
+{{- else -}}
+{{- include "noetl.validateRoles" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Lite mode: one evaluation pod; what it cannot do. */}}
+{{- define "noetl.validateLite" -}}
+{{- $v := .Values -}}
+{{- if not (semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version) -}}
+{{- fail (printf "lite.enabled needs Kubernetes 1.29 or later (native sidecar containers run its Postgres and NATS); this cluster is %s" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
+{{- if or $v.autoscaling.worker.enabled $v.autoscaling.api.enabled -}}
+{{- fail "lite.enabled runs one pod: autoscaling.worker.enabled and autoscaling.api.enabled must be false" -}}
+{{- end -}}
+{{- if $v.api.grpcRoute.enabled -}}
+{{- fail "lite.enabled: api.grpcRoute is not available in lite mode (its generated CA is not published for a Gateway); use kubectl port-forward or api.ingress with tlsMode=passthrough" -}}
+{{- end -}}
+{{- if and $v.api.ingress.enabled (ne $v.api.ingress.tlsMode "passthrough") $v.tls.enabled -}}
+{{- fail "lite.enabled: api.ingress needs tlsMode=passthrough (the api's generated certificate names api.ingress.host)" -}}
+{{- end -}}
+{{- if and $v.auth.enabled $v.auth.register (not $v.migration.enabled) -}}
+{{- fail "auth.register needs migration.enabled: the migration registers the tokens" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A Deployment per role: every value they need, named when missing. */}}
+{{- define "noetl.validateRoles" -}}
+{{- $v := .Values -}}
 {{- $ports := dict -}}
 {{- range $name := list "grpc" "workerApi" "health" "metrics" -}}
 {{- $p := toString (index $v.ports $name) -}}
@@ -540,7 +570,7 @@ namespace={{ .Release.Namespace | quote }}
 {{/* At install/upgrade (connected to a cluster: the namespace's `default` ServiceAccount
      can be looked up), check every required Secret and key; `helm template` skips it. */}}
 {{- define "noetl.checkSecrets" -}}
-{{- if .Values.secretChecks -}}
+{{- if and .Values.secretChecks (not .Values.lite.enabled) -}}
 {{- if lookup "v1" "ServiceAccount" .Release.Namespace "default" -}}
 {{- range $name, $needs := include "noetl.requiredSecrets" . | fromYaml -}}
 {{- include "noetl.checkSecret" (dict "name" $name "needs" $needs "secret" (lookup "v1" "Secret" $.Release.Namespace $name) "namespace" $.Release.Namespace) -}}
@@ -553,4 +583,57 @@ namespace={{ .Release.Namespace | quote }}
 {{- define "noetl.urlPort" -}}
 {{- $hostPort := splitList ":" .host -}}
 {{- if gt (len $hostPort) 1 -}}{{ last $hostPort }}{{- else if eq .scheme "http" -}}80{{- else -}}443{{- end -}}
+{{- end -}}
+
+{{/* The migration's command (the Job's, and lite mode's init container): `noetl-rt migrate`,
+     then with auth.register the release's tokens, each from its file under the auth path. */}}
+{{- define "noetl.migrateCommand" -}}
+{{- $paths := include "noetl.paths" . | fromYaml -}}
+{{- if and .Values.auth.enabled .Values.auth.register -}}
+# Each token is registered (hashed) under <fullname>-<key>-<first 12 hex of its
+# SHA-256>, so a rotated token gets a new name next to the old one, which stays
+# valid until revoked (docs/DEPLOY.md "Tokens"). Every upgrade registers them again:
+# the runtime's refusal of a token it already has under that name is success.
+command:
+  - sh
+  - -ec
+  - |
+    noetl-rt migrate
+    register() {
+      name="{{ include "noetl.fullname" . }}-$1-$(sha256sum < "{{ $paths.auth }}/$1" | cut -c1-12)"
+      if out=$(noetl-rt token register --role "$2" --name "$name" < "{{ $paths.auth }}/$1" 2>&1); then
+        echo "token $name ($2): registered"
+      else
+        case "$out" in
+          *"a live token has that name, or the token is known"*) echo "token $name ($2): already registered" ;;
+          *) echo "$out" >&2; exit 1 ;;
+        esac
+      fi
+    }
+    {{- range $role := splitList " " (include "noetl.roles" .) }}
+    register {{ $role }} {{ include "noetl.tokenRole" $role }}
+    {{- end }}
+    {{- if .Values.auth.bootstrapAdmin }}
+    register admin admin
+    {{- end }}
+{{- else -}}
+command: ["noetl-rt", "migrate"]
+{{- end }}
+{{- end -}}
+
+{{/* Lite mode's ports (every role shares the pod's network): per role its gRPC, health and
+     metrics port and an index; the api's client port is ports.grpc and its WorkerService
+     ports.workerApi; Postgres and NATS their usual ports on 127.0.0.1. */}}
+{{- define "noetl.litePorts" -}}
+postgres: 5432
+nats: 4222
+natsMonitor: 8222
+workerApi: {{ .Values.ports.workerApi }}
+{{- range $i, $role := splitList " " (include "noetl.roles" .) }}
+{{ $role }}:
+  index: {{ $i }}
+  grpc: {{ ternary $.Values.ports.grpc (add 50060 $i) (eq $role "api") }}
+  health: {{ add 50070 $i }}
+  metrics: {{ add $.Values.ports.metrics $i }}
+{{- end }}
 {{- end -}}
