@@ -35,11 +35,12 @@ RELEASE = "noetl"
 # on), every role at 3 replicas with every optional object on and every Secret named,
 # mutual TLS with cert-manager Certificates, every security default off, every extension
 # point on (extra env/volumes/objects, digests, KEDA, Ingress, GRPCRoute), the local
-# stack's settings (live metrics check), and lite mode (one evaluation pod).
+# stack's settings (live metrics check), lite mode (one evaluation pod), and the values of
+# the NATS-chart + CloudNativePG recipes (deploy/helm/examples/).
 VALUES = {"default": None, "scale-3": CHART / "ci" / "scale-3-values.yaml",
           "mtls": CHART / "ci" / "mtls-values.yaml", "plaintext": CHART / "ci" / "plaintext-values.yaml",
           "features": CHART / "ci" / "features-values.yaml", "live": HERE / "live-values.yaml",
-          "lite": EXAMPLES / "lite-values.yaml"}
+          "lite": EXAMPLES / "lite-values.yaml", "example": EXAMPLES / "noetl-values.yaml"}
 # NOETL_* settings the chart sets that the runtime does not read yet (docs/DEPLOY.md
 # "Security" marks them planned); remove each name as the runtime lands it.
 PLANNED_SETTINGS: frozenset[str] = frozenset()

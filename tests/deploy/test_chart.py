@@ -30,7 +30,7 @@ from deploytools import (
     values_of,
 )
 
-VALUE_SETS = ("default", "scale-3", "mtls", "plaintext", "features")
+VALUE_SETS = ("default", "scale-3", "mtls", "plaintext", "features", "example")
 CRD_GROUPS = ("monitoring.coreos.com/", "cert-manager.io/", "keda.sh/", "gateway.networking.k8s.io/")
 
 
@@ -62,8 +62,9 @@ def test_rendered_objects_validate_against_kubernetes_schemas(rendered: dict[str
 @pytest.mark.parametrize(("values", "kinds"), [
     ("scale-3", ["PrometheusRule", "ServiceMonitor"]),
     ("mtls", ["Certificate"] * len(ROLES) + ["ServiceMonitor"]),
-    ("features", sorted(["BackendTLSPolicy", "GRPCRoute", "ScaledObject", "ScaledObject", "TriggerAuthentication",
-                         *["Certificate"] * len(ROLES)]))])
+    ("features", ["BackendTLSPolicy", "GRPCRoute", "ScaledObject", "ScaledObject", "TriggerAuthentication",
+                  *["Certificate"] * len(ROLES)]),
+    ("example", ["PrometheusRule", "ScaledObject", "ServiceMonitor", *["Certificate"] * len(ROLES)])])
 def test_custom_resources_validate_against_crd_schemas(rendered: dict[str, str], values: str,
                                                        kinds: list[str]) -> None:
     """ServiceMonitor and PrometheusRule against the prometheus-operator monitoring.coreos.com/v1

@@ -31,7 +31,7 @@ from deploytools import (
     values_of,
 )
 
-SETS = ("default", "scale-3", "mtls", "plaintext", "features")
+SETS = ("default", "scale-3", "mtls", "plaintext", "features", "example")
 NATS_ROLES = ("api", "projector", "checkpointer", "reaper", "worker")
 TOKEN_KEYS = (*ROLES, "admin")
 TLS_DIR = "/etc/noetl/tls"
