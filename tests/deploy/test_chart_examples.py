@@ -197,7 +197,7 @@ def test_cnpg_cluster_matches_the_chart_values_and_the_docs() -> None:
     assert f"host={name}-rw.{ns}.svc port=5432 dbname={database}" in section
     assert "sslmode=verify-full sslrootcert=/etc/noetl/postgres-ca/ca.crt" in section
     assert 'user=noetl_${r//-/_}_u' in section and "noetl-pg-$r" in section
-    assert f"--from-literal=owner=" in section and cluster["spec"]["bootstrap"]["initdb"]["secret"]["name"] in section
+    assert "--from-literal=owner=" in section and cluster["spec"]["bootstrap"]["initdb"]["secret"]["name"] in section
 
 
 def test_nats_recipe_builds_the_urls_the_chart_reads() -> None:

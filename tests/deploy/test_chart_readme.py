@@ -17,7 +17,7 @@ import yaml
 from deploytools import CHART, REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-import gen_chart_files  # noqa: E402
+import gen_chart_files
 
 README = CHART / "README.md"
 ROLE_KEYS = ("api", "shardManager", "projector", "checkpointer", "compactor", "reaper", "worker")
