@@ -464,3 +464,13 @@ def test_lite_notes_say_evaluation_only(tmp_path: Path) -> None:
     assert "LITE MODE: EVALUATION ONLY, NOT FOR PRODUCTION" in text, text
     assert f"kubectl -n {NAMESPACE} get secret {LITE} -o jsonpath='{{.data.ca\\.crt}}'" in text, text
     assert "scale deploy/" not in text and "Job noetl-migrate" not in text
+
+
+def test_lite_renders_from_the_packaged_chart(tmp_path: Path) -> None:
+    """`helm package` carries files/lite/ (the NATS users) with the chart."""
+    helm("package", str(CHART), "--destination", str(tmp_path))
+    (pkg,) = tmp_path.glob("noetl-*.tgz")
+    docs = documents(helm("template", "noetl", str(pkg), "-n", NAMESPACE, "--set", "lite.enabled=true").stdout)
+    conf = find(docs, "ConfigMap", LITE)["data"]["authorization.conf"]
+    assert conf.strip() == (CHART / "files" / "lite" / "nats-authorization.conf").read_text().strip()
+    assert "noetl_worker" in conf
