@@ -27,11 +27,12 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from noetl_common import auth, grpcutil
-from noetl_common.errors import NoetlError, Overloaded, Unavailable
+from noetl_common import grpcclient
+from noetl_common.errors import ConfigError, NoetlError, Overloaded, Unavailable
 from noetl_proto.v1 import (
     auth_pb2_grpc,
     catalog_pb2_grpc,
+    concurrency_pb2_grpc,
     execution_pb2_grpc,
     schedule_pb2_grpc,
     shard_manager_pb2_grpc,
@@ -62,7 +63,7 @@ def describe_failure(code: grpc.StatusCode | None, details: str, *, answered: bo
                      target: str = "", source: str = "", timeout: float = RPC_TIMEOUT) -> NoetlError | None:
     """The project error for a failed call when its status is about reachability or
     capacity (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED); None for any other
-    status (``grpcutil.translate`` maps those). ``answered``: the connection to the
+    status (``grpcclient.translate`` maps those). ``answered``: the connection to the
     server was up when the call failed (the status came from the server)."""
     where = f" (from {source})" if source else ""
     details = details or ""
@@ -81,10 +82,9 @@ def describe_failure(code: grpc.StatusCode | None, details: str, *, answered: bo
 
 def _read_ca(path: str) -> bytes:
     try:
-        with open(path, "rb") as fh:
-            return fh.read()
-    except OSError as exc:
-        raise Unavailable(f"cannot read the CA file {path}: {exc}") from exc
+        return grpcclient.read_file(path)
+    except ConfigError as exc:
+        raise Unavailable(f"the CA file: {exc}") from exc
 
 
 class Api:
@@ -102,19 +102,19 @@ class Api:
             ("grpc.service_config", _SERVICE_CONFIG),
             ("grpc.enable_retries", 1),
             # a replica that froze is dropped within seconds, and the call goes to another
-            *grpcutil.CLIENT_KEEPALIVE_OPTIONS,
+            *grpcclient.CLIENT_KEEPALIVE_OPTIONS,
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ]
         # TLS trusting ca_file when given (the local stack's CA, NOETL_TLS_CA_FILE); a replica
         # list (ipv4:H:P1,H:P2) is verified as H
-        if ca_file and (name := grpcutil.tls_target_name(target)):
+        if ca_file and (name := grpcclient.tls_target_name(target)):
             options.append(("grpc.ssl_target_name_override", name))
         self._raw_channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(_read_ca(ca_file)),
                                                  options=options) if ca_file
                              else grpc.insecure_channel(target, options=options))
         # every call carries the token (bearer metadata) when there is one
-        self.channel = (grpc.intercept_channel(self._raw_channel, auth.SyncClientAuth(token)) if token
+        self.channel = (grpc.intercept_channel(self._raw_channel, grpcclient.SyncClientAuth(token)) if token
                         else self._raw_channel)
         self._connected = False
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -124,6 +124,7 @@ class Api:
         self.shard_manager = shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
         self.tokens = auth_pb2_grpc.AuthServiceStub(self.channel)
         self.schedules = schedule_pb2_grpc.ScheduleServiceStub(self.channel)
+        self.concurrency = concurrency_pb2_grpc.ConcurrencyServiceStub(self.channel)
 
     def close(self) -> None:
         self._raw_channel.close()
@@ -168,7 +169,7 @@ class Api:
         answered = code != grpc.StatusCode.UNAVAILABLE or self.answers(min(2.0, self.connect_timeout)) is None
         described = describe_failure(code, exc.details(), answered=answered,  # type: ignore[attr-defined]
                                      what=self.what, target=self.target, source=self.source, timeout=timeout)
-        return described if described is not None else grpcutil.translate(exc)
+        return described if described is not None else grpcclient.translate(exc)
 
     def call(self, fn: Callable[..., T], request: Any, timeout: float = RPC_TIMEOUT) -> T:
         self.connect()

@@ -6,7 +6,6 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Collection
 from pathlib import Path
 from types import FrameType
 
@@ -17,6 +16,7 @@ from . import devstack
 from .home import resolve_dsn, state_path
 from .output import CliError, eprint, print_json, table
 from .ports import PortTaken
+from .stackprobe import stack_trouble  # noqa: F401  (re-exported)
 from .supervise import RoleCommand, StackError, describe_exit
 
 
@@ -174,29 +174,6 @@ def status(home: Path, *, as_json: bool) -> int:
 
 def _server_state(alive: bool, pid: int) -> str:
     return f"running, pid {pid}" if alive else f"DEAD, pid {pid or '?'} gone"
-
-
-def stack_trouble(home: Path, when: Collection[str] | None = None) -> str:
-    """What is wrong with the local stack recorded under ``home``, as one sentence that
-    says how to fix it: every part whose process is gone. '' when nothing is (or no
-    stack is recorded; a part without a recorded pid is not judged), and with ``when``
-    (``postgres``, ``nats``, role names) also when none of those parts is gone."""
-    state = devstack.StackState.load(home)
-    if state is None:
-        return ""
-    dead: list[tuple[str, str, int]] = [  # (role, name, pid)
-        (name, name, int(info["pid"])) for name, alive, info in (
-            ("postgres", state.postgres_alive(), state.postgres), ("nats", state.nats_alive(), state.nats))
-        if info.get("pid") and not alive]
-    dead += [(p.role, p.instance, p.pid) for p in state.processes() if p.pid and not p.alive()]
-    if not dead or (when is not None and not any(role in when for role, _, _ in dead)):
-        return ""
-    if len(dead) == 1:
-        _, name, pid = dead[0]
-        return f"the local stack's {name} is not running (pid {pid}); `noetl-rt dev up` restarts it in place (data kept)"
-    named = [f"{name} (pid {pid})" for _, name, pid in dead]
-    listed = ", ".join(named[:-1]) + f" and {named[-1]}"
-    return f"the local stack's {listed} are not running; `noetl-rt dev up` restarts them in place (data kept)"
 
 
 def migrate(home: Path, *, dsn: str | None) -> int:

@@ -31,6 +31,7 @@ from noetl_common.errors import NoetlError, Unavailable
 
 from . import stackpg
 from .ports import check_port_free
+from .procs import pid_alive
 
 
 def free_port() -> int:
@@ -436,25 +437,6 @@ def _create_buckets(server: S3Server, buckets: tuple[str, ...]) -> None:
                 await client.close()
 
     asyncio.run(create())
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still answers kill(0); treat it as dead.
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-            return False
-    return True
 
 
 def group_members(pgid: int) -> list[int]:

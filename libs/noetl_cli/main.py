@@ -13,16 +13,31 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from noetl_common.auth import Role
 from noetl_common.errors import InvalidInput, NoetlError, Overloaded, Unavailable
+from noetl_common.roles import Role
 
-from . import client, devcmd, schedulecmd, tokencmd
+from . import client, limitcmd, reruncmd, schedulecmd, stackprobe
 from .home import Resolved, resolve_api, resolve_dsn, resolve_home, resolve_shard_manager
 from .output import CliError, eprint
 
 Handler = Callable[[argparse.Namespace], int]
+
+
+# The local stack's and the token store's modules load only for the commands that use
+# them: a one-RPC command imports neither (docs/ARCHITECTURE.md "CLI start-up").
+def _devcmd() -> ModuleType:
+    from . import devcmd
+
+    return devcmd
+
+
+def _tokencmd() -> ModuleType:
+    from . import tokencmd
+
+    return tokencmd
 
 
 def _nats_config(args: argparse.Namespace) -> int:
@@ -99,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true",
                    help="print the execution id and return once submitted (follow later with `watch ID`)")
     p.set_defaults(handler=_run)
+
+    reruncmd.add_parser(sub, with_api, _with_api, _positive)
 
     p = sub.add_parser("watch", parents=[with_api], help="follow a submitted execution to the end")
     p.add_argument("execution_id", metavar="ID")
@@ -193,27 +210,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", required=True, choices=roles)
     p.add_argument("--name", required=True)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(handler=lambda a: _with_api(a, lambda api: tokencmd.create(api, a.role, a.name, as_json=a.json)))
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: _tokencmd().create(api, a.role, a.name, as_json=a.json)))
     p = tk.add_parser("list", parents=[with_api], help="list tokens (admin): names and roles, never tokens")
     p.add_argument("--all", action="store_true", help="revoked ones too")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(handler=lambda a: _with_api(a, lambda api: tokencmd.list_tokens(
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: _tokencmd().list_tokens(
         api, include_revoked=a.all, as_json=a.json)))
     p = tk.add_parser("revoke", parents=[with_api], help="revoke a token (admin) by name or id")
     p.add_argument("name")
-    p.set_defaults(handler=lambda a: _with_api(a, lambda api: tokencmd.revoke(api, a.name)))
+    p.set_defaults(handler=lambda a: _with_api(a, lambda api: _tokencmd().revoke(api, a.name)))
     p = tk.add_parser("register", parents=[home_only],
                       help="register a token read from stdin or $NOETL_AUTH_TOKEN, straight in the database")
     p.add_argument("--role", required=True, choices=roles)
     p.add_argument("--name", required=True)
     p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")
-    p.set_defaults(handler=lambda a: tokencmd.register(resolve_dsn(a.dsn, _home(a)).value, a.role, a.name))
+    p.set_defaults(handler=lambda a: _tokencmd().register(resolve_dsn(a.dsn, _home(a)).value, a.role, a.name))
 
     schedulecmd.add_parsers(sub, with_api, _with_api)
+    limitcmd.add_parsers(sub, with_api, _with_api, _count)
 
     p = sub.add_parser("migrate", parents=[home_only], help="apply database migrations")
     p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")
-    p.set_defaults(handler=lambda a: devcmd.migrate(_home(a), dsn=a.dsn))
+    p.set_defaults(handler=lambda a: _devcmd().migrate(_home(a), dsn=a.dsn))
 
     p = sub.add_parser("nats-config", help="print the NATS server's authorization block: a user per role with "
                        "its subject permissions (docs/DEPLOY.md \"Security\")")
@@ -238,13 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", metavar="ROLE=N,...", help="replicas per role, e.g. api=3,projector=2,worker=3")
     p.add_argument("--timeout", type=_positive, default=90.0, metavar="S",
                    help="give up (and tear down) if not all SERVING within S seconds (default 90)")
-    p.set_defaults(handler=lambda a: devcmd.up(_home(a), scale=a.scale, detach=a.detach, timeout=a.timeout,
+    p.set_defaults(handler=lambda a: _devcmd().up(_home(a), scale=a.scale, detach=a.detach, timeout=a.timeout,
                                                role_command=os.environ.get("NOETL_DEV_ROLE_COMMAND")))
     p = dev.add_parser("down", parents=[home_only], help="stop the local stack and delete its data")
-    p.set_defaults(handler=lambda a: devcmd.down(_home(a)))
+    p.set_defaults(handler=lambda a: _devcmd().down(_home(a)))
     p = dev.add_parser("status", parents=[home_only], help="health of every process of the local stack")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(handler=lambda a: devcmd.status(_home(a), as_json=a.json))
+    p.set_defaults(handler=lambda a: _devcmd().status(_home(a), as_json=a.json))
     return parser
 
 
@@ -276,16 +294,16 @@ def _against(home: Path, resolved: Resolved, fn: Callable[[client.Api], int], ne
     server it ``needs`` fails at once, and a failure to reach or be served says which
     part of the stack is down and how to restart it."""
     if resolved.local:
-        trouble = devcmd.stack_trouble(home, needs)
+        trouble = stackprobe.stack_trouble(home, needs)
         if trouble:
             raise CliError(trouble, code=1)
-    token = tokencmd.resolve_token(home, token_file, resolved.local)
-    ca_file = tokencmd.resolve_ca(home, resolved.local)
+    token = stackprobe.resolve_token(home, token_file, resolved.local)
+    ca_file = stackprobe.resolve_ca(home, resolved.local)
     try:
         with client.Api(resolved.value, resolved.source, what=what, token=token, ca_file=ca_file) as api:
             return fn(api)
     except (Unavailable, Overloaded) as exc:
-        trouble = devcmd.stack_trouble(home) if resolved.local else ""
+        trouble = stackprobe.stack_trouble(home) if resolved.local else ""
         if not trouble:
             raise
         raise CliError(str(exc), code=1, detail=trouble) from None

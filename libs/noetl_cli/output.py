@@ -104,12 +104,17 @@ def execution_json(execution: execution_pb2.Execution, *, error: str | None = No
         steps[step.name] = {"status": step_status(step.status), "result": parse_json_text(step.result_json)}
         if step.HasField("loop"):
             steps[step.name]["loop"] = {"total": step.loop.total, "done": step.loop.done, "failed": step.loop.failed}
-    return {
+    doc = {
         "execution_id": str(execution.execution_id),
         "status": execution_status(execution.status),
         "steps": steps,
         "error": error if error is not None else (execution.error or None),
     }
+    if execution.rerun_of:  # a rerun (noetl-rt rerun) names its original
+        doc["rerun_of"] = str(execution.rerun_of)
+    if execution.waiting:  # PENDING behind a concurrency limit
+        doc["waiting"] = execution.waiting
+    return doc
 
 
 def execution_detail_json(execution: execution_pb2.Execution) -> dict[str, Any]:
@@ -203,10 +208,13 @@ def execution_summary(execution: execution_pb2.Execution, *, error: str | None =
     status = paint(execution_status(execution.status), colour)
     playbook = (f" ({execution.playbook_path} v{execution.playbook_version}{_duration(execution)})"
                 if execution.playbook_path else "")
-    lines = [f"execution {execution.execution_id} {status}{playbook}"]
+    rerun = f", reruns {execution.rerun_of}" if execution.rerun_of else ""
+    lines = [f"execution {execution.execution_id} {status}{playbook}{rerun}"]
     err = error or execution.error
     if err:
         lines.append(f"error: {err}")
+    if execution.waiting:
+        lines.append(f"waiting: {execution.waiting}")
     if execution.steps:
         width = max(len(s.name) for s in execution.steps)
         lines.append("steps:")

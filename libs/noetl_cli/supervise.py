@@ -28,7 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from noetl_common.errors import NoetlError
 from noetl_common.grpcutil import tls_target_name
 
-from .localstack import group_members, pid_alive
+from .localstack import group_members
+from .procs import pid_alive, same_process, start_ticks
 
 logger = logging.getLogger(__name__)
 
@@ -115,23 +116,6 @@ def target_of(addresses: Sequence[str]) -> str:
 
 
 # ---------------------------------------------------------------- process identity and groups
-
-
-def start_ticks(pid: int) -> int:
-    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22); 0 if unknown.
-    Recorded with a pid so a pid reused after the process died is not mistaken for it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (OSError, ValueError):
-        return 0
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def same_process(pid: int, started: int = 0) -> bool:
-    """``pid`` is alive and, when its start time was recorded, is still that process."""
-    if not pid_alive(pid):
-        return False
-    return not started or start_ticks(pid) in (0, started)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

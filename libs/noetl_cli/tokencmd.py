@@ -18,44 +18,15 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 
 from noetl_common import auth
 from noetl_common.db import make_pool
 from noetl_proto.v1 import auth_pb2
 
-from . import output, stackcerts, stacksecrets
+from . import output
 from .apichannel import Api
-from .home import dev_dir
 from .output import CliError
-
-
-def resolve_token(home: Path, token_file: str | None, local: bool,
-                  environ: Mapping[str, str] | None = None) -> str:
-    """The token a client command sends ('' when none is configured)."""
-    env = os.environ if environ is None else environ
-    if token_file:
-        try:
-            return Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise CliError(f"cannot read --token-file {token_file}: {exc}", code=2) from None
-    if env.get("NOETL_TOKEN"):
-        return env["NOETL_TOKEN"].strip()
-    if local:
-        return stacksecrets.tokens(dev_dir(home)).get("admin", "")
-    return ""
-
-
-def resolve_ca(home: Path, local: bool, environ: Mapping[str, str] | None = None) -> str:
-    """The CA a client trusts: ``$NOETL_TLS_CA_FILE``, else the local stack's when it talks
-    to it ('' = plaintext)."""
-    env = os.environ if environ is None else environ
-    if env.get("NOETL_TLS_CA_FILE"):
-        return env["NOETL_TLS_CA_FILE"]
-    if local:
-        ca = stackcerts.paths(dev_dir(home))["ca"]
-        return str(ca) if ca.exists() else ""
-    return ""
+from .stackprobe import resolve_ca, resolve_token  # noqa: F401  (re-exported)
 
 
 def create(api: Api, role: str, name: str, *, as_json: bool) -> int:

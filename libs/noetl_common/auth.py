@@ -26,27 +26,29 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from .db import Pool, autocommit
 from .errors import Conflict, InvalidInput, NotFound
+from .grpcclient import METADATA_KEY, SyncClientAuth  # noqa: F401  (re-exported)
+from .roles import Role
 from .rpchandlers import rewrapped
+
+if TYPE_CHECKING:
+    from .db import Pool
 
 logger = logging.getLogger(__name__)
 
+
+def _autocommit(pool: Pool) -> Any:
+    """``db.autocommit``, imported when a token is read or written: clients of this module
+    (the CLI's ``Role``) do not load Postgres' driver for it."""
+    from .db import autocommit
+
+    return autocommit(pool)
+
 TOKEN_PREFIX = "noetl_"
-METADATA_KEY = "authorization"
-
-
-class Role(StrEnum):
-    ADMIN = "admin"
-    SUBMIT = "submit"
-    READ = "read"
-    WORKER = "worker"
-    SERVICE = "service"
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,15 @@ _WORKER = "/noetl.v1.WorkerService/"
 _MEMBERS = "/noetl.v1.ShardManagerService/"
 _TOKENS = "/noetl.v1.AuthService/"
 _SCHEDULES = "/noetl.v1.ScheduleService/"
+_CONCURRENCY = "/noetl.v1.ConcurrencyService/"
 
 #: Which roles may call which method (full gRPC method name).
 METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     # a worker submits, follows and cancels sub-playbooks; the reaper (service) submits
     # the ticks of schedules (docs/ARCHITECTURE.md "Schedules")
     _EXECUTIONS + "SubmitExecution": frozenset({_A, _S, _W, _SV}),
+    # a rerun is a new execution of an existing one (a submit token: its own executions only)
+    _EXECUTIONS + "RerunExecution": frozenset({_A, _S, _SV}),
     _EXECUTIONS + "GetExecution": _READERS,
     _EXECUTIONS + "ListExecutions": _READERS,
     _EXECUTIONS + "WatchExecution": _READERS,
@@ -102,6 +107,9 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     _SCHEDULES + "PauseSchedule": frozenset({_A}),
     _SCHEDULES + "ResumeSchedule": frozenset({_A}),
     _SCHEDULES + "DeleteSchedule": frozenset({_A}),
+    _CONCURRENCY + "SetLimit": frozenset({_A}),
+    _CONCURRENCY + "ListLimits": _READERS,
+    _CONCURRENCY + "DeleteLimit": frozenset({_A}),
 }
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -140,7 +148,7 @@ async def register_token(pool: Pool, role: Role, name: str, token: str, *, creat
     if not name.strip():
         raise InvalidInput("a token needs a name")
     try:
-        async with autocommit(pool) as conn:
+        async with _autocommit(pool) as conn:
             cur = await conn.execute(
                 "INSERT INTO noetl.api_token (name, role, token_sha256, created_by) VALUES (%s, %s, %s, %s)"
                 " RETURNING token_id", (name, role.value, token_sha256(token), created_by or None))
@@ -152,7 +160,7 @@ async def register_token(pool: Pool, role: Role, name: str, token: str, *, creat
 
 
 async def revoke_token(pool: Pool, name: str) -> bool:
-    async with autocommit(pool) as conn:
+    async with _autocommit(pool) as conn:
         cur = await conn.execute(
             "UPDATE noetl.api_token SET revoked_at = now() WHERE revoked_at IS NULL"
             " AND (name = %s OR token_id::text = %s) RETURNING token_id", (name, name))
@@ -160,7 +168,7 @@ async def revoke_token(pool: Pool, name: str) -> bool:
 
 
 async def list_tokens(pool: Pool, include_revoked: bool) -> list[dict[str, Any]]:
-    async with autocommit(pool) as conn:
+    async with _autocommit(pool) as conn:
         cur = await conn.execute(
             "SELECT token_id, name, role, created_at, revoked_at, created_by FROM noetl.api_token"
             " WHERE %s OR revoked_at IS NULL ORDER BY token_id", (include_revoked,))
@@ -185,7 +193,7 @@ class TokenVerifier:
         hit = self._cache.get(digest)
         if hit is not None and now < hit[1]:
             return hit[0]
-        async with autocommit(self._pool) as conn:
+        async with _autocommit(self._pool) as conn:
             # noetl.token_identity (migration 0009): the roles may look a hash up, not read the table
             cur = await conn.execute("SELECT token_id, name, role FROM noetl.token_identity(%s)", (digest,))
             row = await cur.fetchone()
@@ -305,35 +313,6 @@ def client_interceptors(token: str) -> list[Any]:
     return [_ClientAuth(token)] if token else []
 
 
-class SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """The blocking-channel twin (``grpc.intercept_channel(channel, SyncClientAuth(token))``)."""
-
-    def __init__(self, token: str) -> None:
-        self._md = (METADATA_KEY, f"Bearer {token}")
-
-    def _details(self, details: Any) -> Any:
-        return _SyncDetails(details.method, details.timeout, [*(details.metadata or ()), self._md],
-                            details.credentials, getattr(details, "wait_for_ready", None),
-                            getattr(details, "compression", None))
-
-    def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        return continuation(self._details(client_call_details), request)
-
-
-class _SyncDetails(grpc.ClientCallDetails):
-    def __init__(self, method: str, timeout: Any, metadata: Any, credentials: Any, wait_for_ready: Any,
-                 compression: Any) -> None:
-        self.method = method
-        self.timeout = timeout
-        self.metadata = metadata
-        self.credentials = credentials
-        self.wait_for_ready = wait_for_ready
-        self.compression = compression
-
-
 # ---------------------------------------------------------------- claim tokens
 
 
@@ -351,7 +330,7 @@ def claim_token_valid(key: bytes, token: str, command_id: str, attempt: int, wor
 async def runtime_secret(pool: Pool, name: str, size: int = 32) -> bytes:
     """A key the runtime keeps for itself in ``noetl.runtime_secret`` (created once, by
     whichever process asks first; every replica then reads the same one)."""
-    async with autocommit(pool) as conn:
+    async with _autocommit(pool) as conn:
         await conn.execute("INSERT INTO noetl.runtime_secret (name, value) VALUES (%s, %s) ON CONFLICT DO NOTHING",
                            (name, secrets.token_bytes(size)))
         cur = await conn.execute("SELECT value FROM noetl.runtime_secret WHERE name = %s", (name,))

@@ -97,6 +97,12 @@ GRANTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "schedule": {"api": (R, A, W, D), "reaper": (R, W)},
     "schedule_schedule_id_seq": {"api": (U,)},
     "schedule_tick": {"api": (R,), "reaper": (R, A, W)},
+    # concurrency limits: the api defines them; the engine (in the api) takes, queues and
+    # frees slots in its fenced batches (noetl.take_slot)
+    "concurrency_limit": {"api": (R, A, W, D)},
+    "concurrency_limit_limit_id_seq": {"api": (U,)},
+    "concurrency_slot": {"api": (R, A, D)},
+    "concurrency_wait": {"api": (R, A, D)},
 }
 
 #: function signature (in schema noetl) -> roles that may execute it (EXECUTE is revoked
@@ -109,6 +115,7 @@ FUNCTIONS: Mapping[str, tuple[str, ...]] = {
     # event partitions are owned by the owner; the compactor creates and drops them
     "create_event_partition(date)": ("compactor",),
     "drop_event_partition(text)": ("compactor",),
+    "take_slot(bigint, text, integer, bigint, integer)": ("api",),
 }
 
 #: built-in roles a group role is a member of. The shard-manager's leader ends the session

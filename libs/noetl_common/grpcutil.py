@@ -18,7 +18,6 @@ from prometheus_client import Counter, Histogram
 from . import auth, tracing
 from .config import TlsSettings
 from .errors import (
-    ConfigError,
     Conflict,
     InvalidInput,
     LeaseLost,
@@ -28,6 +27,15 @@ from .errors import (
     PermissionDenied,
     Unavailable,
 )
+from .grpcclient import (  # noqa: F401  (re-exported: one home, the light module)
+    CLIENT_KEEPALIVE_OPTIONS,
+    KEEPALIVE_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    SERVER_KEEPALIVE_OPTIONS,
+    tls_target_name,
+    translate,
+)
+from .grpcclient import read_file as _read
 from .rpchandlers import rewrapped
 
 logger = logging.getLogger(__name__)
@@ -193,35 +201,6 @@ _SERVICE_CONFIG = json.dumps({
 })
 
 
-# A peer that stops answering (SIGSTOP, a VM pause, a partition) still holds its TCP
-# connections open: only HTTP/2 keepalive pings tell. While a call is in flight, a ping
-# goes out after KEEPALIVE_MS without data and the connection is dropped when its ack
-# does not come within KEEPALIVE_TIMEOUT_MS, so the call fails UNAVAILABLE, is retried on
-# another replica, and round robin stops picking the frozen one (its reconnect never
-# completes the HTTP/2 handshake).
-KEEPALIVE_MS = 2_000
-KEEPALIVE_TIMEOUT_MS = 2_000
-CLIENT_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 0),
-    ("grpc.http2.max_pings_without_data", 0),
-    # One ping is outstanding at a time: any ping (a BDP probe right after a call too) must
-    # time out as fast as a keepalive ping, or it holds the keepalive back for its default
-    # minute (measured: a frozen replica held every call routed to it for the call's
-    # whole deadline).
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-]
-# Servers accept those pings (the default policy answers a ping more often than every
-# 5 minutes without data with GOAWAY "too_many_pings").
-SERVER_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-
-
 def channel(target: str, *, token: str = "", tls: TlsSettings | None = None) -> grpc.aio.Channel:
     """An aio channel with round-robin balancing, transparent retries on UNAVAILABLE (a
     replica died: the call goes to another one) and keepalive pings that drop a frozen
@@ -248,26 +227,6 @@ def channel(target: str, *, token: str = "", tls: TlsSettings | None = None) -> 
     return grpc.aio.secure_channel(target, creds, interceptors=interceptors, options=options)
 
 
-def tls_target_name(target: str) -> str:
-    """The name to verify the servers of an address-list target by (``ipv4:H:P1,H:P2``:
-    gRPC would check the whole list as one name); "" for other targets (gRPC checks the
-    target's own host)."""
-    scheme, _, addresses = target.partition(":")
-    if scheme not in ("ipv4", "ipv6") or not addresses:
-        return ""
-    first = addresses.split(",")[0]
-    host = first.rsplit(":", 1)[0] if first.count(":") == 1 or first.startswith("[") else first
-    return host.strip("[]")
-
-
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
-
-
 def client_credentials(tls: TlsSettings | None) -> grpc.ChannelCredentials | None:
     """TLS credentials of a client (None: plaintext): trust ``ca_file``; present
     ``cert_file`` when set (servers that require client certificates accept it)."""
@@ -287,22 +246,3 @@ def server_credentials(tls: TlsSettings | None) -> grpc.ServerCredentials | None
     ca = _read(tls.ca_file) if tls.ca_file else None
     return grpc.ssl_server_credentials([(_read(tls.key_file), _read(tls.cert_file))], root_certificates=ca,
                                        require_client_auth=bool(tls.client_auth))
-
-
-def translate(exc: grpc.RpcError) -> NoetlError:
-    """Map a client-side RpcError to the project's tree."""
-    code = exc.code() if hasattr(exc, "code") else None
-    detail = exc.details() if hasattr(exc, "details") else str(exc)
-    mapping: dict[Any, type[NoetlError]] = {
-        grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
-        grpc.StatusCode.NOT_FOUND: NotFound,
-        grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-        grpc.StatusCode.FAILED_PRECONDITION: Conflict,
-        grpc.StatusCode.ALREADY_EXISTS: Conflict,
-        grpc.StatusCode.ABORTED: LeaseLost,
-        grpc.StatusCode.UNAVAILABLE: Unavailable,
-        grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
-    }
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return Overloaded(detail or "overloaded")
-    return mapping.get(code, NoetlError)(detail or str(code))

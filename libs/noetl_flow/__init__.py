@@ -1,5 +1,7 @@
 """The engine's pure core: execution state, folding inputs, routing. No I/O."""
 
+from . import rerun
+from .rerun import RerunPlan, RerunRefused
 from .router import (
     EV_CALL_DONE,
     EV_CALL_ERROR,
@@ -34,7 +36,10 @@ __all__ = [
     "NewCommand",
     "NewEvent",
     "Pending",
+    "RerunPlan",
+    "RerunRefused",
     "StartInput",
     "StepRun",
     "Transition",
+    "rerun",
 ]

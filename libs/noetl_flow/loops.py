@@ -122,6 +122,26 @@ def start(flow: Flow, t: Transition, step: Step, run: StepRun, event: dict[str, 
     return None
 
 
+def resume(flow: Flow, t: Transition, step: Step, run: StepRun, original_eid: int, original: LoopRun,
+           kept: int, todo: list[list[int]], event: dict[str, Any]) -> bool | None:
+    """Enter a rerun loop step keeping its original's successful iterations (rerun.py):
+    the original's items and the ``kept`` successful results are copied (references) into
+    the new instance, and only the ``todo`` ranges are dispatched. Returns the loop's
+    outcome when nothing is left to run, else None."""
+    instance = f"{step.step}:{run.visits}"
+    run.loop = LoopRun(instance=instance, mode=original.mode, iterator=original.iterator, total=original.total,
+                       max_in_flight=original.max_in_flight, next_index=original.total, done=kept,
+                       todo=[list(r) for r in todo])
+    t.loop_copies.append((original_eid, original.instance, instance))
+    t.emit(EV_STEP_ENTER, step=step.step,
+           meta={"visit": run.visits, "loop_instance": instance, "mode": original.mode, "total": original.total,
+                 "kept": kept, "resumed_from": f"{original_eid}/{original.instance}"})
+    if run.loop.finished:
+        return finish(t, step.step, run)
+    _refill(flow, t, step.step, run, event)
+    return None
+
+
 def on_iteration(flow: Flow, t: Transition, step_name: str, run: StepRun, index: int,
                  envelope: Mapping[str, Any], ok: bool, io: Inputs) -> bool | None:
     """Fold one accepted iteration (or cursor slot) result. Returns the loop's outcome
@@ -149,7 +169,7 @@ def on_iteration(flow: Flow, t: Transition, step_name: str, run: StepRun, index:
 
 def finishing(lr: LoopRun, envelope: Mapping[str, Any]) -> dict[str, int] | None:
     """The loop's stats if this result is the last one (None while more are to come)."""
-    if lr.in_flight != 1 or lr.next_index < lr.total:
+    if lr.in_flight != 1 or not lr.exhausted:
         return None
     after = LoopRun(**{**lr.__dict__})
     after.in_flight = 0
@@ -200,9 +220,8 @@ def _refill(flow: Flow, t: Transition, step_name: str, run: StepRun, event: dict
     lr = run.loop
     assert lr is not None
     kind = command_kind(flow, step_name, run)
-    while lr.in_flight < lr.max_in_flight and lr.next_index < lr.total:
-        index = lr.next_index
-        lr.next_index += 1
+    while lr.in_flight < lr.max_in_flight and not lr.exhausted:
+        index = lr.take()
         lr.in_flight += 1
         command_id = f"{t.state.execution_id}:{step_name}:{run.visits}:{index}"
         loop_ctx: dict[str, Any] = {"instance": lr.instance, "index": index, "iterator": lr.iterator,

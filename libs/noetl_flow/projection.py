@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from . import router as r
+from .rerun import EV_STEP_KEPT
 
 PENDING, RUNNING, COMPLETED, FAILED, CANCELLED = "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
 
@@ -43,6 +44,7 @@ class ExecutionView:
     playbook_path: str | None = None
     playbook_version: int | None = None
     parent_execution_id: int | None = None
+    rerun_of: int | None = None
     error: str | None = None
     created_at: datetime | None = None
     started_at: datetime | None = None
@@ -84,6 +86,7 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
         view.playbook_path = meta.get("path", view.playbook_path)
         view.playbook_version = meta.get("version", view.playbook_version)
         view.parent_execution_id = meta.get("parent_execution_id") or view.parent_execution_id
+        view.rerun_of = meta.get("rerun_of") or view.rerun_of
         if meta.get("requested_at") and view.created_at is None:
             view.created_at = _ts(meta["requested_at"])
     elif kind == r.EV_STEP_ENTER and name:
@@ -113,6 +116,14 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
         s.result_ref_id = ref.get("ref_id")
         s.error = _message(result) if s.status == FAILED else None
         s.ended_at = at
+    elif kind == EV_STEP_KEPT and name:  # a rerun's step whose original result it keeps
+        s = view.step(name)
+        s.status = FAILED if meta.get("status") == "failed" else COMPLETED
+        s.visits = int(meta.get("visit") or 0)
+        s.attempts = 0
+        s.result_ref_id = (result.get("reference") or {}).get("ref_id")
+        s.error = _message(result) if s.status == FAILED else None
+        s.started_at = s.ended_at = at
     elif kind == r.EV_REISSUED and name:
         s = view.step(name)
         s.attempts = int(meta.get("attempt", s.attempts + 1))

@@ -49,7 +49,7 @@ from noetl_dsl.templates import (
     set_path,
 )
 
-from . import loops
+from . import loops, rerun
 from .reach import Reachability
 from .state import (
     CANCELLED,
@@ -60,6 +60,7 @@ from .state import (
     STEP_FAILED,
     STEP_RUNNING,
     ExecState,
+    LoopRun,
     Pending,
     StepRun,
 )
@@ -124,10 +125,66 @@ class Flow:
         try:
             self._enter(t, self.pb.start_step, {"name": EV_STARTED, "step": None}, io)
         except TemplateError as exc:
-            self._fail(t, f"step '{self.pb.start_step}': {exc}")
+            self._fail(t, f"step '{self.pb.start_step}': {exc}", step=_failing_step(exc, self.pb.start_step))
             return t
         self._settle(t, io)
         return t
+
+    def rerun(self, inp: StartInput, original: ExecState, plan: rerun.RerunPlan, workload: Mapping[str, Any],
+              values: Mapping[str, Any], todo: Mapping[str, tuple[int, list[list[int]]]]) -> Transition:
+        """The first transition of a rerun of ``original`` (rerun.py): kept results by
+        reference, ``ctx`` as the original left it, the plan's steps entered again.
+        ``values``: what ``rerun.needs`` named, resolved; ``todo``: for each resumed loop,
+        (successful iterations kept, ranges still to run)."""
+        state = ExecState(execution_id=inp.execution_id, shard_id=inp.shard_id, catalog_id=inp.catalog_id,
+                          deadline_ms=inp.deadline_ms, parent_execution_id=inp.parent_execution_id,
+                          rerun_of=original.execution_id, ctx=copy.deepcopy(original.ctx))
+        t = Transition(state)
+        t.emit(EV_STARTED, meta={**inp.meta, "rerun_of": original.execution_id, "rerun_steps": list(plan.steps),
+                                 "kept_steps": list(plan.kept)})
+        for name in plan.kept:
+            was = original.steps[name]
+            state.steps[name] = StepRun(status=was.status, visits=was.visits, command_id=was.command_id,
+                                        attempt=was.attempt, result=copy.deepcopy(was.result), error=was.error,
+                                        loop=LoopRun(**{**was.loop.__dict__, "todo": None}) if was.loop else None)
+            t.emit(rerun.EV_STEP_KEPT, step=name, result=state.steps[name].result,
+                   meta={"rerun_of": original.execution_id, "status": was.status, "visit": was.visits,
+                         "command_id": was.command_id})
+        state.armed = list(plan.armed)
+        io = Inputs(workload, dict(values))
+        event = {"name": rerun.EV_RERUN, "step": None}
+        name = ""
+        try:
+            for name in plan.steps:
+                resumed = plan.resume.get(name)
+                if resumed is not None:
+                    kept, ranges = todo.get(name, (0, [[0, resumed.total]] if resumed.total else []))
+                    run = self._prepare_entry(t, name)
+                    done = loops.resume(self, t, self.pb.step(name), run, original.execution_id, resumed, kept,
+                                        ranges, event)
+                    if done is not None:
+                        self._complete(t, name, done, io, loop_done=True)
+                else:
+                    self._enter(t, name, event, io)
+        except TemplateError as exc:
+            self._fail(t, f"step '{name}': {exc}", step=_failing_step(exc, name))
+            return t
+        self._settle(t, io)
+        return t
+
+    def refuse(self, inp: StartInput, message: str, meta: Mapping[str, Any]) -> Transition:
+        """An execution that fails as it starts (a rerun whose original can no longer be
+        rerun when the engine starts it): ``playbook.started`` then ``playbook.failed``."""
+        t = Transition(ExecState(execution_id=inp.execution_id, shard_id=inp.shard_id, catalog_id=inp.catalog_id,
+                                 deadline_ms=inp.deadline_ms, parent_execution_id=inp.parent_execution_id))
+        t.emit(EV_STARTED, meta={**inp.meta, **meta})
+        self._fail(t, message)
+        return t
+
+    def route_names(self, step_name: str) -> frozenset[str]:
+        """Step names the engine resolves to route ``step_name``'s result (its ``set`` and
+        arcs, loop collections)."""
+        return self._template_names(step_name)
 
     def needs(self, state: ExecState, res: CallResultInput) -> dict[str, dict[str, Any] | None]:
         """Step results the templates evaluated for this input will read:
@@ -184,7 +241,7 @@ class Flow:
                 t.set_result(run, res.envelope)
                 self._complete(t, step_name, ok, io)
         except TemplateError as exc:
-            self._fail(t, f"step '{step_name}': {exc}")
+            self._fail(t, f"step '{step_name}': {exc}", step=_failing_step(exc, step_name))
             return t
         self._settle(t, io)
         return t
@@ -237,7 +294,7 @@ class Flow:
         t.updates.append(CommandUpdate(command_id, "dead"))
         run.status = STEP_FAILED
         run.error = message
-        self._fail(t, message)
+        self._fail(t, message, step=pending.step)
         return t
 
     # ------------------------------------------------------------ routing
@@ -275,7 +332,7 @@ class Flow:
             if step.next_mode == "exclusive":
                 break
         if not ok and fired == 0:
-            self._fail(t, f"step '{step_name}' failed: {st.steps[step_name].error}")
+            self._fail(t, f"step '{step_name}' failed: {st.steps[step_name].error}", step=step_name)
 
     def _arcs(self, step: Step) -> list[Any]:
         if step.arcs:
@@ -291,19 +348,28 @@ class Flow:
             return
         self._enter(t, target, event, io)
 
-    def _enter(self, t: Transition, name: str, event: dict[str, Any], io: Inputs) -> None:
-        st = t.state
-        step = self.pb.step(name)
-        run = st.steps.setdefault(name, StepRun())
+    def _prepare_entry(self, t: Transition, name: str) -> StepRun:
+        run = t.state.steps.setdefault(name, StepRun())
         run.visits += 1
         run.status = STEP_RUNNING
         run.attempt = 1
         t.set_result(run, None)
         run.error = None
         run.loop = None
+        return run
+
+    def _enter(self, t: Transition, name: str, event: dict[str, Any], io: Inputs) -> None:
+        st = t.state
+        step = self.pb.step(name)
+        run = self._prepare_entry(t, name)
         if step.loop is not None:
             run.command_id = ""
-            done = loops.start(self, t, step, run, event, self._scope(st, io, event))
+            try:
+                done = loops.start(self, t, step, run, event, self._scope(st, io, event))
+            except TemplateError as exc:  # the step being entered failed, not the one routing to it
+                if getattr(exc, "noetl_step", None) is None:
+                    exc.noetl_step = name  # type: ignore[attr-defined]
+                raise
             if done is not None:  # an empty collection: the loop is done at once
                 self._complete(t, name, done, io, loop_done=True)
             return
@@ -350,14 +416,16 @@ class Flow:
                     try:
                         self._enter(t, target, {"name": "fanin", "step": target}, io)
                     except TemplateError as exc:
-                        self._fail(t, f"step '{target}': {exc}")
+                        self._fail(t, f"step '{target}': {exc}", step=target)
                         return
                     progressed = True
         if not st.terminal and not st.pending and not st.armed:
             self._finish(t, COMPLETED, EV_COMPLETED, None)
 
-    def _fail(self, t: Transition, message: str) -> None:
+    def _fail(self, t: Transition, message: str, step: str | None = None) -> None:
+        """Fail the execution; ``step``: the step whose failure it is (a rerun starts there)."""
         if not t.state.terminal:
+            t.state.failed_step = step
             self._finish(t, FAILED, EV_FAILED, message)
 
     def _finish(self, t: Transition, status: str, event_type: str, message: str | None) -> None:
@@ -368,7 +436,7 @@ class Flow:
             t.updates.append(CommandUpdate(command_id, "cancelled"))
             st.steps[pending.step].status = STEP_CANCELLED
         st.pending.clear()
-        st.armed.clear()
+        # ``armed`` stays: the fan-in steps still waiting when it ended (a rerun re-arms them)
         result = None
         if message:
             code = "CANCELLED" if status == CANCELLED else "EXECUTION_FAILED"
@@ -450,6 +518,12 @@ class _ImplicitArc:
 
     def __init__(self, step: str) -> None:
         self.step = step
+
+
+def _failing_step(exc: TemplateError, routing: str) -> str:
+    """The step a template error fails: the loop step whose entry raised it, else the step
+    whose ``set``/arcs were being rendered."""
+    return str(getattr(exc, "noetl_step", None) or routing)
 
 
 def _error_text(envelope: Mapping[str, Any]) -> str:

@@ -39,10 +39,33 @@ class LoopRun:
     rows: int = 0
     rows_failed: int = 0
     cursor: dict[str, Any] | None = None
+    # A rerun's loop (rerun.py) dispatches only the iterations its original did not finish
+    # successfully: [start, end) index ranges, the next one LAST (popped from the end).
+    # O(failed ranges), not O(items); None for every other loop.
+    todo: list[list[int]] | None = None
+
+    @property
+    def exhausted(self) -> bool:
+        """Every iteration was dispatched."""
+        return self.next_index >= self.total and not self.todo
 
     @property
     def finished(self) -> bool:
-        return self.in_flight == 0 and self.next_index >= self.total
+        return self.in_flight == 0 and self.exhausted
+
+    def take(self) -> int:
+        """The next iteration index to dispatch (call only when not ``exhausted``)."""
+        if self.next_index < self.total:
+            index = self.next_index
+            self.next_index += 1
+            return index
+        assert self.todo
+        start, end = self.todo[-1]
+        if start + 1 >= end:
+            self.todo.pop()
+        else:
+            self.todo[-1] = [start + 1, end]
+        return start
 
     def stats(self) -> dict[str, int]:
         if self.mode == "cursor":
@@ -85,6 +108,10 @@ class ExecState:
     deadline_ms: int | None = None
     error: str | None = None
     parent_execution_id: int = 0
+    # The step whose failure failed the execution (None: not a step's, e.g. a timeout).
+    failed_step: str | None = None
+    # The execution this one reruns (rerun.py); 0 for a submitted one.
+    rerun_of: int = 0
 
     @property
     def terminal(self) -> bool:

@@ -68,6 +68,10 @@ class Transition:
     loop_results: list[tuple[str, int, str, int | None]] = field(default_factory=list)
     # loop.done envelopes whose reference needs a result_ref row (the engine fills ref_id).
     loop_refs: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+    # a rerun's resumed loops (rerun.py): (original execution, original instance, new
+    # instance): the engine copies the original's items and successful iteration results
+    # (references) into the new instance, in the same transaction.
+    loop_copies: list[tuple[int, str, str]] = field(default_factory=list)
     # The results of completed steps as the commands of this transition snapshot them
     # (built once, shared until a step's result changes: a fan-out to n steps would
     # otherwise rebuild it n times, quadratic in one routing step).

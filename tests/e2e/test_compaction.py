@@ -132,6 +132,46 @@ def out_ref(runner: Runner, execution_id: int, step: str) -> int:
                           (execution_id, step))[0][0])
 
 
+RERUN = """apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: rerun_compacted, path: tests/compaction/rerun}
+workload: {dir: /nonexistent}
+workflow:
+  - step: first
+    tool: {kind: python, code: "import uuid\\nresult = {'token': uuid.uuid4().hex}"}
+    next: {arcs: [{step: second}]}
+  - step: second
+    tool:
+      kind: python
+      input: {dir: "{{ workload.dir }}", token: "{{ first.token }}"}
+      code: |
+        import os
+        if not os.path.exists(dir + "/marker"):
+            raise RuntimeError("marker missing")
+        result = {"token": token}
+"""
+
+
+def test_a_compacted_execution_reruns_from_what_retention_keeps(retention_stack: Runner, tmp_path: Path) -> None:
+    """Retention deletes events only: the engine state, loop tables and result references a
+    rerun starts from stay, so a compacted original reruns, and its kept result resolves."""
+    runner = retention_stack
+    tmp_path.chmod(0o777)
+    out = runner.run(RERUN, {"dir": str(tmp_path)}, timeout=60)
+    assert out.status == "FAILED" and "marker missing" in out.error
+    token = out.result("first")["token"]
+    wait_until(lambda: manifest_exists(runner, out.execution_id), 90, "the execution to be compacted")
+    assert runner.events(out.execution_id) == []
+    (tmp_path / "marker").write_text("fixed")
+    resp = runner.api.executions.RerunExecution(execution_pb2.RerunExecutionRequest(
+        execution_id=out.execution_id), timeout=30)
+    again = runner.wait(resp.execution_id, timeout=60)
+    assert again.status == "COMPLETED", again.error
+    assert again.result("second") == {"token": token} and again.result("first") == {"token": token}
+    kept = get_trace(runner, resp.execution_id, "first")
+    assert [e.ref_id for e in kept.entries] == [out_ref(runner, out.execution_id, "first")]
+
+
 def test_an_emptied_old_partition_is_dropped(retention_stack: Runner) -> None:
     runner = retention_stack
     day = datetime.now(UTC).date() - timedelta(days=10)

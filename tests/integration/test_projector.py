@@ -204,7 +204,8 @@ async def test_projects_executions_steps_and_watermark(history: History, nc: NAT
     assert ex[history.done] == {
         "execution_id": history.done, "shard_id": sh.shard, "catalog_id": 42, "playbook_path": "tests/projector",
         "playbook_version": 3, "parent_execution_id": None, "status": "COMPLETED", "error": None,
-        "created_at": history.requested_at, "started_at": sh.at(1), "ended_at": sh.at(14), "last_shard_seq": 14}
+        "created_at": history.requested_at, "started_at": sh.at(1), "ended_at": sh.at(14), "last_shard_seq": 14,
+        "rerun_of": None}
     assert ex[history.failed]["status"] == "FAILED" and ex[history.failed]["error"] == "step boom failed"
     assert ex[history.failed]["parent_execution_id"] == history.done
     assert ex[history.failed]["playbook_path"] == "tests/fails" and ex[history.failed]["last_shard_seq"] == 9

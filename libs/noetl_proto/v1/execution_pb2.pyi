@@ -253,6 +253,8 @@ class Execution(_message.Message):
     STEPS_FIELD_NUMBER: _builtins.int
     PARENT_EXECUTION_ID_FIELD_NUMBER: _builtins.int
     LAST_SHARD_SEQ_FIELD_NUMBER: _builtins.int
+    RERUN_OF_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
     execution_id: _builtins.int
     shard_id: _builtins.int
     playbook_path: _builtins.str
@@ -262,6 +264,12 @@ class Execution(_message.Message):
     parent_execution_id: _builtins.int
     last_shard_seq: _builtins.int
     """shard_seq of the last event folded into this read model."""
+    rerun_of: _builtins.int
+    """The execution this one reruns (RerunExecution); 0 for a submitted one."""
+    waiting: _builtins.str
+    """Why a PENDING execution has not started: the concurrency limits it waits for
+    (docs/ARCHITECTURE.md "Concurrency limits"); "" otherwise.
+    """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -285,10 +293,12 @@ class Execution(_message.Message):
         steps: _abc.Iterable[Global___StepState] | None = ...,
         parent_execution_id: _builtins.int = ...,
         last_shard_seq: _builtins.int = ...,
+        rerun_of: _builtins.int = ...,
+        waiting: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "ended_at", b"ended_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "ended_at", b"ended_at", "error", b"error", "execution_id", b"execution_id", "last_shard_seq", b"last_shard_seq", "parent_execution_id", b"parent_execution_id", "playbook_path", b"playbook_path", "playbook_version", b"playbook_version", "shard_id", b"shard_id", "started_at", b"started_at", "status", b"status", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "ended_at", b"ended_at", "error", b"error", "execution_id", b"execution_id", "last_shard_seq", b"last_shard_seq", "parent_execution_id", b"parent_execution_id", "playbook_path", b"playbook_path", "playbook_version", b"playbook_version", "rerun_of", b"rerun_of", "shard_id", b"shard_id", "started_at", b"started_at", "status", b"status", "steps", b"steps", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -719,3 +729,82 @@ class ListQuarantinedResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListQuarantinedResponse: _TypeAlias = ListQuarantinedResponse  # noqa: Y015
+
+@_typing.final
+class RerunExecutionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    FROM_STEP_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.int
+    """The finished execution to rerun."""
+    from_step: _builtins.str
+    """Rerun from this step (its result and those of the steps after it are discarded);
+    empty: from the step that failed the execution (and the steps its failure cancelled).
+    """
+    idempotency_key: _builtins.str
+    timeout_seconds: _builtins.float
+    """Execution timeout; 0 = the original's."""
+    def __init__(
+        self,
+        *,
+        execution_id: _builtins.int = ...,
+        from_step: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
+        timeout_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id", "from_step", b"from_step", "idempotency_key", b"idempotency_key", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RerunExecutionRequest: _TypeAlias = RerunExecutionRequest  # noqa: Y015
+
+@_typing.final
+class RerunExecutionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    SHARD_ID_FIELD_NUMBER: _builtins.int
+    PLAYBOOK_PATH_FIELD_NUMBER: _builtins.int
+    PLAYBOOK_VERSION_FIELD_NUMBER: _builtins.int
+    DEDUPLICATED_FIELD_NUMBER: _builtins.int
+    RERUN_OF_FIELD_NUMBER: _builtins.int
+    RERUN_STEPS_FIELD_NUMBER: _builtins.int
+    KEPT_STEPS_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.int
+    """The new execution."""
+    shard_id: _builtins.int
+    playbook_path: _builtins.str
+    playbook_version: _builtins.int
+    deduplicated: _builtins.bool
+    """True when the idempotency key matched an earlier rerun (the fields below are empty)."""
+    rerun_of: _builtins.int
+    @_builtins.property
+    def rerun_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The steps that run again, and the steps whose results the rerun keeps."""
+
+    @_builtins.property
+    def kept_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        execution_id: _builtins.int = ...,
+        shard_id: _builtins.int = ...,
+        playbook_path: _builtins.str = ...,
+        playbook_version: _builtins.int = ...,
+        deduplicated: _builtins.bool = ...,
+        rerun_of: _builtins.int = ...,
+        rerun_steps: _abc.Iterable[_builtins.str] | None = ...,
+        kept_steps: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated", b"deduplicated", "execution_id", b"execution_id", "kept_steps", b"kept_steps", "playbook_path", b"playbook_path", "playbook_version", b"playbook_version", "rerun_of", b"rerun_of", "rerun_steps", b"rerun_steps", "shard_id", b"shard_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RerunExecutionResponse: _TypeAlias = RerunExecutionResponse  # noqa: Y015

@@ -75,6 +75,11 @@ class ExecutionServiceStub:
                 request_serializer=noetl_dot_v1_dot_execution__pb2.ListQuarantinedRequest.SerializeToString,
                 response_deserializer=noetl_dot_v1_dot_execution__pb2.ListQuarantinedResponse.FromString,
                 _registered_method=True)
+        self.RerunExecution = channel.unary_unary(
+                '/noetl.v1.ExecutionService/RerunExecution',
+                request_serializer=noetl_dot_v1_dot_execution__pb2.RerunExecutionRequest.SerializeToString,
+                response_deserializer=noetl_dot_v1_dot_execution__pb2.RerunExecutionResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutionServiceServicer:
@@ -141,6 +146,21 @@ class ExecutionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RerunExecution(self, request, context):
+        """Starts a NEW execution (its own id, linked by rerun_of) that reruns a finished one
+        from the step that failed it (or from_step): the original's completed steps keep
+        their results by reference and do not run again, its variables (ctx) are as the
+        original left them, and a loop reruns only its failed (and never-run) iterations.
+        Same catalog version and payload as the original. Committed to Postgres before it
+        answers; a retried call with the same idempotency key returns the same execution.
+        NOT_FOUND: unknown execution; INVALID_ARGUMENT: unknown step; FAILED_PRECONDITION:
+        the original is still running, the step was never reached, nothing failed and no
+        step was named, or what the rerun needs of the original is gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +203,11 @@ def add_ExecutionServiceServicer_to_server(servicer, server):
                     servicer.ListQuarantined,
                     request_deserializer=noetl_dot_v1_dot_execution__pb2.ListQuarantinedRequest.FromString,
                     response_serializer=noetl_dot_v1_dot_execution__pb2.ListQuarantinedResponse.SerializeToString,
+            ),
+            'RerunExecution': grpc.unary_unary_rpc_method_handler(
+                    servicer.RerunExecution,
+                    request_deserializer=noetl_dot_v1_dot_execution__pb2.RerunExecutionRequest.FromString,
+                    response_serializer=noetl_dot_v1_dot_execution__pb2.RerunExecutionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -402,6 +427,33 @@ class ExecutionService:
             '/noetl.v1.ExecutionService/ListQuarantined',
             noetl_dot_v1_dot_execution__pb2.ListQuarantinedRequest.SerializeToString,
             noetl_dot_v1_dot_execution__pb2.ListQuarantinedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RerunExecution(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/noetl.v1.ExecutionService/RerunExecution',
+            noetl_dot_v1_dot_execution__pb2.RerunExecutionRequest.SerializeToString,
+            noetl_dot_v1_dot_execution__pb2.RerunExecutionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,17 @@ class ExecutionServiceStub:
     for a reason that is not an outage) and set aside so the rest of their shard goes
     on; the execution each belonged to was failed. Newest first.
     """
+    RerunExecution: _grpc.UnaryUnaryMultiCallable[_execution_pb2.RerunExecutionRequest, _execution_pb2.RerunExecutionResponse]
+    """Starts a NEW execution (its own id, linked by rerun_of) that reruns a finished one
+    from the step that failed it (or from_step): the original's completed steps keep
+    their results by reference and do not run again, its variables (ctx) are as the
+    original left them, and a loop reruns only its failed (and never-run) iterations.
+    Same catalog version and payload as the original. Committed to Postgres before it
+    answers; a retried call with the same idempotency key returns the same execution.
+    NOT_FOUND: unknown execution; INVALID_ARGUMENT: unknown step; FAILED_PRECONDITION:
+    the original is still running, the step was never reached, nothing failed and no
+    step was named, or what the rerun needs of the original is gone.
+    """
 
 @_typing.type_check_only
 class ExecutionServiceAsyncStub(ExecutionServiceStub):
@@ -84,6 +95,17 @@ class ExecutionServiceAsyncStub(ExecutionServiceStub):
     """Engine inputs the engine could not process (they failed their batch again and again
     for a reason that is not an outage) and set aside so the rest of their shard goes
     on; the execution each belonged to was failed. Newest first.
+    """
+    RerunExecution: _aio.UnaryUnaryMultiCallable[_execution_pb2.RerunExecutionRequest, _execution_pb2.RerunExecutionResponse]  # type: ignore[assignment]
+    """Starts a NEW execution (its own id, linked by rerun_of) that reruns a finished one
+    from the step that failed it (or from_step): the original's completed steps keep
+    their results by reference and do not run again, its variables (ctx) are as the
+    original left them, and a loop reruns only its failed (and never-run) iterations.
+    Same catalog version and payload as the original. Committed to Postgres before it
+    answers; a retried call with the same idempotency key returns the same execution.
+    NOT_FOUND: unknown execution; INVALID_ARGUMENT: unknown step; FAILED_PRECONDITION:
+    the original is still running, the step was never reached, nothing failed and no
+    step was named, or what the rerun needs of the original is gone.
     """
 
 class ExecutionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -158,6 +180,23 @@ class ExecutionServiceServicer(metaclass=_abc_1.ABCMeta):
         """Engine inputs the engine could not process (they failed their batch again and again
         for a reason that is not an outage) and set aside so the rest of their shard goes
         on; the execution each belonged to was failed. Newest first.
+        """
+
+    @_abc_1.abstractmethod
+    def RerunExecution(
+        self,
+        request: _execution_pb2.RerunExecutionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_execution_pb2.RerunExecutionResponse, _abc.Awaitable[_execution_pb2.RerunExecutionResponse]]:
+        """Starts a NEW execution (its own id, linked by rerun_of) that reruns a finished one
+        from the step that failed it (or from_step): the original's completed steps keep
+        their results by reference and do not run again, its variables (ctx) are as the
+        original left them, and a loop reruns only its failed (and never-run) iterations.
+        Same catalog version and payload as the original. Committed to Postgres before it
+        answers; a retried call with the same idempotency key returns the same execution.
+        NOT_FOUND: unknown execution; INVALID_ARGUMENT: unknown step; FAILED_PRECONDITION:
+        the original is still running, the step was never reached, nothing failed and no
+        step was named, or what the rerun needs of the original is gone.
         """
 
 def add_ExecutionServiceServicer_to_server(servicer: ExecutionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

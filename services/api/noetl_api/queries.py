@@ -11,6 +11,8 @@ from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NotFound
 from noetl_store import ResultStore, entry_from_json, trace
 
+from .concurrency import waiting_reason
+
 STATUSES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 
@@ -34,7 +36,7 @@ class Queries:
             if row is None:
                 cur = await conn.execute(
                     "SELECT r.execution_id, r.shard_id, r.catalog_id, c.path AS playbook_path,"
-                    " c.version AS playbook_version, r.parent_execution_id, r.requested_at AS created_at"
+                    " c.version AS playbook_version, r.parent_execution_id, r.rerun_of, r.requested_at AS created_at"
                     " FROM noetl.execution_request r JOIN noetl.catalog c USING (catalog_id)"
                     " WHERE r.execution_id = %s", (execution_id,))
                 req = await cur.fetchone()
@@ -49,6 +51,8 @@ class Queries:
                 if bad is not None:
                     row.update(status="FAILED", ended_at=bad["created_at"],
                                error=f"ENGINE_INPUT_QUARANTINED: {bad['error']}")
+                else:
+                    row["waiting"] = await waiting_reason(conn, execution_id)
         if include_results:
             refs = [s["result_ref_id"] for s in steps if s.get("result_ref_id")]
             values = await self._results.get_many(refs) if refs else {}

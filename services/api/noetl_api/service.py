@@ -33,6 +33,8 @@ from noetl_proto.v1 import (
     auth_pb2_grpc,
     catalog_pb2,
     catalog_pb2_grpc,
+    concurrency_pb2,
+    concurrency_pb2_grpc,
     execution_pb2,
     execution_pb2_grpc,
     schedule_pb2,
@@ -45,11 +47,13 @@ from noetl_store import CachedResultStore, make_result_store
 from .admission import GAUGE_REFRESH_SEC, Admission
 from .catalog import Catalog
 from .claims import Claims
+from .concurrency import ConcurrencyServicer
 from .credentials import CredentialStore
 from .engine.shard import EngineDeps, ShardEngine
 from .grants import CredentialGrants
 from .keyring import Keyring
 from .queries import Queries
+from .reruns import Rerunner
 from .schedules import ScheduleServicer
 from .servicers import CatalogServicer, CredentialServicer, ExecutionServicer, WorkerServicer
 from .submissions import Submitter
@@ -75,6 +79,7 @@ class ApiService(Service):
         catalog_pb2.DESCRIPTOR.services_by_name["CredentialService"].full_name,
         auth_pb2.DESCRIPTOR.services_by_name["AuthService"].full_name,
         schedule_pb2.DESCRIPTOR.services_by_name["ScheduleService"].full_name,
+        concurrency_pb2.DESCRIPTOR.services_by_name["ConcurrencyService"].full_name,
     )
     worker_service_names = (worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,)
 
@@ -158,6 +163,8 @@ class ApiService(Service):
         schedule_pb2_grpc.add_ScheduleServiceServicer_to_server(ScheduleServicer(
             ScheduleStore(self.pool, shard_count=self.shard_cfg.count), self.catalog, self.schedules_cfg,
             self.limits), server)
+        concurrency_pb2_grpc.add_ConcurrencyServiceServicer_to_server(ConcurrencyServicer(self.pool, self.catalog),
+                                                                      server)
         # the worker API: its own server and port, so the client port can be the only one
         # reachable from outside the release (docs/DEPLOY.md "Security")
         self.worker_server, self.worker_grpc_address = self.new_server(self.core.worker_api_listen,
@@ -175,10 +182,11 @@ class ApiService(Service):
             self.ids = SnowflakeGenerator(self.node_id)
             self.admission = admission = Admission(self.pool, max_active=self.executions.max_active,
                                                    max_queued=self.executions.max_queued_commands)
-            self.execution_servicer.bind(Submitter(
+            submitter = Submitter(
                 self.pool, self.catalog, self.ids, self.js, shard_count=self.shard_cfg.count,
                 default_timeout_sec=self.executions.default_timeout_sec, admission=admission, limits=self.limits,
-                results=self.results))
+                results=self.results)
+            self.execution_servicer.bind(submitter, Rerunner(self.pool, self.catalog, submitter))
             deps = EngineDeps(self.pool, self.nc, self.js, self.catalog, self.results, self.ownership,
                               self.commands, self.executions, limits=self.limits, reconnects=self.reconnects,
                               claim_key=self.claim_key)

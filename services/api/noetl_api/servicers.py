@@ -31,6 +31,7 @@ from .claims import Claimed, Claims
 from .credentials import KINDS, CredentialStore
 from .grants import CredentialGrants
 from .queries import TERMINAL, Queries
+from .reruns import Rerunner
 from .submissions import Submitter
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
         playbook_path=row.get("playbook_path") or "", playbook_version=row.get("playbook_version") or 0,
         status=common_pb2.ExecutionStatus.Value(f"EXECUTION_STATUS_{row['status']}"),
         error=row.get("error") or "", parent_execution_id=row.get("parent_execution_id") or 0,
-        last_shard_seq=row.get("last_shard_seq") or 0,
+        last_shard_seq=row.get("last_shard_seq") or 0, waiting=row.get("waiting") or "",
+        rerun_of=row.get("rerun_of") or 0,
     )
     for field in ("created_at", "started_at", "ended_at"):
         set_timestamp(getattr(ex, field), row.get(field))
@@ -96,13 +98,15 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
     def __init__(self, submitter: Submitter | None, queries: Queries, nc: NATS, js: Any,
                  claim_key: bytes = b"") -> None:
         self._submitter_ = submitter
+        self._rerunner_: Rerunner | None = None
         self._queries = queries
         self._nc = nc
         self._js = js
         self._claim_key = claim_key
 
-    def bind(self, submitter: Submitter) -> None:
+    def bind(self, submitter: Submitter, rerunner: Rerunner | None = None) -> None:
         self._submitter_ = submitter
+        self._rerunner_ = rerunner
 
     @property
     def _submitter(self) -> Submitter:
@@ -122,6 +126,17 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
         return execution_pb2.SubmitExecutionResponse(
             execution_id=sub.execution_id, shard_id=sub.shard_id, playbook_path=sub.entry.path,
             playbook_version=sub.entry.version, deduplicated=sub.deduplicated)
+
+    async def RerunExecution(self, request: execution_pb2.RerunExecutionRequest,
+                             context: grpc.aio.ServicerContext) -> execution_pb2.RerunExecutionResponse:
+        if self._rerunner_ is None:
+            raise Unavailable("the api is starting (not joined yet); retry")
+        sub, plan = await self._rerunner_.rerun(request.execution_id, from_step=request.from_step,
+                                                key=request.idempotency_key, timeout_sec=request.timeout_seconds)
+        return execution_pb2.RerunExecutionResponse(
+            execution_id=sub.execution_id, shard_id=sub.shard_id, playbook_path=sub.entry.path,
+            playbook_version=sub.entry.version, deduplicated=sub.deduplicated, rerun_of=request.execution_id,
+            rerun_steps=list(plan.steps) if plan else [], kept_steps=list(plan.kept) if plan else [])
 
     async def GetExecution(self, request: execution_pb2.GetExecutionRequest,
                            context: grpc.aio.ServicerContext) -> execution_pb2.GetExecutionResponse:

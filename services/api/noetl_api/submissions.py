@@ -94,7 +94,7 @@ class Submitter:
         if timeout_sec < 0:
             raise InvalidInput("timeout_seconds must not be negative")
         if idempotency_key:
-            existing = await self._existing(idempotency_key)
+            existing = await self.existing(idempotency_key)
             if existing is not None:
                 return existing
         depth = await self._depth(parent_execution_id)
@@ -115,32 +115,54 @@ class Submitter:
             entry, _ = await self._catalog.register(playbook_yaml, playbook)
 
         execution_id = self._ids.next_id()
+        workload_ref = await self._workload_reference(execution_id, workload, encoded)
+        sub = await self.commit(execution_id, entry, payload, idempotency_key=idempotency_key,
+                                parent_execution_id=parent_execution_id, parent_step=parent_step,
+                                timeout_sec=timeout_sec, depth=depth, workload_ref=workload_ref, size=size)
+        if not sub.deduplicated:
+            logger.info("submitted execution %s (%s v%s) shard %s", execution_id, entry.path, entry.version,
+                        sub.shard_id)
+        return sub
+
+    async def commit(self, execution_id: int, entry: CatalogEntry, payload: dict[str, Any], *,
+                     idempotency_key: str = "", parent_execution_id: int = 0, parent_step: str = "",
+                     timeout_sec: float = 0.0, depth: int = 0, workload_ref: int | None = None, size: int = 0,
+                     rerun_of: int | None = None, rerun_from: str | None = None) -> Submission:
+        """Commit an execution request (before the caller answers), then nudge its shard's
+        engine; a request with the same idempotency key committed first wins (returned
+        ``deduplicated``). ``rerun_of``/``rerun_from``: a rerun (reruns.py)."""
         shard = shard_for(execution_id, self._shards)
         timeout = timeout_sec or self._default_timeout
-        workload_ref = await self._workload_reference(execution_id, workload, encoded)
         async with autocommit(self._pool) as conn:  # one statement: its own transaction
             cur = await conn.execute(
                 "INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
                 " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent, depth,"
-                " workload_ref_id, payload_bytes, submitted_by)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id",
                 (execution_id, shard, entry.catalog_id, json.dumps(payload), idempotency_key or None,
                  parent_execution_id or None, parent_step or None, timeout,
                  # the engine continues this trace for every command (engine/traces.py)
                  tracing.current_traceparent(), depth, workload_ref, size,
-                 who.token_id if (who := auth.require_identity()) is not None else None),
+                 who.token_id if (who := auth.require_identity()) is not None else None, rerun_of, rerun_from),
             )
             inserted = await cur.fetchone()
         if inserted is None:  # lost an idempotency race to a concurrent retry
-            existing = await self._existing(idempotency_key)
+            existing = await self.existing(idempotency_key)
             assert existing is not None
             return existing
         if self._admission is not None:
             self._admission.admitted()
         await self.nudge(shard, execution_id)
-        logger.info("submitted execution %s (%s v%s) shard %s", execution_id, entry.path, entry.version, shard)
         return Submission(execution_id, shard, entry, False)
+
+    def next_id(self) -> int:
+        return self._ids.next_id()
+
+    async def admit(self) -> None:
+        """Backpressure (RESOURCE_EXHAUSTED with a retry-after hint when the runtime is full)."""
+        if self._admission is not None:
+            await self._admission.check()
 
     async def _depth(self, parent_execution_id: int) -> int:
         """How deep a sub-playbook nests (0 for a top-level execution); refused beyond
@@ -176,7 +198,7 @@ class Submitter:
             logger.warning("nudge for execution %s not published (%s); the shard sweep will start it",
                            execution_id, exc)
 
-    async def _existing(self, key: str) -> Submission | None:
+    async def existing(self, key: str) -> Submission | None:
         async with self._pool.connection() as conn:
             cur = await conn.execute(
                 "SELECT r.execution_id, r.shard_id, r.catalog_id FROM noetl.execution_request r"

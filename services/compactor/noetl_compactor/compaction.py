@@ -7,7 +7,8 @@ One batch, in ONE transaction fenced on this member's compactor lease row:
     manifest   one row per execution: status, counts per event type, event id range,
                ref count, then the terminal reference and its chain depth
     parts      one row per step (from the read model): status, the step's final accepted
-               envelope (call.done / call.error / loop.done / command.dead_lettered),
+               envelope (call.done / call.error / loop.done / command.dead_lettered /
+               step.kept),
                its terminal reference, and the whole chain as GetTrace returns it
     delete     DELETE FROM noetl.event WHERE execution_id = ANY(batch)
 
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 ROLE = "compactor"
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
-RESULT_EVENTS = ("call.done", "call.error", "loop.done", "command.dead_lettered")
+# step.kept: a rerun's step whose original result it kept (its reference is the original's)
+RESULT_EVENTS = ("call.done", "call.error", "loop.done", "command.dead_lettered", "step.kept")
 BARRIER_EVENT = "checkpoint.committed"
 MAX_CHAIN_DEPTH = 10_000
 

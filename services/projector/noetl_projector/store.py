@@ -42,7 +42,8 @@ async def load_views(conn: psycopg.AsyncConnection[Any], shard: int, ids: Sequen
         views[r["execution_id"]] = ExecutionView(
             execution_id=r["execution_id"], shard_id=r["shard_id"], status=r["status"], catalog_id=r["catalog_id"],
             playbook_path=r["playbook_path"], playbook_version=r["playbook_version"],
-            parent_execution_id=r["parent_execution_id"], error=r["error"], created_at=r["created_at"],
+            parent_execution_id=r["parent_execution_id"], rerun_of=r.get("rerun_of"), error=r["error"],
+            created_at=r["created_at"],
             started_at=r["started_at"], ended_at=r["ended_at"], last_shard_seq=r["last_shard_seq"])
     for eid in ids:
         views.setdefault(eid, ExecutionView(execution_id=eid, shard_id=shard))
@@ -62,17 +63,18 @@ async def save_views(conn: psycopg.AsyncConnection[Any], views: Iterable[Executi
         return
     await conn.execute(
         "INSERT INTO noetl.execution (execution_id, shard_id, catalog_id, playbook_path, playbook_version,"
-        " parent_execution_id, status, error, created_at, started_at, ended_at, last_shard_seq, updated_at)"
+        " parent_execution_id, status, error, created_at, started_at, ended_at, last_shard_seq, rerun_of, updated_at)"
         " SELECT *, now() FROM unnest(%b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::int[], %b::bigint[],"
-        " %b::text[], %b::text[], %b::timestamptz[], %b::timestamptz[], %b::timestamptz[], %b::bigint[])"
+        " %b::text[], %b::text[], %b::timestamptz[], %b::timestamptz[], %b::timestamptz[], %b::bigint[],"
+        " %b::bigint[])"
         " ON CONFLICT (execution_id) DO UPDATE SET catalog_id = EXCLUDED.catalog_id,"
         " playbook_path = EXCLUDED.playbook_path, playbook_version = EXCLUDED.playbook_version,"
         " parent_execution_id = EXCLUDED.parent_execution_id, status = EXCLUDED.status, error = EXCLUDED.error,"
         " created_at = EXCLUDED.created_at, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at,"
-        " last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
+        " last_shard_seq = EXCLUDED.last_shard_seq, rerun_of = EXCLUDED.rerun_of, updated_at = now()",
         columns([(v.execution_id, v.shard_id, v.catalog_id, v.playbook_path, v.playbook_version,
                    v.parent_execution_id, v.status, v.error, v.created_at, v.started_at, v.ended_at,
-                   v.last_shard_seq) for v in views], 12),
+                   v.last_shard_seq, v.rerun_of) for v in views], 13),
     )
     steps = [(v.execution_id, s.step, s.status, s.visits, s.attempts, s.result_ref_id, s.error, s.started_at,
               s.ended_at, s.loop_total, s.loop_done, s.loop_failed)

@@ -34,12 +34,13 @@ from noetl_common.ids import barrier_execution_id, snowflake_at
 from noetl_common.retry import is_transient
 from noetl_common.shards import ShardOwnership
 from noetl_dsl import merged_workload
-from noetl_flow import EV_DEAD, CallResultInput, ExecState, StartInput, Transition
+from noetl_flow import EV_DEAD, CallResultInput, ExecState, Flow, StartInput, Transition, rerun
 from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, envelope_from_proto
 
 from ..catalog import Catalog
-from . import sql
+from . import limits, sql
+from .limits import EngineLimits
 from .traces import EngineTraces
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class EngineDeps:
     reconnects: natsio.Reconnects = field(default_factory=natsio.Reconnects)
     workloads: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)
     traces: EngineTraces = field(default_factory=EngineTraces)
+    concurrency: EngineLimits = field(default_factory=EngineLimits)
 
 
 @dataclass
@@ -300,6 +302,7 @@ class ShardEngine:
                 row = await cur.fetchone()
                 after = int(row["sweep_from"]) if row else 0
                 starts = await sql.unstarted(conn, self.shard, after, 200)
+                starts += [eid for eid, _ in await limits.startable(conn, shard=self.shard)]
                 late = await sql.overdue(conn, self.shard, 200)
                 cancels = await sql.pending_cancels(conn, self.shard, 200)
                 await conn.commit()
@@ -449,6 +452,8 @@ class ShardEngine:
                 states[eid] = t.state
                 for instance, items in t.loop_items:
                     await sql.store_loop_items(conn, eid, instance, items)
+                for source, source_instance, instance in t.loop_copies:
+                    await sql.copy_loop(conn, source, source_instance, eid, instance)
                 for _instance, step_name, envelope in t.loop_refs:  # before the events are serialised
                     envelope["reference"]["ref_id"] = await sql.loop_reference(
                         conn, eid, step_name, envelope["reference"]["uri"], envelope["context"])
@@ -468,6 +473,11 @@ class ShardEngine:
             horizon = snowflake_at(int((time.time() - 60) * 1000))
             new_sweep = min(max(started_ids, default=sweep_from), horizon)
             ended = [eid for eid, (state, _) in touched.items() if state.status == "cancelled"]
+            finished = [eid for eid, (state, _) in touched.items() if state.terminal]
+            if finished:
+                await self.d.concurrency.refresh(conn)
+                if self.d.concurrency.any:
+                    await limits.release(conn, finished)
             # every write of the batch, then the COMMIT, in one round trip
             await sql.append_events(conn, events)
             await sql.save_states(conn, self.shard, [(s, last, _deadline(s)) for s, last in touched.values()])
@@ -503,6 +513,8 @@ class ShardEngine:
                               json.dumps({"command_ids": cancelled}).encode())
         if ended:
             await self._nudge_children(ended)
+        if finished and self.d.concurrency.any:
+            await self._nudge_waiters()
         if events:
             self.d.traces.committed(events)
             if dead := sum(1 for e in events if e[3] == EV_DEAD):
@@ -526,6 +538,9 @@ class ShardEngine:
                 return None
             compiled = await self.d.catalog.compiled(req["catalog_id"])
             workload = self._workload(eid, req, compiled.playbook)
+            if inp.kind == "submitted" and not await self.d.concurrency.admit(conn, self.shard, eid, req["path"],
+                                                                               workload):
+                return None  # queued by a concurrency limit: started when a slot frees (limits.py)
             deadline = req["requested_at"] + timedelta(seconds=float(req["timeout_sec"]))
             start = StartInput(eid, self.shard, req["catalog_id"], int(deadline.timestamp() * 1000),
                                req["parent_execution_id"] or 0,
@@ -533,7 +548,10 @@ class ShardEngine:
                                      "version": req["version"],
                                      "parent_execution_id": req["parent_execution_id"],
                                      "requested_at": req["requested_at"].isoformat()})
-            t = compiled.flow.start(start, workload)
+            if req.get("rerun_of"):
+                t = await self._rerun(start, req, compiled.flow, workload, conn)
+            else:
+                t = compiled.flow.start(start, workload)
             if inp.kind == "cancel":
                 t2 = compiled.flow.on_cancel(t.state, inp.msg.reason)
                 _merge(t, t2)
@@ -570,6 +588,29 @@ class ShardEngine:
         if inp.kind == "abort":
             return flow.on_abort(state, str(inp.msg))
         return None
+
+    async def _rerun(self, start: StartInput, req: dict[str, Any], flow: Flow, workload: dict[str, Any],
+                     conn: Any) -> Transition:
+        """The first transition of a rerun (noetl_flow.rerun): the original's terminal engine
+        state, the successful iterations of its loops to resume and the results the first
+        templates read, all from Postgres. If the original can no longer be rerun (RerunExecution
+        checked it; this is a second look at what is durable), the rerun fails at once naming why."""
+        original_id = int(req["rerun_of"])
+        meta = {"rerun_of": original_id}
+        original = (await sql.load_states(conn, [original_id])).get(original_id)
+        if original is None:
+            return flow.refuse(start, f"RERUN_REFUSED: execution {original_id} has no engine state to rerun from", meta)
+        try:
+            plan = rerun.plan(flow, original, req.get("rerun_from") or "")
+        except rerun.RerunRefused as exc:
+            return flow.refuse(start, f"RERUN_REFUSED: {exc}", meta)
+        todo: dict[str, tuple[int, list[list[int]]]] = {}
+        for name, lr in plan.resume.items():
+            ok = await sql.ok_ranges(conn, original_id, lr.instance)
+            todo[name] = (sum(end - begin for begin, end in ok), rerun.todo_ranges(lr.total, ok))
+        refs = rerun.needs(flow, original, plan, {name: ranges for name, (_, ranges) in todo.items()})
+        values = await self._values(refs, conn, start.execution_id, []) if refs else {}
+        return flow.rerun(start, original, plan, workload, values, todo)
 
     async def _values(self, refs: dict[str, dict[str, Any] | None], conn: Any, eid: int,
                       batch_loop_results: list[tuple[int, str, int, str, int | None]]) -> dict[str, Any]:
@@ -618,6 +659,22 @@ class ShardEngine:
             return {}
         compiled = await self.d.catalog.compiled(state.catalog_id)
         return self._workload(state.execution_id, req, compiled.playbook)
+
+    async def _nudge_waiters(self) -> None:
+        """Slots were freed: nudge the shards of the executions that may start now (a
+        lost nudge costs their shard's next sweep)."""
+        try:
+            async with self.d.pool.connection() as conn:
+                heads = await limits.startable(conn)
+                await conn.commit()
+            for eid, shard in heads:
+                msg = messages_pb2.EngineInput(submitted=messages_pb2.ExecutionSubmitted(execution_id=eid))
+                # no Msg-Id: the submission's own nudge (``submit#id``) is still in the
+                # duplicate window of a recent one
+                await natsio.publish(self.d.js, natsio.events_subject(shard, natsio.KIND_SUBMIT),
+                                     msg.SerializeToString())
+        except Exception as exc:  # nudges: the sweeps start them anyway
+            logger.warning("engine shard %s: waiting executions not nudged (%s); their sweeps will", self.shard, exc)
 
     async def _nudge_children(self, parents: list[int]) -> None:
         """The batch committed the cancellation of the sub-playbooks of ``parents``
@@ -686,5 +743,6 @@ def _deadline(state: ExecState) -> datetime | None:
 
 def _merge(first: Transition, second: Transition) -> None:
     first.state = second.state
-    for name in ("events", "commands", "updates", "republish", "loop_items", "loop_results", "loop_refs"):
+    for name in ("events", "commands", "updates", "republish", "loop_items", "loop_results", "loop_refs",
+                 "loop_copies"):
         getattr(first, name).extend(getattr(second, name))

@@ -79,6 +79,8 @@ async def unstarted(conn: psycopg.AsyncConnection[Any], shard: int, after_id: in
     cur = await conn.execute(
         "SELECT r.execution_id FROM noetl.execution_request r WHERE r.shard_id = %s AND r.execution_id > %s"
         " AND NOT EXISTS (SELECT 1 FROM noetl.engine_state s WHERE s.execution_id = r.execution_id)"
+        # queued by a concurrency limit: the heads of the queues are swept (limits.startable)
+        " AND NOT EXISTS (SELECT 1 FROM noetl.concurrency_wait w WHERE w.execution_id = r.execution_id)"
         " AND " + _NOT_QUARANTINED.format(col="r.execution_id") + " ORDER BY r.execution_id LIMIT %s",
         (shard, after_id, limit),
     )
@@ -253,3 +255,27 @@ async def loop_results(conn: psycopg.AsyncConnection[Any], execution_id: int, in
         "SELECT idx, ref_id FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s",
         (execution_id, instance))
     return {int(r["idx"]): r["ref_id"] for r in await cur.fetchall()}
+
+
+async def ok_ranges(conn: psycopg.AsyncConnection[Any], execution_id: int, instance: str) -> list[tuple[int, int]]:
+    """The successful iterations of a loop instance as [start, end) index ranges (islands:
+    O(ranges) rows whatever the collection's size)."""
+    cur = await conn.execute(
+        "SELECT min(idx) AS lo, max(idx) + 1 AS hi FROM (SELECT idx, idx - row_number() OVER (ORDER BY idx) AS g"
+        " FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s AND status = 'ok') x"
+        " GROUP BY g ORDER BY lo", (execution_id, instance))
+    return [(int(r["lo"]), int(r["hi"])) for r in await cur.fetchall()]
+
+
+async def copy_loop(conn: psycopg.AsyncConnection[Any], source: int, source_instance: str, execution_id: int,
+                    instance: str) -> None:
+    """A rerun's resumed loop: the original instance's items, and its successful iteration
+    results (references: the payloads stay the original's), into the new instance."""
+    await conn.execute(
+        "INSERT INTO noetl.loop_item (execution_id, loop_instance, idx, item)"
+        " SELECT %s, %s, idx, item FROM noetl.loop_item WHERE execution_id = %s AND loop_instance = %s"
+        " ON CONFLICT DO NOTHING", (execution_id, instance, source, source_instance))
+    await conn.execute(
+        "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
+        " SELECT %s, %s, idx, status, ref_id FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s"
+        " AND status = 'ok' ON CONFLICT DO NOTHING", (execution_id, instance, source, source_instance))
