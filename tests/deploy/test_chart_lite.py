@@ -361,6 +361,7 @@ def test_lite_nats_users_do_the_runtimes_nats_work(lite: list[dict[str, Any]], t
         api = await natsio.connect(url("api", port), name="lite-test-api", role="api")
         try:
             await natsio.ensure_streams(api.jetstream())
+            await natsio.publish(api.jetstream(), natsio.commands_subject(0), b"a command notice", msg_id="lite-1")
         finally:
             await api.drain()
         worker = await natsio.connect(url("worker", port), name="lite-test-worker", role="worker")
@@ -369,10 +370,25 @@ def test_lite_nats_users_do_the_runtimes_nats_work(lite: list[dict[str, Any]], t
             await natsio.ensure_streams(js, manage=False)
             info = await js.consumer_info(natsio.COMMANDS_STREAM, natsio.WORKER_CONSUMER)
             assert info.name == natsio.WORKER_CONSUMER
+            # as the worker does (noetl_worker.service): bind to the shared consumer, pull, ack
+            sub = await js.pull_subscribe_bind(durable=natsio.WORKER_CONSUMER, stream=natsio.COMMANDS_STREAM)
+            (msg,) = await sub.fetch(1, timeout=5)
+            assert msg.data == b"a command notice"
+            await msg.ack_sync(timeout=5)
             with pytest.raises(Exception):  # noqa: B017 - a permissions violation, however nats-py words it
                 await asyncio.wait_for(js.add_stream(name="NOT_ALLOWED", subjects=["x.>"]), 5)
         finally:
             await worker.drain()
+        # the refusal was the permission's: no such stream was made (the admin user sees all)
+        admin_url = url("api", port).replace(f"noetl_api:{data['nats-password-api']}",
+                                             f"noetl_admin:{data['nats-password-admin']}")
+        admin = await natsio.connect(admin_url, name="lite-test-admin", role="admin")
+        try:
+            from nats.js.errors import NotFoundError
+            with pytest.raises(NotFoundError):
+                await admin.jetstream().stream_info("NOT_ALLOWED")
+        finally:
+            await admin.drain()
 
     with _lite_nats(lite, tmp_path) as port:
         asyncio.run(scenario(port))
