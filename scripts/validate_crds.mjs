@@ -1,7 +1,10 @@
 // Validate the chart's custom resources against the JSON schemas of their API types, as
-// compiled by the npm packages @kubernetes-models/prometheus-operator (ServiceMonitor,
-// PrometheusRule: monitoring.coreos.com/v1) and @kubernetes-models/cert-manager
-// (Certificate: cert-manager.io/v1), installed into .tools/node by scripts/deploy_tools.sh.
+// compiled from the projects' CRDs by the npm packages @kubernetes-models/prometheus-operator
+// (ServiceMonitor, PrometheusRule: monitoring.coreos.com/v1), @kubernetes-models/cert-manager
+// (Certificate: cert-manager.io/v1), @kubernetes-models/keda (ScaledObject,
+// TriggerAuthentication: keda.sh/v1alpha1) and @kubernetes-models/gateway-api (GRPCRoute,
+// BackendTLSPolicy: gateway.networking.k8s.io/v1), installed into .tools/node by
+// scripts/deploy_tools.sh.
 //
 //   node scripts/validate_crds.mjs < resources.json     # a JSON array of objects
 //
@@ -17,6 +20,8 @@ const kinds = {};
 const models = [
   ["@kubernetes-models/prometheus-operator", "monitoring.coreos.com/v1", ["ServiceMonitor", "PrometheusRule", "PodMonitor"]],
   ["@kubernetes-models/cert-manager", "cert-manager.io/v1", ["Certificate", "Issuer", "ClusterIssuer"]],
+  ["@kubernetes-models/keda", "keda.sh/v1alpha1", ["ScaledObject", "TriggerAuthentication"]],
+  ["@kubernetes-models/gateway-api", "gateway.networking.k8s.io/v1", ["GRPCRoute", "BackendTLSPolicy", "Gateway"]],
 ];
 for (const [pkg, group, names] of models) {
   const pkgDir = path.dirname(require.resolve(`${pkg}/package.json`));

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / ".tools"
 CHART = REPO / "deploy" / "helm" / "noetl"
 DASHBOARDS = CHART / "dashboards"
+EXAMPLES = REPO / "deploy" / "helm" / "examples"
 HERE = Path(__file__).resolve().parent
 ROLES = ("api", "shard-manager", "projector", "checkpointer", "compactor", "reaper", "worker")
 ROLE_KEYS = {r: ("shardManager" if r == "shard-manager" else r) for r in ROLES}
@@ -32,11 +33,14 @@ NAMESPACE = "noetl"
 RELEASE = "noetl"
 # Values files rendered by the checks: the chart's defaults (TLS, tokens, NetworkPolicies
 # on), every role at 3 replicas with every optional object on and every Secret named,
-# mutual TLS with cert-manager Certificates, every security default off, and the local
-# stack's settings (live metrics check).
+# mutual TLS with cert-manager Certificates, every security default off, every extension
+# point on (extra env/volumes/objects, digests, KEDA, Ingress, GRPCRoute), the local
+# stack's settings (live metrics check), lite mode (one evaluation pod), and the values of
+# the NATS-chart + CloudNativePG recipes (deploy/helm/examples/).
 VALUES = {"default": None, "scale-3": CHART / "ci" / "scale-3-values.yaml",
           "mtls": CHART / "ci" / "mtls-values.yaml", "plaintext": CHART / "ci" / "plaintext-values.yaml",
-          "live": HERE / "live-values.yaml"}
+          "features": CHART / "ci" / "features-values.yaml", "live": HERE / "live-values.yaml",
+          "lite": EXAMPLES / "lite-values.yaml", "example": EXAMPLES / "noetl-values.yaml"}
 # NOETL_* settings the chart sets that the runtime does not read yet (docs/DEPLOY.md
 # "Security" marks them planned); remove each name as the runtime lands it.
 PLANNED_SETTINGS: frozenset[str] = frozenset()
@@ -77,6 +81,22 @@ def render(values: str, *extra: str) -> str:
     if VALUES[values] is not None:
         argv += ["--values", str(VALUES[values])]
     return helm(*argv, *extra).stdout
+
+
+def json_schema_errors(schema: Mapping[str, Any], instance: Any) -> list[str]:
+    """Errors of ``instance`` against a JSON schema (draft 2020-12), by the `jsonschema`
+    package that kubernetes-validate brings into .tools/venv: one line per error, with
+    the path of the offending field."""
+    python = TOOLS / "venv" / "bin" / "python"
+    if not python.exists():
+        raise ToolMissing("the .tools/venv python is not installed: run `make deploy-tools`")
+    code = ("import json, sys, jsonschema\n"
+            "d = json.load(sys.stdin)\n"
+            "v = jsonschema.Draft202012Validator(d['schema'])\n"
+            "for e in sorted(v.iter_errors(d['instance']), key=lambda e: list(e.absolute_path)):\n"
+            "    print('/'.join(map(str, e.absolute_path)) + ': ' + e.message)\n")
+    proc = run([str(python), "-c", code], input=json.dumps({"schema": schema, "instance": instance}), timeout=60)
+    return [line for line in proc.stdout.splitlines() if line]
 
 
 def documents(text: str) -> list[dict[str, Any]]:

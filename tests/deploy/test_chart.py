@@ -30,15 +30,15 @@ from deploytools import (
     values_of,
 )
 
-VALUE_SETS = ("default", "scale-3", "mtls", "plaintext")
-CRD_GROUPS = ("monitoring.coreos.com/", "cert-manager.io/")
+VALUE_SETS = ("default", "scale-3", "mtls", "plaintext", "features", "example")
+CRD_GROUPS = ("monitoring.coreos.com/", "cert-manager.io/", "keda.sh/", "gateway.networking.k8s.io/")
 
 
 def _values_args(name: str) -> list[str]:
     return ["--values", str(VALUES[name])] if VALUES[name] is not None else []
 
 
-@pytest.mark.parametrize("values", [*VALUE_SETS, "live"])
+@pytest.mark.parametrize("values", [*VALUE_SETS, "live", "lite"])
 def test_helm_lint_strict(values: str) -> None:
     out = helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, *_values_args(values)).stdout
     assert "1 chart(s) linted, 0 chart(s) failed" in out, out
@@ -46,7 +46,7 @@ def test_helm_lint_strict(values: str) -> None:
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("values", VALUE_SETS)
+@pytest.mark.parametrize("values", [*VALUE_SETS, "lite"])
 def test_rendered_objects_validate_against_kubernetes_schemas(rendered: dict[str, str], values: str, version: str,
                                                               tmp_path: Any) -> None:
     docs = [d for d in documents(rendered[values]) if not d["apiVersion"].startswith(CRD_GROUPS)]
@@ -59,17 +59,25 @@ def test_rendered_objects_validate_against_kubernetes_schemas(rendered: dict[str
     assert len(passed) == len(docs), proc.stdout  # every object had a schema and passed it
 
 
-@pytest.mark.parametrize(("values", "kinds"), [("scale-3", ["PrometheusRule", "ServiceMonitor"]),
-                                               ("mtls", ["Certificate"] * len(ROLES) + ["ServiceMonitor"])])
+@pytest.mark.parametrize(("values", "kinds"), [
+    ("scale-3", ["PrometheusRule", "ServiceMonitor"]),
+    ("mtls", ["Certificate"] * len(ROLES) + ["ServiceMonitor"]),
+    ("features", ["BackendTLSPolicy", "GRPCRoute", "ScaledObject", "ScaledObject", "TriggerAuthentication",
+                  *["Certificate"] * len(ROLES)]),
+    ("example", ["PrometheusRule", "ScaledObject", "ServiceMonitor", *["Certificate"] * len(ROLES)])])
 def test_custom_resources_validate_against_crd_schemas(rendered: dict[str, str], values: str,
                                                        kinds: list[str]) -> None:
     """ServiceMonitor and PrometheusRule against the prometheus-operator monitoring.coreos.com/v1
     schemas (@kubernetes-models/prometheus-operator), the cert-manager Certificates against
-    cert-manager.io/v1 (@kubernetes-models/cert-manager): types, required fields, enums,
-    patterns (e.g. durations, key usages). Those schemas do not reject unknown fields."""
+    cert-manager.io/v1 (@kubernetes-models/cert-manager), KEDA's ScaledObject and
+    TriggerAuthentication against keda.sh/v1alpha1 (@kubernetes-models/keda), the GRPCRoute
+    and BackendTLSPolicy against gateway.networking.k8s.io/v1 (@kubernetes-models/gateway-api):
+    types, required fields, enums, patterns (e.g. durations, key usages). Those schemas do not
+    reject unknown fields (test_chart_features.py checks the KEDA triggers' metadata, a free
+    string map in the CRD, against a schema of its own)."""
     crs = [d for d in documents(rendered[values]) if d["apiVersion"].startswith(CRD_GROUPS)]
-    assert sorted(d["kind"] for d in crs) == kinds
-    for package in ("prometheus-operator", "cert-manager"):
+    assert sorted(d["kind"] for d in crs) == sorted(kinds)
+    for package in ("prometheus-operator", "cert-manager", "keda", "gateway-api"):
         node_modules = TOOLS / "node" / "node_modules" / "@kubernetes-models" / package
         assert node_modules.exists(), f"run `make deploy-tools` (npm @kubernetes-models/{package})"
     proc = subprocess.run(["node", str(REPO / "scripts" / "validate_crds.mjs")], input=json.dumps(crs),
@@ -80,7 +88,8 @@ def test_custom_resources_validate_against_crd_schemas(rendered: dict[str, str],
 
 def test_optional_custom_resources_are_off_by_default(rendered: dict[str, str]) -> None:
     kinds = {d["kind"] for d in documents(rendered["default"])}
-    assert not {"ServiceMonitor", "PrometheusRule", "Certificate"} & kinds
+    assert not {"ServiceMonitor", "PrometheusRule", "Certificate", "ScaledObject", "GRPCRoute", "BackendTLSPolicy",
+                "Ingress"} & kinds
 
 
 def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -105,11 +114,19 @@ def test_one_deployment_per_role_wired_for_the_runtime(rendered: dict[str, str],
             assert key in dep["metadata"]["labels"], (role, key)
         assert labels["app.kubernetes.io/component"] == role
         assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        assert dep["spec"]["replicas"] == rv["replicas"]
+        if vals["autoscaling"].get(role, {}).get("enabled"):
+            assert "replicas" not in dep["spec"], role  # the HPA KEDA creates owns the count
+        else:
+            assert dep["spec"]["replicas"] == rv["replicas"]
         pod = dep["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
         (c,) = pod["containers"]
-        assert c["image"].endswith(f"-{role}:{vals['image']['tag'] or '0.1.0'}"), c["image"]
+        image = f"{vals['image']['repository']}-{role}:{vals['image']['tag'] or '0.1.0'}"
+        if vals["global"]["imageRegistry"]:
+            image = f"{vals['global']['imageRegistry']}/{image}"
+        if ROLE_KEYS[role] in vals["image"]["digests"]:
+            image += "@" + vals["image"]["digests"][ROLE_KEYS[role]]
+        assert c["image"] == image, c["image"]
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         assert c["resources"] == rv["resources"]
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -224,7 +241,7 @@ def test_servicemonitor_selects_the_headless_services_metrics_port(rendered: dic
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_dashboards_ship_as_configmaps_for_the_grafana_sidecar(rendered: dict[str, str], values: str) -> None:
     maps = [c for c in by_kind(documents(rendered[values]), "ConfigMap")
-            if c["metadata"]["labels"].get("grafana_dashboard") == "1"]
+            if c["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
     files = sorted(p.name for p in (CHART / "dashboards").glob("*.json"))
     assert sorted(k for c in maps for k in c["data"]) == files
     assert len(files) == 1 + len(ROLES)
@@ -245,7 +262,7 @@ def test_config_map_settings_are_known_and_valid(rendered: dict[str, str]) -> No
     known = {f"{c.model_config.get('env_prefix', '')}{f}".upper() for c in classes for f in c.model_fields}
     # a planned name must not be read already (then it belongs out of PLANNED_SETTINGS)
     assert not PLANNED_SETTINGS & known, sorted(PLANNED_SETTINGS & known)
-    for values in (*VALUE_SETS, "live"):
+    for values in (*VALUE_SETS, "live", "lite"):
         docs = documents(rendered[values])
         env: dict[str, str] = dict(find(docs, "ConfigMap", f"{NAMESPACE}-config")["data"])
         for dep in by_kind(docs, "Deployment"):
@@ -339,5 +356,5 @@ def test_chart_packages_with_its_dashboards(tmp_path: Any) -> None:
     helm("package", str(CHART), "--destination", str(tmp_path))
     (pkg,) = tmp_path.glob("noetl-*.tgz")
     docs = documents(helm("template", "noetl", str(pkg), "--namespace", NAMESPACE).stdout)
-    maps = [c for c in by_kind(docs, "ConfigMap") if c["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    maps = [c for c in by_kind(docs, "ConfigMap") if c["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
     assert len(maps) == 1 + len(ROLES)

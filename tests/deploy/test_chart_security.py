@@ -31,7 +31,7 @@ from deploytools import (
     values_of,
 )
 
-SETS = ("default", "scale-3", "mtls", "plaintext")
+SETS = ("default", "scale-3", "mtls", "plaintext", "features", "example")
 NATS_ROLES = ("api", "projector", "checkpointer", "reaper", "worker")
 TOKEN_KEYS = (*ROLES, "admin")
 TLS_DIR = "/etc/noetl/tls"
@@ -546,7 +546,7 @@ INTERNAL = {("worker", "api", "grpc"), ("worker", "api", "workerApi"), ("reaper"
     (r, "shard-manager", "grpc") for r in ROLES if r != "shard-manager"}
 
 
-@pytest.mark.parametrize("values", ["default", "scale-3", "mtls"])
+@pytest.mark.parametrize("values", ["default", "scale-3", "mtls", "features"])
 def test_network_policies_open_only_what_the_roles_use(rendered: dict[str, str], values: str) -> None:
     c = _cluster(rendered[values], values)
     release = [*ROLES, "migrate"]
@@ -557,7 +557,7 @@ def test_network_policies_open_only_what_the_roles_use(rendered: dict[str, str],
                 assert _reachable(c.policies, c.pods[src], c.pods[dst], port) == expected, (src, dst, port_name)
 
 
-@pytest.mark.parametrize("values", ["default", "scale-3", "mtls"])
+@pytest.mark.parametrize("values", ["default", "scale-3", "mtls", "features"])
 def test_network_policies_from_outside_the_release(rendered: dict[str, str], values: str) -> None:
     c = _cluster(rendered[values], values)
     np = values_of(values)["networkPolicy"]
@@ -647,3 +647,58 @@ def test_deploy_docs_cover_the_security_values() -> None:
                    "networkPolicy.prometheus", "NOETL_HEALTH_LISTEN", "secretChecks", "cert-manager",
                    "noetl-rt token register", "Planned"):
         assert needle in section, needle
+
+
+# ---------------------------------------------------------------- extension points (issue 17)
+
+
+def _pod_security(docs: Sequence[dict[str, Any]], role: str) -> tuple[Any, ...]:
+    pod, c = _pod(docs, role)
+    return (pod["securityContext"], c["securityContext"], pod["automountServiceAccountToken"],
+            pod.get("hostNetwork"), pod.get("hostPID"), pod.get("hostIPC"), pod["enableServiceLinks"])
+
+
+def test_extension_points_do_not_weaken_the_pods_or_the_policies(rendered: dict[str, str]) -> None:
+    """ci/features-values.yaml (extra env/volumes/objects, digests, KEDA, Ingress, GRPCRoute)
+    changes no pod's security context, mounts no host path, and leaves every NetworkPolicy as
+    the defaults render it."""
+    default, features = documents(rendered["default"]), documents(rendered["features"])
+    for role in ROLES:
+        assert _pod_security(features, role) == _pod_security(default, role), role
+        pod, c = _pod(features, role)
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert not [v for v in pod["volumes"] if "hostPath" in v], role
+    assert by_kind(features, "NetworkPolicy") == by_kind(default, "NetworkPolicy")
+    (job,) = by_kind(features, "Job")
+    spec = job["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsUser"] == 10001 and spec["automountServiceAccountToken"] is False
+
+
+def test_ingress_and_routes_reach_only_the_clients_port(rendered: dict[str, str]) -> None:
+    """The Ingress, GRPCRoute and BackendTLSPolicy name the clients' Service noetl-api (its
+    gRPC port, never the WorkerService port or another role's Service); the KEDA triggers
+    carry no credential (authenticationRef names a TriggerAuthentication)."""
+    docs = documents(rendered["features"])
+    worker_api_port = values_of("features")["ports"]["workerApi"]
+    services: list[tuple[str, Any]] = []
+    for ing in by_kind(docs, "Ingress"):
+        for rule in ing["spec"]["rules"]:
+            for path in rule["http"]["paths"]:
+                svc = path["backend"]["service"]
+                services.append((svc["name"], svc["port"].get("name", svc["port"].get("number"))))
+    for route in by_kind(docs, "GRPCRoute"):
+        services += [(b["name"], b["port"]) for r in route["spec"]["rules"] for b in r["backendRefs"]]
+    for policy in by_kind(docs, "BackendTLSPolicy"):
+        services += [(t["name"], t.get("sectionName", "grpc")) for t in policy["spec"]["targetRefs"]]
+    assert len(services) == 3
+    api = find(docs, "Service", "noetl-api")
+    allowed = {p["name"] for p in api["spec"]["ports"]} | {p["port"] for p in api["spec"]["ports"]}
+    assert worker_api_port not in allowed
+    for name, port in services:
+        assert name == "noetl-api" and port in allowed, (name, port)
+    for so in by_kind(docs, "ScaledObject"):
+        for trigger in so["spec"]["triggers"]:
+            text = json.dumps(trigger["metadata"]).lower()
+            assert "password" not in text and "token" not in text and "@" not in text, trigger

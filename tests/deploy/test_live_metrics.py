@@ -306,6 +306,20 @@ def test_every_alert_expression_without_its_threshold_returns_data(live: Live, r
     print(f"\n  {len(exprs)} alert expressions (thresholds removed) returned data")
 
 
+def test_every_keda_query_returns_data(live: Live, rendered: dict[str, str]) -> None:
+    """The ScaledObjects' prometheus queries (workers: queued + running commands; api:
+    in-flight executions) return a number on live data."""
+    exprs = {f"{so['metadata']['name']} / {t['type']}": t["metadata"]["query"]
+             for so in by_kind(documents(rendered["live"]), "ScaledObject") for t in so["spec"]["triggers"]
+             if t["type"] == "prometheus"}
+    assert len(exprs) == 2, exprs
+    failures = _query_all(live.prom, exprs)
+    assert not failures, "KEDA queries without data:\n" + "\n".join(f"  {k}: {v}" for k, v in failures.items())
+    for name, expr in exprs.items():
+        (sample,) = live.prom.query(expr)
+        assert float(sample["value"][1]) >= 0, (name, sample)
+
+
 def test_alert_rules_evaluate_cleanly_on_live_data(live: Live, rendered: dict[str, str]) -> None:
     names = {r["alert"] for r in alert_rules(rendered["live"])}
 

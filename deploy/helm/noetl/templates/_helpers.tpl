@@ -76,7 +76,32 @@ app.kubernetes.io/component: {{ .role }}
 {{/* Context: dict "root" $ "role" ROLE */}}
 {{- define "noetl.image" -}}
 {{- $img := .root.Values.image -}}
-{{- printf "%s-%s:%s" $img.repository .role (default .root.Chart.AppVersion $img.tag) -}}
+{{- $ref := printf "%s-%s:%s" $img.repository .role (default .root.Chart.AppVersion $img.tag) -}}
+{{- with ((.root.Values.global).imageRegistry) }}{{ $ref = printf "%s/%s" (trimSuffix "/" .) $ref }}{{ end -}}
+{{- with index ($img.digests | default dict) (include "noetl.roleKey" .role) }}{{ $ref = printf "%s@%s" $ref . }}{{ end -}}
+{{- $ref -}}
+{{- end -}}
+
+{{/* An image that is not the runtime's (lite mode's Postgres and NATS): global.imageRegistry
+     in front, the digest pinned when given. Context: dict "root" $ "image" {repository, tag, digest} */}}
+{{- define "noetl.otherImage" -}}
+{{- $ref := printf "%s:%s" .image.repository (toString .image.tag) -}}
+{{- with ((.root.Values.global).imageRegistry) }}{{ $ref = printf "%s/%s" (trimSuffix "/" .) $ref }}{{ end -}}
+{{- with .image.digest }}{{ $ref = printf "%s@%s" $ref . }}{{ end -}}
+{{- $ref -}}
+{{- end -}}
+
+{{/* A role's pod labels: podLabels, the role's podLabels over them, the chart's own labels
+     over both (they select the pods). Context: dict "root" $ "role" ROLE */}}
+{{- define "noetl.podLabels" -}}
+{{- $rv := index .root.Values (include "noetl.roleKey" .role) -}}
+{{- $own := include "noetl.labels" . | fromYaml -}}
+{{- toYaml (merge $own (deepCopy ($rv.podLabels | default dict)) (deepCopy (.root.Values.podLabels | default dict))) -}}
+{{- end -}}
+
+{{/* Volume names the chart uses itself (extraVolumes may not take them). */}}
+{{- define "noetl.reservedVolumes" -}}
+tmp tls postgres-ca nats-ca nats-creds auth
 {{- end -}}
 
 {{/* gRPC target of a role: DNS over its headless Service, balanced client-side
@@ -301,6 +326,36 @@ namespace={{ .Release.Namespace | quote }}
      Refuse to render values the runtime cannot run with, naming the value. */}}
 {{- define "noetl.validate" -}}
 {{- $v := .Values -}}
+{{- if $v.lite.enabled -}}
+{{- include "noetl.validateLite" . -}}
+{{- else -}}
+{{- include "noetl.validateRoles" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Lite mode: one evaluation pod; what it cannot do. */}}
+{{- define "noetl.validateLite" -}}
+{{- $v := .Values -}}
+{{- if not (semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version) -}}
+{{- fail (printf "lite.enabled needs Kubernetes 1.29 or later (native sidecar containers run its Postgres and NATS); this cluster is %s" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
+{{- if or $v.autoscaling.worker.enabled $v.autoscaling.api.enabled -}}
+{{- fail "lite.enabled runs one pod: autoscaling.worker.enabled and autoscaling.api.enabled must be false" -}}
+{{- end -}}
+{{- if $v.api.grpcRoute.enabled -}}
+{{- fail "lite.enabled: api.grpcRoute is not available in lite mode (its generated CA is not published for a Gateway); use kubectl port-forward or api.ingress with tlsMode=passthrough" -}}
+{{- end -}}
+{{- if and $v.api.ingress.enabled (ne $v.api.ingress.tlsMode "passthrough") $v.tls.enabled -}}
+{{- fail "lite.enabled: api.ingress needs tlsMode=passthrough (the api's generated certificate names api.ingress.host)" -}}
+{{- end -}}
+{{- if and $v.auth.enabled $v.auth.register (not $v.migration.enabled) -}}
+{{- fail "auth.register needs migration.enabled: the migration registers the tokens" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A Deployment per role: every value they need, named when missing. */}}
+{{- define "noetl.validateRoles" -}}
+{{- $v := .Values -}}
 {{- $ports := dict -}}
 {{- range $name := list "grpc" "workerApi" "health" "metrics" -}}
 {{- $p := toString (index $v.ports $name) -}}
@@ -346,6 +401,74 @@ namespace={{ .Release.Namespace | quote }}
 {{- if not (include "noetl.tlsSecretName" (dict "root" $ "role" $role)) -}}
 {{- fail (printf "tls.existingSecret is empty (and tls.roleSecrets.%s is not set): TLS is on (tls.enabled) and the %s role needs a kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt, or set tls.certManager.enabled (docs/DEPLOY.md \"Certificates\")" (include "noetl.roleKey" $role) $role) -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $role := splitList " " (include "noetl.roles" .) -}}
+{{- $key := include "noetl.roleKey" $role -}}
+{{- $seen := dict -}}
+{{- range $vol := concat ($v.extraVolumes | default list) ((index $v $key).extraVolumes | default list) -}}
+{{- if hasKey $seen $vol.name -}}
+{{- fail (printf "extraVolumes: the volume name %q is used twice in the %s role's pods (extraVolumes and %s.extraVolumes together)" $vol.name $role $key) -}}
+{{- end -}}
+{{- $_ := set $seen $vol.name true -}}
+{{- end -}}
+{{- range $m := concat ($v.extraVolumeMounts | default list) ((index $v $key).extraVolumeMounts | default list) -}}
+{{- if not (hasKey $seen $m.name) -}}
+{{- fail (printf "extraVolumeMounts: the %s role mounts a volume %q that neither extraVolumes nor %s.extraVolumes defines" $role $m.name $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $role := list "worker" "api" -}}
+{{- $a := index $v.autoscaling $role -}}
+{{- if $a.enabled -}}
+{{- if lt (int $a.maxReplicas) (int $a.minReplicas) -}}
+{{- fail (printf "autoscaling.%s.maxReplicas (%v) is below autoscaling.%s.minReplicas (%v)" $role $a.maxReplicas $role $a.minReplicas) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- with $v.autoscaling.worker -}}
+{{- if and .enabled (not .prometheus.enabled) (not .natsJetstream.enabled) -}}
+{{- fail "autoscaling.worker.enabled needs a trigger: autoscaling.worker.prometheus.enabled and/or autoscaling.worker.natsJetstream.enabled" -}}
+{{- end -}}
+{{- end -}}
+{{- if $v.autoscaling.api.enabled -}}
+{{- $shards := int (default 16 (index $v.config "NOETL_SHARD_COUNT")) -}}
+{{- if gt (int $v.autoscaling.api.maxReplicas) $shards -}}
+{{- fail (printf "autoscaling.api.maxReplicas (%v) is above NOETL_SHARD_COUNT (%d): api replicas beyond the shard count would hold no shard" $v.autoscaling.api.maxReplicas $shards) -}}
+{{- end -}}
+{{- end -}}
+{{- with $v.api.ingress -}}
+{{- if .enabled -}}
+{{- if not .host -}}
+{{- fail "api.ingress.host is empty: name the host clients dial through the Ingress" -}}
+{{- end -}}
+{{- if and (eq .tlsMode "passthrough") (not $v.tls.enabled) -}}
+{{- fail "api.ingress.tlsMode=passthrough needs tls.enabled: the api terminates the clients' TLS itself (or use tlsMode=terminate)" -}}
+{{- end -}}
+{{- if eq .tlsMode "terminate" -}}
+{{- if not .secretName -}}
+{{- fail "api.ingress.secretName is empty: with tlsMode=terminate the Ingress serves the clients' TLS with a certificate for api.ingress.host from that Secret" -}}
+{{- end -}}
+{{- if and $v.tls.enabled .nginxAnnotations (not .backendCaSecret) -}}
+{{- fail "api.ingress.backendCaSecret is empty: with tlsMode=terminate and tls.enabled, ingress-nginx re-encrypts to the api and must verify its certificate; name a Secret holding only the CA (key ca.crt) that signed it" -}}
+{{- end -}}
+{{- if $v.tls.clientAuth -}}
+{{- fail "api.ingress.tlsMode=terminate cannot be used with tls.clientAuth: the controller has no client certificate for the api; use tlsMode=passthrough" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- with $v.api.grpcRoute -}}
+{{- if .enabled -}}
+{{- if not .parentRefs -}}
+{{- fail "api.grpcRoute.parentRefs is empty: name the Gateway (and listener) the GRPCRoute attaches to" -}}
+{{- end -}}
+{{- if $v.tls.clientAuth -}}
+{{- fail "api.grpcRoute cannot be used with tls.clientAuth: a Gateway presents no client certificate to the api" -}}
+{{- end -}}
+{{- if and $v.tls.enabled (not .backendTLS.caCertificateRefs) (not .backendTLS.wellKnownCACertificates) -}}
+{{- fail "api.grpcRoute.backendTLS.caCertificateRefs is empty: with tls.enabled the Gateway must verify the api's certificate; name a ConfigMap with its CA (ca.crt), or set backendTLS.wellKnownCACertificates=System" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -447,7 +570,7 @@ namespace={{ .Release.Namespace | quote }}
 {{/* At install/upgrade (connected to a cluster: the namespace's `default` ServiceAccount
      can be looked up), check every required Secret and key; `helm template` skips it. */}}
 {{- define "noetl.checkSecrets" -}}
-{{- if .Values.secretChecks -}}
+{{- if and .Values.secretChecks (not .Values.lite.enabled) -}}
 {{- if lookup "v1" "ServiceAccount" .Release.Namespace "default" -}}
 {{- range $name, $needs := include "noetl.requiredSecrets" . | fromYaml -}}
 {{- include "noetl.checkSecret" (dict "name" $name "needs" $needs "secret" (lookup "v1" "Secret" $.Release.Namespace $name) "namespace" $.Release.Namespace) -}}
@@ -460,4 +583,57 @@ namespace={{ .Release.Namespace | quote }}
 {{- define "noetl.urlPort" -}}
 {{- $hostPort := splitList ":" .host -}}
 {{- if gt (len $hostPort) 1 -}}{{ last $hostPort }}{{- else if eq .scheme "http" -}}80{{- else -}}443{{- end -}}
+{{- end -}}
+
+{{/* The migration's command (the Job's, and lite mode's init container): `noetl-rt migrate`,
+     then with auth.register the release's tokens, each from its file under the auth path. */}}
+{{- define "noetl.migrateCommand" -}}
+{{- $paths := include "noetl.paths" . | fromYaml -}}
+{{- if and .Values.auth.enabled .Values.auth.register -}}
+# Each token is registered (hashed) under <fullname>-<key>-<first 12 hex of its
+# SHA-256>, so a rotated token gets a new name next to the old one, which stays
+# valid until revoked (docs/DEPLOY.md "Tokens"). Every upgrade registers them again:
+# the runtime's refusal of a token it already has under that name is success.
+command:
+  - sh
+  - -ec
+  - |
+    noetl-rt migrate
+    register() {
+      name="{{ include "noetl.fullname" . }}-$1-$(sha256sum < "{{ $paths.auth }}/$1" | cut -c1-12)"
+      if out=$(noetl-rt token register --role "$2" --name "$name" < "{{ $paths.auth }}/$1" 2>&1); then
+        echo "token $name ($2): registered"
+      else
+        case "$out" in
+          *"a live token has that name, or the token is known"*) echo "token $name ($2): already registered" ;;
+          *) echo "$out" >&2; exit 1 ;;
+        esac
+      fi
+    }
+    {{- range $role := splitList " " (include "noetl.roles" .) }}
+    register {{ $role }} {{ include "noetl.tokenRole" $role }}
+    {{- end }}
+    {{- if .Values.auth.bootstrapAdmin }}
+    register admin admin
+    {{- end }}
+{{- else -}}
+command: ["noetl-rt", "migrate"]
+{{- end }}
+{{- end -}}
+
+{{/* Lite mode's ports (every role shares the pod's network): per role its gRPC, health and
+     metrics port and an index; the api's client port is ports.grpc and its WorkerService
+     ports.workerApi; Postgres and NATS their usual ports on 127.0.0.1. */}}
+{{- define "noetl.litePorts" -}}
+postgres: 5432
+nats: 4222
+natsMonitor: 8222
+workerApi: {{ .Values.ports.workerApi }}
+{{- range $i, $role := splitList " " (include "noetl.roles" .) }}
+{{ $role }}:
+  index: {{ $i }}
+  grpc: {{ ternary $.Values.ports.grpc (add 50060 $i) (eq $role "api") }}
+  health: {{ add 50070 $i }}
+  metrics: {{ add $.Values.ports.metrics $i }}
+{{- end }}
 {{- end -}}
