@@ -23,9 +23,6 @@ NOT_ON_DASHBOARDS = {
     # issue 12: only a result without its claim's token counts; its per-shard series exist only
     # after one, so the live check could not show a panel has data (a panel or an alert: to decide)
     "noetl_engine_forged_results_total": "no series until a forged result; not provoked by the live check",
-    # issue 15 (concurrency limits): per-shard series exist only once an execution waited for a
-    # limit, and the live check sets none (a panel with the limits' own view: to decide)
-    "noetl_engine_concurrency_queued_total": "no series until an execution waits for a limit; the live check sets none",
 }
 PROCESS_METRICS = {"up", "process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
                    "process_start_time_seconds", "python_gc_collections_total"}
