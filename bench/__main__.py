@@ -33,13 +33,13 @@ from . import report
 from .machine import ProcSampler, machine_facts
 from .peers import runner as peers
 from .progress import Progress
-from .scenarios import compactor, concurrency, cursor, limits, loops, recovery, turnaround
+from .scenarios import cli, compactor, concurrency, cursor, limits, loops, recovery, turnaround
 from .scenarios.common import Ctx, Plan
 from .stack import BASE_ENV, FAST_FAILOVER_ENV, RESULTS, BenchStack, reap_stale
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = ("limits", "turnaround", "fanout", "growth", "sequential", "cursor", "concurrency", "compactor",
-             "durable", "recovery", "peers")
+             "cli", "durable", "recovery", "peers")
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
@@ -167,7 +167,7 @@ class Run:
         main: dict[str, Callable[[Ctx], dict[str, Any]]] = {
             "limits": limits.run, "turnaround": turnaround.run, "fanout": do_fanout,
             "growth": lambda ctx: loops.growth(ctx, fanout_box), "sequential": loops.sequential,
-            "cursor": cursor.run, "concurrency": concurrency.run, "compactor": compactor.run,
+            "cursor": cursor.run, "concurrency": concurrency.run, "compactor": compactor.run, "cli": cli.run,
         }
         interrupted = False
         try:

@@ -27,6 +27,7 @@ TARGET_LAG_P95_MS = 500.0
 TARGET_CHECKPOINT_AGE_P99_MS = 1500.0
 TARGET_COMPACTOR_EVENTS_PER_S = 10_000.0
 TARGET_RESULT_BYTES_P99 = 2048.0
+TARGET_CLI_MS = 150.0  # issue 16: a one-RPC CLI command
 QUICK_BUDGET_S = 180.0
 
 
@@ -407,6 +408,15 @@ class Doc:
                            "manifest + parts + DELETE); synthetic data in a scratch database on the stack's Postgres")
         elif cp:
             self.row("compactor throughput", "events/s per shard", _err(cp))
+        cl = sc.get("cli")
+        if _ok(cl):
+            w = cl["wall_ms"]
+            self.row(f"CLI: `{cl['command']}`, whole process ({cl['runs']} runs in a row)", "p50 / p95 ms (CPU p50 ms)",
+                     f"{_f(w['p50_ms'])} / {_f(w['p95_ms'])} ({_f(cl['cpu_ms_median'])})",
+                     bound="interpreter start + imports (grpc, protobuf, the CLI's client modules only) + TLS "
+                           "channel + one GetExecution; docs/ARCHITECTURE.md \"CLI start-up\"")
+        elif cl:
+            self.row("CLI: `noetl-rt status ID`", "p50 ms", _err(cl))
         r = sc.get("recovery")
         if _ok(r):
             name = f"recovery: SIGKILL of the shard's api owner, {r['items']:,}-item loop (2 api, lease 3 s)"
@@ -517,6 +527,12 @@ class Doc:
             rows.append((f"compactor ≥ {TARGET_COMPACTOR_EVENTS_PER_S:,.0f} events/s per shard (seed 004, issue 5)",
                          f"{_f(cp['events_per_second'], 0)} events/s ({cp['events']:,} events)",
                          "yes" if cp["events_per_second"] >= TARGET_COMPACTOR_EVENTS_PER_S else "**no**"))
+        cl = sc.get("cli")
+        if _ok(cl):
+            p50 = cl["wall_ms"]["p50_ms"]
+            rows.append((f"one-RPC CLI command ≤ {TARGET_CLI_MS:,.0f} ms (issue 16)",
+                         f"{_f(p50)} ms p50 (`{cl['command']}`, whole process)",
+                         "yes" if p50 <= TARGET_CLI_MS else "**no**"))
         self.w("## Targets", "", "| target | measured | met |", "|---|---|---|")
         for a, b, c in rows:
             self.w(f"| {a} | {b} | {c} |")
@@ -694,9 +710,9 @@ class Doc:
     def checks(self) -> None:
         self.w("## What each scenario checked before reporting", "")
         for key in ("limits", "turnaround", "fanout", "growth", "sequential", "cursor", "concurrency", "compactor",
-                    "recovery"):
+                    "cli", "recovery"):
             d = self.sc.get(key)
-            if d is None and key in ("sequential", "compactor"):
+            if d is None and key in ("sequential", "compactor", "cli"):
                 continue
             if _ok(d):
                 check = d.get("check")
@@ -756,7 +772,7 @@ class Doc:
         self.w(f"The whole run: {duration(res['duration_s'])} ({res.get('mode')} mode).", "",
                "| part | s |", "|---|---|")
         stacks = self.sc.get("_stacks", {})
-        order = ["limits", "turnaround", "fanout", "growth", "sequential", "cursor", "concurrency", "compactor"]
+        order = ["limits", "turnaround", "fanout", "growth", "sequential", "cursor", "concurrency", "compactor", "cli"]
         for name, st in stacks.items():
             if st.get("start_s") is not None:
                 self.w(f"| stack '{name}': start | {st['start_s']:.1f} |")

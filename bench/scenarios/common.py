@@ -32,6 +32,7 @@ class Plan:
     limits_seconds: float = 3.0
     compactor_executions: int = 5000            # synthetic finished executions on one shard
     compactor_events: int = 20                  # events per execution
+    cli_runs: int = 20                          # `noetl-rt status ID`, whole process
     durable_rerun: bool = True                  # turnaround + fan-out again with Postgres fsync on
     peers: bool = True
 

@@ -20,8 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_quick_tiny_run_reports_verified_rows(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "bench", "--quick", "--only", "limits,turnaround,fanout", "--no-peers",
+    cmd = [sys.executable, "-m", "bench", "--quick", "--only", "limits,turnaround,fanout,cli", "--no-peers",
            "--no-plots", "--set", "limits_seconds=0.2", "--set", "turnaround_runs=3", "--set", "fanout_items=50",
+           "--set", "cli_runs=2",
            "--set", "fanout_widths=16", "--out", str(out), "--results", str(results)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
@@ -29,7 +30,7 @@ def test_bench_quick_tiny_run_reports_verified_rows(tmp_path: Path) -> None:
     doc = out.read_text()
     raw = json.loads((results / "bench-quick.json").read_text())
     assert raw["failures"] == [] and raw["duration_s"] > 0
-    for name in ("limits", "turnaround", "fanout"):
+    for name in ("limits", "turnaround", "fanout", "cli"):
         assert raw["scenarios"][name]["ok"], raw["scenarios"][name]
     assert "**The run took " in doc
     rows = {line.split(" | ")[0].lstrip("| ") + " | " + line.split(" | ")[1]: line.split(" | ")[2]
@@ -37,7 +38,8 @@ def test_bench_quick_tiny_run_reports_verified_rows(tmp_path: Path) -> None:
     # each row has a figure, not "failed: ..." / "not run"
     for key in ("step turnaround (3 steps, one at a time; WatchExecution) | p50 ms",
                 "fan-out 50 items, max_in_flight 16 | iterations/s",
-                "raw limit: Postgres single-row commits (psycopg) | per s, 1 / 8 connections"):
+                "raw limit: Postgres single-row commits (psycopg) | per s, 1 / 8 connections",
+                "CLI: `noetl-rt status ID`, whole process (2 runs in a row) | p50 / p95 ms (CPU p50 ms)"):
         assert key in rows, sorted(rows)
         assert rows[key][:1].isdigit(), (key, rows[key])
     # the checks each scenario made before reporting
@@ -45,6 +47,7 @@ def test_bench_quick_tiny_run_reports_verified_rows(tmp_path: Path) -> None:
     assert "- **fanout**: width 16: COMPLETED; 50 loop_result rows, distinct indexes, all ok; sum of results = " \
            "2,450; one accepted call.done per command" in doc
     assert "- **limits**: " in doc and "rows == commits" in doc
+    assert "- **cli**: all 2 runs exited 0 and printed `execution " in doc
     # the envelope size over the loop run: 50 envelopes observed, a Targets line
     assert "event result p99 < 2,048 bytes under the loop benchmarks" in doc
     assert "over 50 envelopes" in doc
