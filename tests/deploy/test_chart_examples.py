@@ -160,7 +160,7 @@ def test_nats_server_settings_match_the_chart_values() -> None:
     assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "nats"}
     assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "nats"}
     text = NATS_VALUES.read_text()
-    assert natsio.COMMANDS_STREAM in text and natsio.WORKER_CONSUMER in text
+    assert natsio.COMMANDS_STREAM in text and "noetl-workers-" in text
 
 
 def test_cnpg_roles_are_the_grant_matrix() -> None:

@@ -24,7 +24,7 @@ from deploytools import (
     values_of,
 )
 
-from noetl_common import natsio
+from noetl_common import natsio, pools
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -225,7 +225,7 @@ def test_keda_scaled_objects(rendered: dict[str, str]) -> None:
     worker = _scaled(docs, "worker")["spec"]
     assert worker["fallback"] == {"failureThreshold": 3, "replicas": 2}
     assert worker["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == auto["worker"]["behavior"]
-    prom, nats = worker["triggers"]
+    prom, *nats_triggers = worker["triggers"]
     sel = f'namespace="{NAMESPACE}"'
     assert prom["type"] == "prometheus" and prom["metadata"]["query"] == (
         f"(max(noetl_queued_commands{{{sel}}}) or vector(0)) + (sum(noetl_worker_busy{{{sel}}}) or vector(0))")
@@ -233,11 +233,11 @@ def test_keda_scaled_objects(rendered: dict[str, str]) -> None:
     assert prom["metadata"]["threshold"] == str(vals["worker"]["concurrency"])
     assert prom["authenticationRef"] == {"name": "noetl-prometheus"}
     find(docs, "TriggerAuthentication", "noetl-prometheus")
-    # the runtime's own stream and durable consumer of the workers
-    assert nats["type"] == "nats-jetstream"
-    assert (nats["metadata"]["stream"], nats["metadata"]["consumer"]) == (natsio.COMMANDS_STREAM,
-                                                                          natsio.WORKER_CONSUMER)
-    assert nats["metadata"]["lagThreshold"] == str(vals["worker"]["concurrency"])
+    # the runtime's own stream and the durable consumers of the workers' pool, one per priority
+    pool = str(vals["worker"]["pool"]).split(",")[0].strip()
+    assert [(t["type"], t["metadata"]["stream"], t["metadata"]["consumer"]) for t in nats_triggers] == [
+        ("nats-jetstream", natsio.COMMANDS_STREAM, pools.consumer_name(pool, p)) for p in pools.PRIORITIES]
+    assert all(t["metadata"]["lagThreshold"] == str(vals["worker"]["concurrency"]) for t in nats_triggers)
     (api,) = _scaled(docs, "api")["spec"]["triggers"]
     assert api["metadata"]["query"] == f"max(noetl_active_executions{{{sel}}}) or vector(0)"
     assert api["metadata"]["threshold"] == "1500"

@@ -40,7 +40,7 @@ from deploytools import (
     values_of,
 )
 
-from noetl_common import dbroles, natsio, natsperms
+from noetl_common import dbroles, natsio, natsperms, pools
 
 NATS_ROLES = ("api", "projector", "checkpointer", "reaper", "worker")
 LITE = "noetl-lite"
@@ -361,17 +361,20 @@ def test_lite_nats_users_do_the_runtimes_nats_work(lite: list[dict[str, Any]], t
         api = await natsio.connect(url("api", port), name="lite-test-api", role="api")
         try:
             await natsio.ensure_streams(api.jetstream())
-            await natsio.publish(api.jetstream(), natsio.commands_subject(0), b"a command notice", msg_id="lite-1")
+            await natsio.publish(api.jetstream(), natsio.commands_subject(pools.DEFAULT_POOL, "normal", 0),
+                                 b"a command notice", msg_id="lite-1")
         finally:
             await api.drain()
         worker = await natsio.connect(url("worker", port), name="lite-test-worker", role="worker")
         try:
             js = worker.jetstream()
             await natsio.ensure_streams(js, manage=False)
-            info = await js.consumer_info(natsio.COMMANDS_STREAM, natsio.WORKER_CONSUMER)
-            assert info.name == natsio.WORKER_CONSUMER
-            # as the worker does (noetl_worker.service): bind to the shared consumer, pull, ack
-            sub = await js.pull_subscribe_bind(durable=natsio.WORKER_CONSUMER, stream=natsio.COMMANDS_STREAM)
+            # as the worker does (noetl_worker.service): create its pool's consumers, bind to
+            # the normal-priority one, pull, ack
+            await natsio.ensure_pool_consumers(js, pools.DEFAULT_POOL)
+            name = pools.consumer_name(pools.DEFAULT_POOL, "normal")
+            assert (await js.consumer_info(natsio.COMMANDS_STREAM, name)).name == name
+            sub = await js.pull_subscribe_bind(durable=name, stream=natsio.COMMANDS_STREAM)
             (msg,) = await sub.fetch(1, timeout=5)
             assert msg.data == b"a command notice"
             await msg.ack_sync(timeout=5)

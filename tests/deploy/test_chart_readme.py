@@ -84,7 +84,7 @@ def test_readme_lists_every_key_of_values_yaml() -> None:
     for path in keys(values, ""):
         top, _, rest = path.partition(".")
         shown = f"<role>.{rest}" if top in ROLE_KEYS and rest and rest.split(".")[0] not in (
-            "service", "ingress", "grpcRoute", "concurrency") else path
+            "service", "ingress", "grpcRoute", "concurrency", "pool", "labels", "tools") else path
         if top in ROLE_KEYS and not rest:
             shown = f"`{top}`"
             assert shown in text, path
