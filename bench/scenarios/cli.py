@@ -38,8 +38,10 @@ def run(ctx: Ctx) -> dict[str, Any]:
     if done is None or done.status != "COMPLETED":
         raise BenchError(f"the execution for the cli runs did not complete: {done}")
     st = stack.st
-    env = {**os.environ, "NOETL_API": st.api, "NOETL_TOKEN": st.tokens.get("admin", ""),
-           "NOETL_TLS_CA_FILE": st.ca_file}
+    # a user's shell: bytecode is written on the warm-up runs and read after (this machine's
+    # PYTHONDONTWRITEBYTECODE would make every run compile what changed since the install)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+           "NOETL_API": st.api, "NOETL_TOKEN": st.tokens.get("admin", ""), "NOETL_TLS_CA_FILE": st.ca_file}
     cmd = [*_cli(), "status", str(eid)]
     walls: list[float] = []
     cpus: list[float] = []
