@@ -144,6 +144,10 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
         s.error = None
         s.result_ref_id = None
         s.ended_at = None
+        if meta.get("taken_back") and s.loop_total is not None:
+            # the iteration's failed result no longer counts: its re-run's will
+            s.loop_done = max(0, s.loop_done - 1)
+            s.loop_failed = max(0, s.loop_failed - 1)
         for other in meta.get("resumed") or ():
             o = view.step(other)
             o.status = RUNNING

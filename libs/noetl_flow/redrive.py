@@ -170,5 +170,7 @@ def apply(flow: Flow, t: Transition, items: list[RedriveItem], deadline_ms: int 
                                    "redrive": generation, "resumed": sorted(resumed)}
         if item.loop_index is not None:
             meta["index"] = item.loop_index
+            # its failed result was taken back (an expired iteration never had one)
+            meta["taken_back"] = item.reason != EXPIRED
         t.emit(EV_REDRIVEN, step=item.step, command_id=command_id, meta=meta)
         t.redrive_outcomes.append((item.dead_letter_id, command_id, None))

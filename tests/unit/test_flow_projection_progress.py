@@ -47,3 +47,18 @@ def test_a_loop_entered_again_counts_from_zero_and_plain_steps_are_not_loops() -
     cursor = ExecutionView(execution_id=2, shard_id=0)
     fold(cursor, [ev(1, r.EV_STEP_ENTER, meta={"visit": 1, "loop_instance": "each:1", "mode": "cursor", "total": 4})])
     assert cursor.steps["each"].loop_total == 0  # slots, not items: the total is not known up front
+
+
+def test_a_redriven_iteration_is_counted_once() -> None:
+    """A failed iteration redriven (dead letters): its failed result is taken back, so the
+    loop's progress counts the re-run's result instead of both."""
+    view = ExecutionView(execution_id=1, shard_id=0)
+    fold(view, loop_events(4, failed={2}))
+    fold(view, [ev(20, r.EV_REDRIVEN, meta={"index": 2, "taken_back": True, "redrive": 1})])
+    s = view.steps["each"]
+    assert (s.loop_done, s.loop_failed) == (3, 0)
+    fold(view, [ev(21, r.EV_CALL_DONE, meta={"index": 2}, result={"status": "ok"})])
+    assert (s.loop_total, s.loop_done, s.loop_failed) == (4, 4, 0)
+    # an iteration whose claims expired had no result counted: nothing is taken back
+    fold(view, [ev(22, r.EV_REDRIVEN, meta={"index": 3, "taken_back": False, "redrive": 2})])
+    assert (s.loop_done, s.loop_failed) == (4, 0)
