@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import time
 
+import grpc
 import pytest
 from harness import Outcome, Runner, cancel, wait_until
 
+from noetl_cli.client import Api
 from noetl_proto.v1 import catalog_pb2, common_pb2, concurrency_pb2, execution_pb2
 
 pytestmark = pytest.mark.e2e
@@ -141,3 +143,19 @@ def test_bad_limits_are_refused_naming_the_field(runner: Runner) -> None:
         assert needle in out.stderr, (args, out.stderr)
     listed = json.loads(runner.cli("limit", "list", "--path", "tests/limited_bad", "--json").stdout)
     assert listed == []
+
+
+def test_only_an_admin_sets_or_deletes_a_limit(runner: Runner) -> None:
+    register(runner, "tests/limited_auth")
+    for role in ("worker", "service"):  # the tokens the local stack issues besides admin's
+        other = Api(runner.state.api, token=runner.state.tokens[role], ca_file=runner.state.ca_file)
+        try:
+            for call, request in ((other.concurrency.SetLimit, concurrency_pb2.SetLimitRequest(
+                                      playbook_path="tests/limited_auth", max_running=1)),
+                                  (other.concurrency.DeleteLimit, concurrency_pb2.DeleteLimitRequest(limit_id=1))):
+                with pytest.raises(grpc.RpcError) as exc:
+                    call(request, timeout=10)
+                assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED, (role, exc.value)
+        finally:
+            other.close()
+    assert json.loads(runner.cli("limit", "list", "--path", "tests/limited_auth", "--json").stdout) == []

@@ -114,7 +114,8 @@ class EngineLimits:
 
 
 async def release(conn: Any, ended: Sequence[int]) -> None:
-    """Free the slots (and queue places) of executions that ended (in the batch)."""
+    """Free the slots (and queue places: a queued execution cancelled) of executions that
+    ended in the batch; run for every batch that ended one, limits or not."""
     if ended:
         await conn.execute("DELETE FROM noetl.concurrency_slot WHERE execution_id = ANY(%s)", (list(ended),))
         await conn.execute("DELETE FROM noetl.concurrency_wait WHERE execution_id = ANY(%s)", (list(ended),))
@@ -123,7 +124,9 @@ async def release(conn: Any, ended: Sequence[int]) -> None:
 _HEADS = """
 SELECT DISTINCT w.execution_id, w.shard_id FROM noetl.concurrency_wait w
 LEFT JOIN noetl.concurrency_limit l ON l.limit_id = w.limit_id
-WHERE {where} AND (l.limit_id IS NULL OR (
+WHERE {where}
+  AND NOT EXISTS (SELECT 1 FROM noetl.engine_state s WHERE s.execution_id = w.execution_id)
+  AND (l.limit_id IS NULL OR (
   w.execution_id = (SELECT min(w2.execution_id) FROM noetl.concurrency_wait w2
                     WHERE w2.limit_id = w.limit_id AND w2.key = w.key)
   AND (SELECT count(*) FROM noetl.concurrency_slot s WHERE s.limit_id = w.limit_id AND s.key = w.key)

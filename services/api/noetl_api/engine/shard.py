@@ -526,9 +526,10 @@ class ShardEngine:
             ended = [eid for eid, (state, _) in touched.items() if state.status == "cancelled"]
             finished = [eid for eid, (state, _) in touched.items() if state.terminal]
             if finished:
-                await self.d.concurrency.refresh(conn)
-                if self.d.concurrency.any:
-                    await limits.release(conn, finished)
+                # always (two pipelined DELETEs, no round trip): slots and queue places of a
+                # limit must go even when this replica's cached view says there is none
+                await limits.release(conn, finished)
+                await self.d.concurrency.refresh(conn)  # at most once a second: whom to nudge
             # every write of the batch, then the COMMIT, in one round trip
             await sql.append_events(conn, events)
             await sql.save_states(conn, self.shard, [(s, last, _deadline(s)) for s, last in touched.values()])
