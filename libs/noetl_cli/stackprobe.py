@@ -5,18 +5,18 @@ are dead, the admin token and the CA to trust."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from . import stacksecrets
 from .home import dev_dir, read_state
 from .output import CliError
 from .procs import same_process
 
-SECRETS_FILE = "secrets.json"  # stacksecrets.FILE
-CA_FILE = ("tls", "ca.crt")  # stackcerts.DIR, stackcerts.CA
+# stackcerts.DIR, stackcerts.CA (stackcerts loads cryptography: pinned by a unit test)
+CA_FILE = ("tls", "ca.crt")
 
 
 def _alive(info: Mapping[str, Any]) -> bool:
@@ -63,12 +63,7 @@ def resolve_token(home: Path, token_file: str | None, local: bool,
     if env.get("NOETL_TOKEN"):
         return env["NOETL_TOKEN"].strip()
     if local:
-        try:
-            data = json.loads((dev_dir(home) / SECRETS_FILE).read_text())
-        except (OSError, ValueError):
-            return ""
-        tokens = data.get("tokens") if isinstance(data, dict) else None
-        return str(tokens.get("admin", "")) if isinstance(tokens, dict) else ""
+        return stacksecrets.tokens(dev_dir(home)).get("admin", "")
     return ""
 
 

@@ -9,8 +9,6 @@ import json
 import os
 from pathlib import Path
 
-import psycopg
-
 from noetl_common import auth
 
 FILE = "secrets.json"
@@ -45,6 +43,8 @@ def tokens(dev: Path) -> dict[str, str]:
 
 def issue_tokens(dev: Path, dsn: str) -> dict[str, str]:
     """Issue (or keep) the stack's tokens and make sure their hashes are registered."""
+    import psycopg  # here: a client command reads its token from this module without Postgres
+
     issued = tokens(dev) or {role.value: auth.new_token() for role in TOKEN_ROLES}
     with psycopg.connect(dsn, autocommit=True) as conn:
         for role, token in issued.items():

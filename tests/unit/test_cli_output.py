@@ -193,3 +193,11 @@ def test_colour_follows_the_terminal_and_no_color(monkeypatch: pytest.MonkeyPatc
     assert output.colour_enabled(Tty()) and not output.colour_enabled(io.StringIO())
     monkeypatch.setenv("NO_COLOR", "1")
     assert not output.colour_enabled(Tty())
+
+
+def test_the_clients_light_view_of_the_stack_names_the_launchers_files() -> None:
+    """stackprobe reads the local stack's CA without importing stackcerts (cryptography):
+    the paths must stay the same."""
+    from noetl_cli import stackcerts, stackprobe
+
+    assert stackprobe.CA_FILE == (stackcerts.DIR, stackcerts.CA)
