@@ -87,6 +87,10 @@ def _read_ca(path: str) -> bytes:
         raise Unavailable(f"the CA file: {exc}") from exc
 
 
+# what a subcommand module gets to run its call: ``run(args, fn)`` calls ``fn`` with the api
+WithApi = Callable[[Any, Callable[["Api"], int]], int]
+
+
 class Api:
     """Stubs of the services over one channel to ``target`` (the api's, or with
     ``what="shard-manager"`` the shard-manager's). The first call first asks the

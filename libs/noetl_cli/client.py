@@ -296,7 +296,7 @@ def status(api: Api, execution_id: int, *, as_json: bool = False) -> int:
     return 0
 
 
-def _event_pages(api: Api, execution_id: int, after: int,
+def event_pages(api: Api, execution_id: int, after: int,
                  page_size: int) -> Iterator[list[common_pb2.EventRecord]]:
     """The execution's events after event id ``after``, a page at a time, to the end."""
     while True:
@@ -315,7 +315,7 @@ def events(api: Api, execution_id: int, *, as_json: bool = False, page_size: int
     events as they are recorded (one line each, ``--json``: one JSON object per line)
     until the execution is terminal and its last events are printed."""
     records: collections.deque[common_pb2.EventRecord] = collections.deque(maxlen=limit or None)
-    for page in _event_pages(api, execution_id, 0, page_size):
+    for page in event_pages(api, execution_id, 0, page_size):
         records.extend(page)
     if not follow:
         if as_json:
@@ -337,7 +337,7 @@ def events(api: Api, execution_id: int, *, as_json: bool = False, page_size: int
     try:
         while True:
             terminal = _latest(api, execution_id, include_results=False)
-            for page in _event_pages(api, execution_id, after, page_size):
+            for page in event_pages(api, execution_id, after, page_size):
                 emit(page)
             if terminal is not None and output.is_terminal(terminal):
                 return 0  # its terminal event was recorded before the read model said so

@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 from noetl_common.errors import NoetlError
-from noetl_proto.v1 import deadletter_pb2, deadletter_pb2_grpc, execution_pb2
+from noetl_proto.v1 import deadletter_pb2, deadletter_pb2_grpc
 
-from . import output
-from .apichannel import Api
+from . import client, output
+from .apichannel import Api, WithApi
 from .output import CliError
 
 STATUSES = {"dead": deadletter_pb2.DEAD_LETTER_STATUS_DEAD,
@@ -26,9 +25,6 @@ STATUSES = {"dead": deadletter_pb2.DEAD_LETTER_STATUS_DEAD,
             "redriven": deadletter_pb2.DEAD_LETTER_STATUS_REDRIVEN}
 _STATUS_NAMES = {v: k for k, v in STATUSES.items()}
 _ENDS = {"playbook.completed": "COMPLETED", "playbook.failed": "FAILED", "playbook.cancelled": "CANCELLED"}
-
-WithApi = Callable[[argparse.Namespace, Callable[[Api], int]], int]
-
 
 def add_parsers(sub: Any, with_api: argparse.ArgumentParser, run: WithApi) -> None:
     """The ``dlq`` command group; ``run(args, fn)`` calls ``fn`` with the api."""
@@ -209,17 +205,13 @@ class _Follow:
         self.ended: tuple[int, str] | None = None
 
     def status(self, api: Api) -> str | None:
-        while True:
-            page = api.call(api.executions.GetEvents, execution_pb2.GetEventsRequest(
-                execution_id=self.execution_id, after_event_id=self.after, page_size=1000)).events
+        for page in client.event_pages(api, self.execution_id, self.after, 1000):
             for e in page:
                 self.after = max(self.after, e.event_id)
                 if e.event_type == "command.redriven":
                     self.last_redrive = max(self.last_redrive, e.shard_seq)
                 elif e.event_type in _ENDS:
                     self.ended = (e.shard_seq, _ENDS[e.event_type])
-            if len(page) < 1000:
-                break
         if self.ended is not None and self.ended[0] > self.last_redrive:
             return self.ended[1]
         return None

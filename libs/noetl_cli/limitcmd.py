@@ -10,9 +10,7 @@ from typing import Any
 from noetl_proto.v1 import concurrency_pb2
 
 from . import output
-from .apichannel import Api
-
-WithApi = Callable[[argparse.Namespace, Callable[[Api], int]], int]
+from .apichannel import Api, WithApi
 
 
 def add_parsers(sub: Any, with_api: argparse.ArgumentParser, run: WithApi, count: Callable[[str], Any]) -> None:

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from typing import Any
 
 from noetl_common.schedules import CatchUp
 from noetl_proto.v1 import schedule_pb2
 
 from . import output
-from .apichannel import Api
+from .apichannel import Api, WithApi
 
 POLICIES = {CatchUp.SKIP.value: schedule_pb2.CATCH_UP_POLICY_SKIP, CatchUp.ONCE.value: schedule_pb2.CATCH_UP_POLICY_ONCE,
             CatchUp.ALL.value: schedule_pb2.CATCH_UP_POLICY_ALL}
 _POLICY_NAMES = {v: k for k, v in POLICIES.items()}
-
-WithApi = Callable[[argparse.Namespace, Callable[[Api], int]], int]
-
 
 def add_parsers(sub: Any, with_api: argparse.ArgumentParser, run: WithApi) -> None:
     """The ``schedule`` command group; ``run(args, fn)`` calls ``fn`` with the api."""
