@@ -111,3 +111,23 @@ def test_a_worker_asks_higher_priorities_first_and_skips_empty_ones_until_a_hint
         assert levels.backstop() and levels.order() == keys
 
     asyncio.run(go())
+
+
+def test_an_empty_fetch_right_after_a_hint_is_asked_again() -> None:
+    """The core copy of a notice can reach a worker before JetStream stored the notice: an
+    empty fetch within HINT_GRACE_SEC of the hint does not mark the queue empty (the slot
+    asks again in a few ms); after it, it does."""
+    from noetl_worker.notices import HINT_GRACE_SEC
+
+    now = [100.0]
+    levels = Levels(queues(("default",)), capacity=1, backstop_sec=0.0, clock=lambda: now[0])
+    for k in levels.order():
+        levels.empty(k, levels.generation(k))
+    assert levels.order() == [] and not levels.fresh()
+    levels.hinted("default.normal")
+    levels.empty("default.normal", levels.generation("default.normal"))  # not stored yet
+    assert levels.order() == ["default.normal"] and levels.fresh()
+    now[0] += HINT_GRACE_SEC * 1.01
+    assert not levels.fresh()
+    levels.empty("default.normal", levels.generation("default.normal"))
+    assert levels.order() == []

@@ -8,7 +8,10 @@ until there is a reason to.
 
     hint (a copy of a notice: core NATS ``noetl.commands.{pool}.*.*``)
         -> that priority "may have notices"; one idle slot is woken
-    a fetch that came back empty -> that priority "has none" (unless a hint came meanwhile)
+    a fetch that came back empty -> that priority "has none" (unless a hint came meanwhile,
+                                    or within HINT_GRACE_SEC before it: the core copy of a
+                                    notice can arrive before JetStream has stored the
+                                    notice, so the slot asks again in a few ms: ``fresh``)
     a fetch that got a notice    -> one more idle slot is woken (a backlog wakes them all)
     no hint for FETCH_POLL_SEC   -> backstop: every priority "may have notices" (hints are
                                     best effort: notices stored before this worker started
@@ -22,8 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from noetl_common.pools import PRIORITIES
+
+HINT_GRACE_SEC = 0.05  # how long after a hint an empty fetch is not believed
 
 
 def queues(pools: tuple[str, ...]) -> list[str]:
@@ -35,7 +41,10 @@ def queues(pools: tuple[str, ...]) -> list[str]:
 class Levels:
     """Keys are ``pool.priority`` (``queues``), in the order they are asked."""
 
-    def __init__(self, keys: list[str], capacity: int, backstop_sec: float) -> None:
+    def __init__(self, keys: list[str], capacity: int, backstop_sec: float, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._hinted_at: dict[str, float] = dict.fromkeys(keys, float("-inf"))
         self.capacity = max(1, capacity)
         self.backstop_sec = backstop_sec
         self.maybe: dict[str, bool] = dict.fromkeys(keys, True)
@@ -55,6 +64,7 @@ class Levels:
         if key not in self.maybe:
             return
         self._gen[key] += 1
+        self._hinted_at[key] = self._clock()
         self.maybe[key] = True
         self.wake()
 
@@ -65,8 +75,13 @@ class Levels:
 
     def empty(self, key: str, generation: int) -> None:
         """A fetch asked at ``generation`` found nothing: skip ``key`` until a hint."""
-        if self._gen[key] == generation:
+        if self._gen[key] == generation and self._clock() - self._hinted_at[key] >= HINT_GRACE_SEC:
             self.maybe[key] = False
+
+    def fresh(self) -> bool:
+        """A hint came within HINT_GRACE_SEC and its notice was not found yet: ask again soon."""
+        now = self._clock()
+        return any(maybe and now - self._hinted_at[k] < HINT_GRACE_SEC for k, maybe in self.maybe.items())
 
     def backstop(self) -> bool:
         """True (and every priority may have notices again) at most once per backstop period."""

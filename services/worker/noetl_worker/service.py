@@ -402,6 +402,9 @@ class WorkerService(Service):
                 await self._ensure_consumer()
                 await self.sleep(0.5)
                 continue
+            if msg is None and levels.fresh():  # its notice may not be stored yet (notices.py)
+                await self.sleep(0.005)
+                continue
             if msg is None:
                 self._idle.add(n)
                 try:
