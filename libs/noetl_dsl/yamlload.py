@@ -27,7 +27,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from noetl_common.config import LimitSettings
 from noetl_common.errors import PlaybookInvalid
-from noetl_common.limits import check, defaults, exceeded
+from noetl_common.limits import check, defaults, env_name, exceeded
 
 __all__ = ["load_yaml"]
 
@@ -46,8 +46,29 @@ def load_yaml(text: str, limits: LimitSettings | None = None) -> Any:
     try:
         node = _Composer(loader, limits).single_node()
         return None if node is None else loader.construct_document(node)
+    except yaml.MarkedYAMLError as exc:
+        if _LIBYAML_DEPTH in str(exc.problem or ""):
+            raise _libyaml_too_deep(exc, limits) from exc
+        raise
     finally:
         loader.dispose()
+
+
+# libyaml >= 0.2.6 (PyYAML 6.0.4's wheels) stops its scanner at 1,000 open levels: it
+# scans ahead of the events for a possible simple key, so a long run of ``[`` reaches
+# that bound before this composer sees the level past ``nesting_depth``.
+_LIBYAML_DEPTH = "maximum nesting depth"
+_LIBYAML_MAX_DEPTH = 1000
+
+
+def _libyaml_too_deep(exc: yaml.MarkedYAMLError, limits: LimitSettings) -> Exception:
+    """The error the composer raises at the level past ``nesting_depth``, whichever bound
+    was met first; a ``nesting_depth`` of 1,000 or more is bounded by libyaml's, and says so."""
+    if limits.nesting_depth >= _LIBYAML_MAX_DEPTH:
+        return PlaybookInvalid("", f"playbook nests deeper than the YAML parser's own bound of {_LIBYAML_MAX_DEPTH}"
+                                   f" levels ({env_name('nesting_depth')}={limits.nesting_depth} is above it)")
+    return exceeded("playbook nesting depth", limits.nesting_depth + 1, "nesting_depth", limits.nesting_depth,
+                    at_least=True, path="")
 
 
 def check_text_size(text: str, limits: LimitSettings) -> None:

@@ -177,3 +177,10 @@ def test_load_playbook_checks_depth_and_steps_of_a_parsed_document() -> None:
         nested = [nested]
     with pytest.raises(PlaybookLimitExceeded, match="playbook nesting depth is at least 101"):
         load_playbook({**doc, "workload": {"x": nested}})
+
+
+def test_a_nesting_limit_above_the_yaml_parsers_own_bound_is_still_refused_cleanly() -> None:
+    # libyaml 0.2.6 stops at 1,000 open levels whatever nesting_depth says: a PlaybookInvalid
+    # (naming that bound, or ours when an older libyaml lets the composer count), never a crash.
+    with pytest.raises(PlaybookInvalid, match="nest"):
+        parse_playbook("[" * 500_000 + "]" * 500_000, limits=limits(nesting_depth=5000))
