@@ -358,6 +358,9 @@ async def _drop_legacy_consumer(js: JetStreamContext) -> None:
                    " subjects", LEGACY_WORKER_CONSUMER)
 
 
+MAX_WAITING_PULLS = 16384
+
+
 async def ensure_pool_consumers(js: JetStreamContext, pool: str, *, command_ack_wait_sec: float = 30.0) -> None:
     """Create the durable pull consumers of a pool's notices, one per priority, if missing
     (NATS errors come out as ``Unavailable``: the pre-pool consumer, until the api deletes
@@ -379,6 +382,9 @@ async def ensure_pool_consumers(js: JetStreamContext, pool: str, *, command_ack_
                     deliver_policy=DeliverPolicy.ALL,
                     ack_wait=command_ack_wait_sec,
                     max_ack_pending=-1,
+                    # every idle slot of every worker of the pool keeps one pull request here
+                    # (fetch_first); the server's default of 512 would refuse the 513th
+                    max_waiting=MAX_WAITING_PULLS,
                     filter_subject=commands_filter(pool, priority),
                 ),
             )
@@ -411,6 +417,84 @@ async def fetch_now(sub: JetStreamContext.PullSubscription, *, wait_sec: float =
     if status in (StatusCode.NO_MESSAGES, StatusCode.REQUEST_TIMEOUT):
         return None
     raise Unavailable(f"nats pull from {sub._nms}: status {status} {msg.headers or ''}")
+
+
+async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec: float) -> Msg | None:
+    """The first message any of several pull consumers delivers within ``wait_sec``, else
+    None: one long pull request of one message per consumer, all answering to one fresh
+    inbox, so the caller hears of a message as soon as the server stores it. Once one has
+    arrived the other requests are withdrawn (UNSUB: the server drops a pull request nobody
+    listens for; a PING/PONG later everything it sent before has arrived) and a message that
+    crossed the withdrawal is nak'ed at once for another fetcher: nothing lingers on the
+    server or in this process. The consumers' own subscriptions are unused but for their
+    subjects. NATS errors come out as ``Unavailable``."""
+    nc: NATS = subs[0]._nc
+    inbox = nc.new_inbox()
+    expires = int(wait_sec * 1e9)
+    request = b'{"batch":1,"expires":%d}' % expires
+    try:
+        sub = await nc.subscribe(inbox)
+        for pull in subs:
+            await nc.publish(pull._nms, request, inbox)
+    except (NatsError, OSError) as exc:
+        raise translate(exc) from exc
+    deadline = asyncio.get_running_loop().time() + wait_sec + 1.0
+    open_requests = len(subs)
+    refused = ""
+    withdraw = True
+    try:
+        while open_requests:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return None  # requests lost with a NATS restart: the caller asks again
+            try:
+                msg = await sub.next_msg(timeout=remaining)
+            except TimeoutError:
+                return None
+            except NatsError as exc:
+                raise translate(exc) from exc
+            status = JetStreamContext.is_status_msg(msg)
+            if not status:
+                return msg
+            if status == StatusCode.CONTROL_MESSAGE:  # an idle heartbeat
+                continue
+            open_requests -= 1  # 408 expired, 409 (max waiting, consumer deleted, ...)
+            if status != StatusCode.REQUEST_TIMEOUT:
+                refused = f"{status} {msg.headers or ''}"
+        withdraw = False  # every request has ended on the server
+        if refused:
+            raise Unavailable(f"nats pull of {len(subs)} consumers: status {refused}")
+        return None
+    finally:
+        _spawn(_withdraw(nc, sub, server_side=withdraw))
+
+
+_withdrawals: set[asyncio.Task[None]] = set()
+
+
+def _spawn(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    _withdrawals.add(task)
+    task.add_done_callback(_withdrawals.discard)
+
+
+async def _withdraw(nc: NATS, sub: Any, *, server_side: bool) -> None:
+    """End ``fetch_first``'s requests: UNSUB on the server first, keeping the subscription
+    here until a PONG says every message sent before it has arrived; nak those."""
+    try:
+        if server_side and nc.is_connected:
+            await nc._send_unsubscribe(sub._id)
+            await nc.flush(timeout=5)
+    except Exception as exc:  # a NATS restart drops the requests with the connection
+        logger.debug("withdrawing pull requests: %s", exc)
+    queue = sub._pending_queue
+    while not queue.empty():
+        msg = queue.get_nowait()
+        if not JetStreamContext.is_status_msg(msg):
+            with contextlib.suppress(Exception):
+                await msg.nak()
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()
 
 
 async def publish(js: JetStreamContext, subject: str, payload: bytes, *, msg_id: str | None = None,

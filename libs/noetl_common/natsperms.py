@@ -14,9 +14,9 @@ Least privilege, by role:
                 streams, the worker consumer, its own
                 ordered consumers on NOETL_EVENTS; the
                 result KV (create, read, write)
-  worker        events .call only; creates (filtered on  cancel hints, command notices
-                commands only), pulls and acks its pool's  (hints of which priority has
-                ``noetl-workers-{pool}-{priority}``       work), its inbox
+  worker        events .call only; creates (filtered on  cancel hints, its inbox
+                commands only), pulls and acks its pool's
+                ``noetl-workers-{pool}-{priority}``
                 consumers; reads stream info; the
                 result KV (read, write; not create)
   projector     checkpointer and progress hints          projector hints, its inbox
@@ -71,7 +71,7 @@ USES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     f"events_subject:{natsio.KIND_REDRIVE}": (natsio.events_subject(ANY, natsio.KIND_REDRIVE), ("api",), ()),
     f"events_subject:{natsio.KIND_EXPIRED}": (natsio.events_subject(ANY, natsio.KIND_EXPIRED), ("reaper",), ()),
     f"events_subject:{natsio.KIND_BARRIER}": (natsio.events_subject(ANY, natsio.KIND_BARRIER), ("checkpointer",), ()),
-    "commands_subject": (natsio.commands_subject(ANY, ANY, ANY), ("api", "reaper"), ("worker",)),
+    "commands_subject": (natsio.commands_subject(ANY, ANY, ANY), ("api", "reaper"), ()),
     "progress_subject": (natsio.progress_subject(ANY), ("projector",), ("api",)),
     "projector_subject": (natsio.projector_subject(ANY), ("api",), ("projector", "checkpointer")),
     "checkpointer_subject": (natsio.checkpointer_subject(ANY), ("projector",), ("checkpointer",)),

@@ -1,10 +1,8 @@
 """Worker pools and priorities: the vocabulary (noetl_common.pools), a playbook's placement
 (noetl_dsl.placement, checked at submit), the engine's choice (placing.place) and the
-worker's fetch order (notices.Levels)."""
+worker's fetch order (notices.Queues)."""
 
 from __future__ import annotations
-
-import asyncio
 
 import pytest
 
@@ -12,7 +10,7 @@ from noetl_api.engine.placing import DEFAULT, place
 from noetl_common import natsio, pools
 from noetl_common.errors import PlaybookInvalid
 from noetl_dsl import Placement, parse_playbook, placements
-from noetl_worker.notices import Levels, queues
+from noetl_worker.notices import EMPTY_TTL_SEC, Queues, queue_of, queues
 
 PLAYBOOK = """
 apiVersion: noetl.io/v2
@@ -93,41 +91,23 @@ def test_qualifies() -> None:
         pools.parse_pools("Bad.Pool")
 
 
-def test_a_worker_asks_higher_priorities_first_and_skips_empty_ones_until_a_hint() -> None:
-    async def go() -> None:
-        keys = queues(("gpu", "default"))
-        assert keys == ["gpu.high", "default.high", "gpu.normal", "default.normal", "gpu.low", "default.low"]
-        levels = Levels(keys, capacity=2, backstop_sec=0.0)
-        assert levels.order() == keys  # at start every queue may have notices
-        for k in keys:
-            levels.empty(k, levels.generation(k))
-        assert levels.order() == []
-        gen = levels.generation("default.normal")
-        levels.hinted("default.normal")
-        levels.empty("default.normal", gen)  # a fetch sent before the hint does not clear it
-        assert levels.order() == ["default.normal"]
-        assert await levels.wait(0.01) is True  # the hint woke one idle slot
-        assert await levels.wait(0.01) is False
-        assert levels.backstop() and levels.order() == keys
-
-    asyncio.run(go())
-
-
-def test_an_empty_fetch_right_after_a_hint_is_asked_again() -> None:
-    """The core copy of a notice can reach a worker before JetStream stored the notice: an
-    empty fetch within HINT_GRACE_SEC of the hint does not mark the queue empty (the slot
-    asks again in a few ms); after it, it does."""
-    from noetl_worker.notices import HINT_GRACE_SEC
-
+def test_a_worker_drains_higher_priorities_first_and_skips_a_consumer_found_empty_for_a_while() -> None:
     now = [100.0]
-    levels = Levels(queues(("default",)), capacity=1, backstop_sec=0.0, clock=lambda: now[0])
-    for k in levels.order():
-        levels.empty(k, levels.generation(k))
-    assert levels.order() == [] and not levels.fresh()
-    levels.hinted("default.normal")
-    levels.empty("default.normal", levels.generation("default.normal"))  # not stored yet
-    assert levels.order() == ["default.normal"] and levels.fresh()
-    now[0] += HINT_GRACE_SEC * 1.01
-    assert not levels.fresh()
-    levels.empty("default.normal", levels.generation("default.normal"))
-    assert levels.order() == []
+    keys = queues(("gpu", "default"))
+    assert keys == ["gpu.high", "default.high", "gpu.normal", "default.normal", "gpu.low", "default.low"]
+    q = Queues(keys, clock=lambda: now[0])
+    assert q.to_drain() == keys  # at start every consumer may have notices
+    for k in keys:
+        q.found_empty(k)
+    assert q.to_drain() == []
+    q.found_notice("default.normal")  # a waiting slot got one: there may be more
+    assert q.to_drain() == ["default.normal"]
+    now[0] += EMPTY_TTL_SEC * 1.01
+    assert q.to_drain() == keys
+    q.found_notice("elsewhere.high")  # not one of ours: ignored
+    assert q.to_drain() == keys
+
+
+def test_a_notice_subject_names_its_consumer() -> None:
+    assert queue_of("noetl.commands.gpu.high.7") == "gpu.high"
+    assert queue_of("noetl.commands.7") == ""

@@ -1,35 +1,34 @@
-"""Which of the pool's priorities may have notices, and idle slots waiting for one.
+"""How a worker's slots take notices from their pools' consumers, one per priority.
 
-A worker's slots take notices from their pool's consumers, one per priority
-(``noetl_common.pools``), always asking the higher priority first, with ``no_wait`` pull
-requests (``natsio.fetch_now``): no request lingers on the server, so a worker never
-holds more notices than it has busy slots, and a priority found empty is not asked again
-until there is a reason to.
+A slot with nothing to do asks for one notice in two ways (``WorkerService._next_notice``):
 
-    hint (a copy of a notice: core NATS ``noetl.commands.{pool}.*.*``)
-        -> that priority "may have notices"; one idle slot is woken
-    a fetch that came back empty -> that priority "has none" (unless a hint came meanwhile,
-                                    or within HINT_GRACE_SEC before it: the core copy of a
-                                    notice can arrive before JetStream has stored the
-                                    notice, so the slot asks again in a few ms: ``fresh``)
-    a fetch that got a notice    -> one more idle slot is woken (a backlog wakes them all)
-    no hint for FETCH_POLL_SEC   -> backstop: every priority "may have notices" (hints are
-                                    best effort: notices stored before this worker started
-                                    or republished while it was disconnected)
+    drain   ``no_wait`` pull requests (``natsio.fetch_now``), highest priority first: the
+            first consumer with a notice gives it; the server answers at once either way.
+            A consumer found empty is not asked again by any slot for EMPTY_TTL_SEC (under
+            a backlog of normal notices a busy slot makes one request per notice, not one
+            per priority), so a high notice queued meanwhile waits at most that long
+            behind a normal one.
+    wait    when the drain found nothing: one long pull request per consumer, all at once,
+            answering to one fresh inbox (``natsio.fetch_first``). The first notice any
+            consumer has goes to the slot as soon as it is stored; the other requests are
+            withdrawn then (the server drops a request nobody listens for) and a notice
+            that crossed the withdrawal is nak'ed for another slot at once. A request
+            expires after WAIT_SEC and the slot drains and waits again.
 
-Under a backlog of normal notices, busy slots ask only ``normal`` (one request per notice,
-as with one shared consumer): ``high`` is asked again once a high notice's hint arrives.
+So an idle worker hears of a notice when the server delivers it (no hint, no poll), a
+worker holds a notice only while a slot is free for it, and a backlog is taken in
+priority order.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
 from noetl_common.pools import PRIORITIES
 
-HINT_GRACE_SEC = 0.05  # how long after a hint an empty fetch is not believed
+EMPTY_TTL_SEC = 0.05  # how long a consumer found empty is not asked by a draining slot
+WAIT_SEC = 5.0        # how long an idle slot's pull requests wait on the server
 
 
 def queues(pools: tuple[str, ...]) -> list[str]:
@@ -38,72 +37,30 @@ def queues(pools: tuple[str, ...]) -> list[str]:
     return [f"{pool}.{priority}" for priority in PRIORITIES for pool in pools]
 
 
-class Levels:
-    """Keys are ``pool.priority`` (``queues``), in the order they are asked."""
+def queue_of(subject: str) -> str:
+    """The ``pool.priority`` of a notice's subject ``noetl.commands.{pool}.{priority}.{shard}``."""
+    parts = subject.split(".")
+    return f"{parts[2]}.{parts[3]}" if len(parts) == 5 else ""
 
-    def __init__(self, keys: list[str], capacity: int, backstop_sec: float, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+
+class Queues:
+    """The worker's consumers (``queues``) and when each was last found empty, shared by
+    its slots."""
+
+    def __init__(self, keys: list[str], *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.keys = keys
         self._clock = clock
-        self._hinted_at: dict[str, float] = dict.fromkeys(keys, float("-inf"))
-        self.capacity = max(1, capacity)
-        self.backstop_sec = backstop_sec
-        self.maybe: dict[str, bool] = dict.fromkeys(keys, True)
-        self._gen: dict[str, int] = dict.fromkeys(keys, 0)
-        self._hints = 0
-        self._event = asyncio.Event()
-        self._backstop_at = 0.0
+        self._empty_at: dict[str, float] = dict.fromkeys(keys, float("-inf"))
 
-    def order(self) -> list[str]:
-        """The queues to ask now, highest priority first."""
-        return [k for k, maybe in self.maybe.items() if maybe]
-
-    def generation(self, key: str) -> int:
-        return self._gen[key]
-
-    def hinted(self, key: str) -> None:
-        if key not in self.maybe:
-            return
-        self._gen[key] += 1
-        self._hinted_at[key] = self._clock()
-        self.maybe[key] = True
-        self.wake()
-
-    def wake(self) -> None:
-        """Let one more idle slot look (bounded: hints beyond the slots are not kept)."""
-        self._hints = min(self._hints + 1, self.capacity)
-        self._event.set()
-
-    def empty(self, key: str, generation: int) -> None:
-        """A fetch asked at ``generation`` found nothing: skip ``key`` until a hint."""
-        if self._gen[key] == generation and self._clock() - self._hinted_at[key] >= HINT_GRACE_SEC:
-            self.maybe[key] = False
-
-    def fresh(self) -> bool:
-        """A hint came within HINT_GRACE_SEC and its notice was not found yet: ask again soon."""
+    def to_drain(self) -> list[str]:
+        """The consumers a draining slot asks, highest priority first."""
         now = self._clock()
-        return any(maybe and now - self._hinted_at[k] < HINT_GRACE_SEC for k, maybe in self.maybe.items())
+        return [k for k in self.keys if now - self._empty_at[k] >= EMPTY_TTL_SEC]
 
-    def backstop(self) -> bool:
-        """True (and every priority may have notices again) at most once per backstop period."""
-        now = time.monotonic()
-        if now - self._backstop_at < self.backstop_sec:
-            return False
-        self._backstop_at = now
-        for p in self.maybe:
-            self.maybe[p] = True
-        return True
+    def found_empty(self, key: str) -> None:
+        self._empty_at[key] = self._clock()
 
-    async def wait(self, seconds: float) -> bool:
-        """Wait for a wake-up (True) or ``seconds`` (False)."""
-        deadline = time.monotonic() + seconds
-        while self._hints == 0:
-            self._event.clear()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._event.wait(), remaining)
-            except TimeoutError:
-                return False
-        self._hints -= 1
-        return True
+    def found_notice(self, key: str) -> None:
+        """A notice came from ``key``: there may be more (draining slots ask it again)."""
+        if key in self._empty_at:
+            self._empty_at[key] = float("-inf")

@@ -17,10 +17,10 @@ pools' consumers, one per pool and priority, and every claim carries its placeme
 only commands it qualifies for (a notice of one it does not qualify for, in a pool whose
 workers differ in labels, is nak'ed with a delay for another worker: NOT_QUALIFIED).
 
-Concurrency: ``WorkerSettings.concurrency`` slots, each with its own pull subscriptions
-on the pool's consumers, fetching one notice when it is free, higher priorities first,
-with ``no_wait`` pull requests (``notices.py``: copies of the pool's notices on core NATS
-wake idle slots): a worker never holds more notices than it has busy slots. Claims are group-committed: the claims slots make while a
+Concurrency: ``WorkerSettings.concurrency`` slots, each taking one notice when it is free
+from its pools' consumers: ``no_wait`` pull requests highest priority first, else long
+pull requests on every consumer at once, withdrawn when one delivers (``notices.py``): a
+worker never holds more notices than it has free slots. Claims are group-committed: the claims slots make while a
 ``ClaimCommands`` call is in flight go out together as the next call (one round trip
 and one SQL statement for the batch, no waiting window: a lone claim goes at once, as
 a plain ``ClaimCommand``). If ``RenewLease`` says stop (cancelled, or the lease is no longer ours)
@@ -86,7 +86,7 @@ from noetl_store import ResultStore, encode_json, envelope_from_proto, make_resu
 from .cursor import CURSOR_KIND, run_cursor_slot
 from .cursor_drivers import Row, default_drivers
 from .metrics import BUSY, CANCEL_HINTS, CLAIMS, COMMANDS, CONCURRENCY, RESULT_BYTES, RESULTS_REPUBLISHED
-from .notices import Levels, queues
+from .notices import WAIT_SEC, Queues, queue_of, queues
 from .runner import error_result, execute_command
 from .secrecy import scrub_call_result
 from .tools import (
@@ -106,7 +106,6 @@ from .tools.duckdb import default_directory
 
 logger = logging.getLogger(__name__)
 
-FETCH_POLL_SEC = 2.0
 CLAIM_TIMEOUT_SEC = 10.0
 NAK_DELAY_SEC = 1.0
 # A notice of a command this worker does not qualify for (labels, tools) goes back for this long.
@@ -217,7 +216,7 @@ class WorkerService(Service):
         self.labels = pools.parse_labels(worker.labels)
         self.placement = worker_pb2.WorkerPlacement(pools=list(self.pools), labels=self.labels,
                                                     tools=list(pools.parse_tools(worker.tools)))
-        self._levels = Levels(queues(self.pools), worker.concurrency, backstop_sec=FETCH_POLL_SEC / 2)
+        self._queues = Queues(queues(self.pools))
 
     def join_fields(self) -> dict[str, Any]:
         return {"pools": list(self.pools), "labels": self.labels, "tools": list(self.placement.tools)}
@@ -271,20 +270,12 @@ class WorkerService(Service):
         if self.tools.python is not None:
             await self.tools.python.start()
         await self.nc.subscribe(CANCEL_HINTS_SUBJECT, cb=self._on_cancel_hint)
-        # copies of the pools' notices: which priority has work (a hint; notices.py)
-        for pool in self.pools:
-            await self.nc.subscribe(natsio.commands_filter(pool, "*"), cb=self._on_notice_hint)
 
     async def _ensure_streams_and_consumers(self) -> None:
         assert self.js is not None
         await natsio.ensure_streams(self.js, manage=False)
         for pool in self.pools:
             await natsio.ensure_pool_consumers(self.js, pool)
-
-    async def _on_notice_hint(self, msg: Msg) -> None:
-        parts = msg.subject.split(".")  # noetl.commands.{pool}.{priority}.{shard}
-        if len(parts) == 5:
-            self._levels.hinted(f"{parts[2]}.{parts[3]}")
 
     async def on_serving(self) -> None:
         CONCURRENCY.set(self.worker_cfg.concurrency)
@@ -383,41 +374,42 @@ class WorkerService(Service):
     async def _slot_loop(self, n: int) -> None:
         assert self.js is not None
         subs = {}
-        for key in queues(self.pools):
+        for key in self._queues.keys:
             pool, _, priority = key.partition(".")
             subs[key] = await self.js.pull_subscribe_bind(durable=pools.consumer_name(pool, priority),
                                                           stream=natsio.COMMANDS_STREAM)
-        levels = self._levels
         while not self._draining:
-            msg: Msg | None = None
             try:
-                for key in levels.order():  # highest priority first
-                    generation = levels.generation(key)
-                    msg = await natsio.fetch_now(subs[key])
-                    if msg is not None:
-                        break
-                    levels.empty(key, generation)
+                msg = await self._next_notice(n, subs)
             except NoetlError as exc:
                 logger.warning("fetching commands failed: %s", exc)
                 await self._ensure_consumer()
                 await self.sleep(0.5)
                 continue
-            if msg is None and levels.fresh():  # its notice may not be stored yet (notices.py)
-                await self.sleep(0.005)
-                continue
             if msg is None:
-                self._idle.add(n)
-                try:
-                    if not await levels.wait(FETCH_POLL_SEC):
-                        levels.backstop()
-                finally:
-                    self._idle.discard(n)
                 continue
-            levels.wake()  # there may be more: another idle slot looks too
             try:
                 await self.handle_notice(msg)
             except Exception:
                 logger.exception("handling a command notice failed; it will be redelivered")
+
+    async def _next_notice(self, n: int, subs: dict[str, JetStreamContext.PullSubscription]) -> Msg | None:
+        """One notice for slot ``n``: drain its consumers highest priority first, else wait
+        on all of them at once (notices.py)."""
+        queues = self._queues
+        for key in queues.to_drain():
+            msg = await natsio.fetch_now(subs[key])
+            if msg is not None:
+                return msg
+            queues.found_empty(key)
+        self._idle.add(n)
+        try:
+            msg = await natsio.fetch_first(list(subs.values()), wait_sec=WAIT_SEC)
+        finally:
+            self._idle.discard(n)
+        if msg is not None:
+            queues.found_notice(queue_of(msg.subject))
+        return msg
 
     @tracing.consumer  # a span per notice, continuing the execution's trace (the notice headers)
     async def handle_notice(self, msg: Msg) -> None:
