@@ -1,7 +1,8 @@
 """The local stack's secrets: the tokens it issues at ``dev up`` (an ``admin`` token for
 the CLI, a ``service`` token for the runtime's own roles, a ``worker`` token for the
 workers), kept in ``<home>/dev/secrets.json`` (mode 0600), never in state.json. Their
-hashes are registered in ``noetl.api_token`` straight through the stack's database."""
+hashes are registered in ``noetl.api_token`` straight through the stack's database
+(``noetl_db.tokens``)."""
 
 from __future__ import annotations
 
@@ -45,12 +46,12 @@ def issue_tokens(dev: Path, dsn: str) -> dict[str, str]:
     """Issue (or keep) the stack's tokens and make sure their hashes are registered."""
     import psycopg  # here: a client command reads its token from this module without Postgres
 
+    from noetl_db import tokens as tokens_db
+
     issued = tokens(dev) or {role.value: auth.new_token() for role in TOKEN_ROLES}
     with psycopg.connect(dsn, autocommit=True) as conn:
         for role, token in issued.items():
-            conn.execute(
-                "INSERT INTO noetl.api_token (name, role, token_sha256, created_by) VALUES (%s, %s, %s, 'dev up')"
-                " ON CONFLICT (token_sha256) DO NOTHING", (f"local-{role}", role, auth.token_sha256(token)))
+            tokens_db.register_sync(conn, f"local-{role}", role, auth.token_sha256(token), "dev up")
     data = load(dev)
     data["tokens"] = issued
     save(dev, data)

@@ -48,6 +48,13 @@ def _autocommit(pool: Pool) -> Any:
 
     return autocommit(pool)
 
+
+def _tokens() -> Any:
+    """``noetl_db.tokens``, imported when a token is read or written (as ``_autocommit``)."""
+    from noetl_db import tokens
+
+    return tokens
+
 TOKEN_PREFIX = "noetl_"
 
 
@@ -153,32 +160,25 @@ async def register_token(pool: Pool, role: Role, name: str, token: str, *, creat
         raise InvalidInput(f"a token is {TOKEN_PREFIX!r} followed by at least 32 random characters")
     if not name.strip():
         raise InvalidInput("a token needs a name")
+    refused = f"token {name!r} not registered: a live token has that name, or the token is known"
     try:
         async with _autocommit(pool) as conn:
-            cur = await conn.execute(
-                "INSERT INTO noetl.api_token (name, role, token_sha256, created_by) VALUES (%s, %s, %s, %s)"
-                " RETURNING token_id", (name, role.value, token_sha256(token), created_by or None))
-            row = await cur.fetchone()
+            token_id = await _tokens().register(conn, name, role.value, token_sha256(token), created_by or None)
     except Conflict as exc:
-        raise Conflict(f"token {name!r} not registered: a live token has that name, or the token is known") from exc
-    assert row is not None
-    return Identity(int(row["token_id"]), name, role)
+        raise Conflict(refused) from exc
+    if token_id is None:
+        raise Conflict(refused)
+    return Identity(int(token_id), name, role)
 
 
 async def revoke_token(pool: Pool, name: str) -> bool:
     async with _autocommit(pool) as conn:
-        cur = await conn.execute(
-            "UPDATE noetl.api_token SET revoked_at = now() WHERE revoked_at IS NULL"
-            " AND (name = %s OR token_id::text = %s) RETURNING token_id", (name, name))
-        return await cur.fetchone() is not None
+        return bool(await _tokens().revoke(conn, name))
 
 
 async def list_tokens(pool: Pool, include_revoked: bool) -> list[dict[str, Any]]:
     async with _autocommit(pool) as conn:
-        cur = await conn.execute(
-            "SELECT token_id, name, role, created_at, revoked_at, created_by FROM noetl.api_token"
-            " WHERE %s OR revoked_at IS NULL ORDER BY token_id", (include_revoked,))
-        return list(await cur.fetchall())
+        return list(await _tokens().listed(conn, include_revoked))
 
 
 class TokenVerifier:
@@ -201,8 +201,7 @@ class TokenVerifier:
             return hit[0]
         async with _autocommit(self._pool) as conn:
             # noetl.token_identity (migration 0009): the roles may look a hash up, not read the table
-            cur = await conn.execute("SELECT token_id, name, role FROM noetl.token_identity(%s)", (digest,))
-            row = await cur.fetchone()
+            row = await _tokens().identity(conn, digest)
         identity = Identity(int(row["token_id"]), row["name"], Role(row["role"])) if row else None
         if len(self._cache) > 10_000:
             self._cache.clear()
@@ -337,9 +336,4 @@ async def runtime_secret(pool: Pool, name: str, size: int = 32) -> bytes:
     """A key the runtime keeps for itself in ``noetl.runtime_secret`` (created once, by
     whichever process asks first; every replica then reads the same one)."""
     async with _autocommit(pool) as conn:
-        await conn.execute("INSERT INTO noetl.runtime_secret (name, value) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                           (name, secrets.token_bytes(size)))
-        cur = await conn.execute("SELECT value FROM noetl.runtime_secret WHERE name = %s", (name,))
-        row = await cur.fetchone()
-    assert row is not None
-    return bytes(row["value"])
+        return bytes(await _tokens().runtime_secret(conn, name, secrets.token_bytes(size)))

@@ -98,7 +98,7 @@ GRANTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "api_token": {"api": (R, A, W)},
     "api_token_token_id_seq": {"api": (U,)},
     "runtime_secret": {"api": (R, A)},
-    # schedules (noetl_common.schedulestore): the api changes them, the reaper fires their
+    # schedules (noetl_db.schedules): the api changes them, the reaper fires their
     # ticks (it locks schedule rows FOR UPDATE to move next_tick) and records submissions
     "schedule": {"api": (R, A, W, D), "reaper": (R, W)},
     "schedule_schedule_id_seq": {"api": (U,)},

@@ -12,7 +12,7 @@ State of one shard at a member (River-style leases, ARCHITECTURE.md section 5):
 * It trusts a lease only until ``t0 + lease - margin`` on the monotonic clock, where
   ``t0`` is taken *before* the renewing statement was sent.
 * Every write it makes for a shard is fenced separately, in the write's own
-  transaction (``fence_sql``), so a stale holder's write fails even if its clock lies.
+  transaction (``noetl_db.leases.fence``), so a stale holder's write fails even if its clock lies.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from noetl_db import leases
 
 from .db import Pool, transaction
 
@@ -65,24 +67,9 @@ class ShardOwnership:
         """
         target = dict(self._held_epochs() if wanted is None else wanted)
         t0 = self._clock()
-        shards = list(target)
-        epochs = [target[s] for s in shards]
-        renewed: dict[int, int] = {}
         async with transaction(self._pool) as conn:
-            if shards:
-                cur = await conn.execute(
-                    "UPDATE noetl.shard_lease SET leased_until = now() + make_interval(secs => %s),"
-                    " updated_at = now()"
-                    " WHERE role = %s AND owner_runtime_id = %s"
-                    " AND (shard_id, epoch) IN (SELECT * FROM unnest(%s::int[], %s::bigint[]))"
-                    " RETURNING shard_id, epoch",
-                    (self.lease_sec, self.role, self.runtime_id, shards, epochs),
-                )
-                renewed = {r["shard_id"]: r["epoch"] for r in await cur.fetchall()}
-            await conn.execute(
-                "UPDATE noetl.runtime SET heartbeat_at = now() WHERE runtime_id = %s AND status = 'alive'",
-                (self.runtime_id,),
-            )
+            renewed = await leases.renew(conn, self.role, self.runtime_id, self.lease_sec, target)
+            await leases.heartbeat(conn, self.runtime_id)
         valid_until = t0 + self.lease_sec - self.margin_sec
         previous = self._held_epochs()
         gained = {s: e for s, e in renewed.items() if previous.get(s) != e}
@@ -109,16 +96,3 @@ class ShardOwnership:
 
     def _held_epochs(self) -> dict[int, int]:
         return {s: h.epoch for s, h in self._held.items()}
-
-
-def fence_sql(extra_set: str = "") -> str:
-    """The row-locking fence every shard-scoped write transaction starts with.
-
-    Parameters: role, shard_id, owner_runtime_id, epoch. Zero rows = the lease is
-    not ours any more: roll back and stop touching the shard.
-    """
-    sets = "updated_at = now()" + (f", {extra_set}" if extra_set else "")
-    return (
-        f"UPDATE noetl.shard_lease SET {sets} WHERE role = %s AND shard_id = %s"
-        " AND owner_runtime_id = %s AND epoch = %s RETURNING *"
-    )

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ._factory import make_result_store
     from ._kv import KvCachedResultStore
     from ._lineage import TRACE_COLUMNS, entry_from_json, entry_json, trace
-    from ._postgres import PostgresResultStore, S3ResultStore
+    from ._postgres import PostgresResultStore, S3ResultStore, loop_reference
     from ._proto import envelope_from_proto, envelope_to_proto
     from ._s3 import S3Client, S3Config
 
@@ -76,6 +76,7 @@ __all__ = [
     "error_info",
     "is_secret_key",
     "json_default",
+    "loop_reference",
     "make_result_store",
     "to_jsonable",
     "trace",
@@ -84,6 +85,7 @@ __all__ = [
 _LAZY = {
     "PostgresResultStore": "._postgres",
     "S3ResultStore": "._postgres",
+    "loop_reference": "._postgres",
     "KvCachedResultStore": "._kv",
     "TRACE_COLUMNS": "._lineage",
     "entry_json": "._lineage",

@@ -22,6 +22,7 @@ written (``noetl_result_store_writes_total{outcome="too_large"}``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -32,7 +33,7 @@ from typing import Any
 from psycopg.rows import dict_row
 
 from noetl_common.coalesce import Coalescer
-from noetl_common.db import Pool, autocommit
+from noetl_common.db import Conn, Pool, autocommit
 from noetl_common.errors import NoetlError, NotFound, Unavailable
 
 from ._codec import decode_json
@@ -366,3 +367,17 @@ class S3ResultStore(PostgresResultStore):
         except NotFound as exc:
             raise NotFound(f"parent result reference {parent_ref_id} not found") from exc
         return Reference(ref_id, S3_TIER, uri)
+
+
+async def loop_reference(conn: Conn, execution_id: int, step: str, uri: str,
+                         stats: dict[str, Any]) -> int:
+    """A result_ref row (tier ``loop``) for a finished loop: its payload is the stats; the
+    result store reads the ordered iteration results from ``noetl.loop_result``."""
+    data = json.dumps({"stats": stats}).encode()
+    cur = await conn.execute(
+        "INSERT INTO noetl.result_ref (execution_id, step, tier, uri, size_bytes) VALUES (%s, %s, %s, %s, %s)"
+        " RETURNING ref_id", (execution_id, step, LOOP_TIER, uri, len(data)))
+    row = await cur.fetchone()
+    assert row is not None
+    await conn.execute("INSERT INTO noetl.result_payload (ref_id, data) VALUES (%s, %s)", (row["ref_id"], data))
+    return int(row["ref_id"])

@@ -28,7 +28,6 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from noetl_api.catalog import Catalog
-from noetl_api.engine import sql as engine_sql
 from noetl_api.engine.shard import EngineDeps, ShardEngine
 from noetl_checkpointer.worker import ShardCheckpointer
 from noetl_common import natsio
@@ -37,6 +36,8 @@ from noetl_common.db import Pool
 from noetl_common.errors import LeaseLost
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
+from noetl_db import events as event_log
+from noetl_db import leases
 from noetl_projector.worker import ShardProjector
 from noetl_proto.v1 import messages_pb2
 from noetl_store import MemoryResultStore
@@ -125,7 +126,7 @@ class Cell:
     async def grow(self, n: int) -> int:
         """Append ``n`` events the way an engine batch does; returns the new last shard_seq."""
         async with self.pool.connection() as conn, conn.transaction():
-            lease = await engine_sql.fence(conn, self.shard, ENGINE_OWNER, ENGINE_EPOCH, 0)
+            lease = await leases.fence(conn, "api", self.shard, ENGINE_OWNER, ENGINE_EPOCH, stream_seq=0)
             seq = int(lease["event_seq"])
             rows = []
             for _ in range(n):
@@ -136,8 +137,8 @@ class Cell:
                         "requested_at": datetime.now(UTC).isoformat(), "epoch_id": int(lease["barrier_epoch"]),
                         "lease_epoch": ENGINE_EPOCH}
                 rows.append((eid, self.shard, seq, "playbook.started", None, None, None, json.dumps(meta)))
-            await engine_sql.append_events(conn, rows)
-            await engine_sql.finish_batch(conn, self.shard, seq, 0, int(lease["barrier_epoch"]),
+            await event_log.append_events(conn, rows)
+            await leases.finish_engine_batch(conn, "api", self.shard, seq, 0, int(lease["barrier_epoch"]),
                                           int(lease["barrier_seq"]))
         return seq
 

@@ -19,6 +19,7 @@ from noetl_compactor.bench import measure
 from noetl_compactor.compaction import Compaction
 from noetl_compactor.partitions import drop_expired_partitions, expired
 from noetl_compactor.synthetic import write_executions
+from noetl_db import leases as lease_db
 from noetl_store import PostgresResultStore
 
 pytestmark = pytest.mark.integration
@@ -39,9 +40,9 @@ async def sql(pool: Pool, statement: str, params: Any = ()) -> list[dict[str, An
 
 @pytest.fixture(scope="module")
 async def lease(pool: Pool) -> None:
-    await sql(pool, "INSERT INTO noetl.shard_lease (role, shard_id, owner_runtime_id, epoch) VALUES"
-                    " ('compactor', %s, %s, %s) ON CONFLICT (role, shard_id) DO UPDATE SET"
-                    " owner_runtime_id = EXCLUDED.owner_runtime_id, epoch = EXCLUDED.epoch", (SHARD, OWNER, EPOCH))
+    async with pool.connection() as conn:
+        await lease_db.assign(conn, "compactor", SHARD, OWNER, EPOCH)
+        await conn.commit()
 
 
 def old_day() -> date:

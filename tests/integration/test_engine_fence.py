@@ -1,6 +1,6 @@
 """Why a watermark reader never skips an event: ``shard_seq`` is allocated under the
 row lock of the shard's lease row (the engine's fence), so commit order is ``shard_seq``
-order. Real Postgres, the engine's own statements (``noetl_api.engine.sql``).
+order. Real Postgres, the engine's own statements (``noetl_db``).
 
 * K writers run the engine batch concurrently on one shard (fence -> append N events
   with ``event_seq + 1..`` -> random delay -> record ``event_seq`` -> commit) while a
@@ -24,9 +24,10 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from noetl_api.engine import sql
 from noetl_common.errors import LeaseLost
 from noetl_common.ids import SnowflakeGenerator
+from noetl_db import events as event_log
+from noetl_db import leases
 
 pytestmark = pytest.mark.integration
 
@@ -59,14 +60,14 @@ async def shard(pg_dsn: str) -> AsyncIterator[int]:
 async def engine_batch(conn: Conn, shard: int, epoch: int, events: int, delay: float) -> list[int]:
     """What ShardEngine._process does to the log, in one transaction; returns the seqs."""
     async with conn.transaction():
-        lease = await sql.fence(conn, shard, OWNER, epoch, 0)
+        lease = await leases.fence(conn, "api", shard, OWNER, epoch, stream_seq=0)
         seq = int(lease["event_seq"])
         eid = IDS.next_id()
         seqs = list(range(seq + 1, seq + events + 1))
-        await sql.append_events(conn, [(eid, shard, s, "test.fence", None, None, None, json.dumps({"w": 1}))
+        await event_log.append_events(conn, [(eid, shard, s, "test.fence", None, None, None, json.dumps({"w": 1}))
                                        for s in seqs])
         await asyncio.sleep(delay)  # commits late: a slow batch, a GC pause
-        await sql.finish_batch(conn, shard, seqs[-1], 0, 0, 0)
+        await leases.finish_engine_batch(conn, "api", shard, seqs[-1], 0, 0, 0)
     return seqs
 
 

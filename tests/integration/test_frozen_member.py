@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from noetl_common.db import Pool, make_pool
-from noetl_common.shards import fence_sql
+from noetl_db import leases as lease_db
 from noetl_shard_manager.membership import Membership
 
 pytestmark = pytest.mark.integration
@@ -83,8 +83,7 @@ async def test_leader_is_not_stalled_by_a_member_frozen_in_a_fenced_transaction(
     await member.open(wait=True, timeout=30)
     frozen = await member.getconn()
     try:
-        cur = await frozen.execute(fence_sql(), (role, locked, a, before[locked]["epoch"]))
-        assert await cur.fetchone() is not None
+        await lease_db.fence(frozen, role, locked, a, before[locked]["epoch"])
         async with pool.connection() as conn:  # a stops heartbeating; b is alive
             await conn.execute("UPDATE noetl.runtime SET heartbeat_at = now() - interval '1 hour'"
                                " WHERE runtime_id = %s", (a,))
@@ -121,8 +120,7 @@ async def test_a_live_members_lock_is_waited_for_not_broken(pg_dsn: str, pool: P
     busy = await member.getconn()
     try:
         for shard in (0, 1):  # whichever the leader wants to move is locked by a's batch
-            cur = await busy.execute(fence_sql(), (role, shard, a, before[shard]["epoch"]))
-            assert await cur.fetchone() is not None
+            await lease_db.fence(busy, role, shard, a, before[shard]["epoch"])
         await asyncio.wait_for(m.rebalance(), timeout=3 * LEASE_SEC)
         await busy.execute("SELECT 1")  # a is alive: its session was not ended
         await busy.commit()

@@ -1,4 +1,4 @@
-"""Schedules against real Postgres (noetl_common.schedulestore): a round is fenced on the
+"""Schedules against real Postgres (noetl_db.schedules): a round is fenced on the
 reaper lease, fires each tick exactly once across owners and concurrent rounds, and a
 recorded tick stays pending (to be submitted with its idempotency key) until an
 execution is written back.
@@ -17,7 +17,7 @@ import pytest
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import Conflict, LeaseLost, NotFound
 from noetl_common.schedules import CatchUp, Spec
-from noetl_common.schedulestore import ScheduleStore, idempotency_key
+from noetl_db.schedules import ScheduleStore, idempotency_key
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from noetl_common.config import ScheduleSettings
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, Unavailable
 from noetl_common.schedules import CatchUp, Spec
-from noetl_common.schedulestore import ScheduleStore, idempotency_key
+from noetl_db.schedules import ScheduleStore, idempotency_key
 from noetl_proto.v1 import execution_pb2, execution_pb2_grpc
 from noetl_reaper.scheduler import ShardScheduler
 

@@ -17,8 +17,10 @@ import pytest
 
 from noetl_common.config import ShardSettings
 from noetl_common.db import Pool
+from noetl_common.errors import LeaseLost
 from noetl_common.grpcutil import ErrorInterceptor
-from noetl_common.shards import ShardOwnership, fence_sql
+from noetl_common.shards import ShardOwnership
+from noetl_db import leases as lease_db
 from noetl_proto.v1 import shard_manager_pb2 as pb
 from noetl_proto.v1 import shard_manager_pb2_grpc
 from noetl_shard_manager.balance import assign
@@ -307,6 +309,17 @@ async def test_rebalance_assigns_every_shard_evenly_and_moves_the_minimum(pool: 
     assert await leases(pool, other) == second_role  # the other role was never touched
 
 
+async def fenced(conn: Any, role: str, shard: int, owner: int, epoch: int) -> bool:
+    """Whether the one fence (noetl_db.leases.fence) lets (owner, epoch) write the shard; a
+    refused fence aborts the transaction, so it is tried under a savepoint."""
+    try:
+        async with conn.transaction():
+            await lease_db.fence(conn, role, shard, owner, epoch)
+        return True
+    except LeaseLost:
+        return False
+
+
 async def test_epoch_bump_waits_for_an_in_flight_fenced_write(pool: Pool, rows: Rows) -> None:
     role = rows.role("fence")
     m = Membership(pool, shard_count=4, lease_sec=30.0, roles=(role,))
@@ -319,8 +332,7 @@ async def test_epoch_bump_waits_for_an_in_flight_fenced_write(pool: Pool, rows: 
 
     async with pool.connection() as conn:
         async with conn.transaction():
-            cur = await conn.execute(fence_sql(), (role, shard, a, 1))
-            assert await cur.fetchone() is not None  # a holds the row lock
+            assert await fenced(conn, role, shard, a, 1)  # a holds the row lock
             moving = asyncio.ensure_future(m.rebalance())
             # the leader's statement queues behind our row lock (signal, not a sleep)
             await eventually(lambda: fetch(
@@ -329,8 +341,7 @@ async def test_epoch_bump_waits_for_an_in_flight_fenced_write(pool: Pool, rows: 
             assert not moving.done()
         assert await moving == 2
         async with conn.transaction():  # the old owner's next write is fenced off
-            cur = await conn.execute(fence_sql(), (role, shard, a, 1))
-            assert await cur.fetchone() is None
+            assert not await fenced(conn, role, shard, a, 1)
     assert (await leases(pool, role))[shard] == (b, 2)
 
 
@@ -395,13 +406,10 @@ async def test_member_renews_only_the_exact_epoch_it_holds(pool: Pool, rows: Row
     # the fence: only the current owner at the current epoch passes
     shard = min(moved)
     async with pool.connection() as conn, conn.transaction(force_rollback=True):
-        cur = await conn.execute(fence_sql(), (role, shard, a, 1))
-        assert await cur.fetchone() is None
-        cur = await conn.execute(fence_sql(), (role, shard, b, 1))
-        assert await cur.fetchone() is None
-        cur = await conn.execute(fence_sql("stream_seq = stream_seq + 1"), (role, shard, b, 2))
-        row = await cur.fetchone()
-        assert row is not None and row["epoch"] == 2 and row["stream_seq"] == 1
+        assert not await fenced(conn, role, shard, a, 1)
+        assert not await fenced(conn, role, shard, b, 1)
+        row = await lease_db.fence(conn, role, shard, b, 2, stream_seq=1)
+        assert row["stream_seq"] == 1
 
 
 async def test_member_trusts_a_lease_only_until_ttl_minus_margin(pool: Pool, rows: Rows) -> None:

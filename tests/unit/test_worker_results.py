@@ -107,7 +107,7 @@ def test_public_surface() -> None:
         "MemoryResultStore", "PostgresResultStore", "Reference", "ResultStore", "ResultTooLarge", "S3Client",
         "S3Config", "S3ResultStore", "TRACE_COLUMNS", "check_result_size", "context_of", "decode_json", "encode_json", "entry_from_json", "entry_json", "envelope",
         "envelope_from_proto", "envelope_to_proto", "error_info", "is_secret_key", "json_default",
-        "make_result_store", "to_jsonable", "trace"])
+        "loop_reference", "make_result_store", "to_jsonable", "trace"])
     for name in noetl_store.__all__:
         assert getattr(noetl_store, name) is not None
     with pytest.raises(AttributeError):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from typing import Any
 from noetl_common.config import LimitSettings
 from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import NotFound
+from noetl_db import catalog as catalog_db
 from noetl_dsl import Placement, Playbook, load_playbook, parse_playbook, placements
 from noetl_flow import Flow
 
@@ -69,20 +69,14 @@ class Catalog:
         if latest is not None and latest["content_sha256"] == sha:
             return _entry(latest), False
         async with transaction(self._pool) as conn:
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"catalog:{path}",))
+            await catalog_db.lock_path(conn, path)
             latest = await _latest(conn, path)
             if latest is not None and latest["content_sha256"] == sha:
                 return _entry(latest), False
             version = (latest["version"] if latest else 0) + 1
             doc = playbook.raw
-            cur = await conn.execute(
-                "INSERT INTO noetl.catalog (path, version, kind, name, content, content_sha256, doc)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING *",
-                (path, version, str(doc.get("kind", "Playbook")), playbook.name, content, sha,
-                 json.dumps(doc, default=str)),
-            )
-            row = await cur.fetchone()
-        assert row is not None
+            row = await catalog_db.insert(conn, path=path, version=version, kind=str(doc.get("kind", "Playbook")),
+                                          name=playbook.name, content=content, sha256=sha, doc=doc)
         logger.info("registered playbook %s version %s", path, version)
         return _entry(row), True
 

@@ -1,7 +1,7 @@
 """WorkerService logic: claim a queued command, renew its lease.
 
-A claim is ``UPDATE ... WHERE status = 'queued' AND attempt = $a RETURNING``: losing the
-race means someone else has it. A claim is idempotent for its worker: the same worker
+A claim (``noetl_db.commands.claim``) takes a queued command of the asked attempt in one
+statement: losing the race means someone else has it. A claim is idempotent for its worker: the same worker
 claiming the same attempt again gets the command back (its first claim committed but the
 answer was lost with a dying api replica), so the command need not wait for its lease to
 expire and be re-issued. The worker never runs a command twice on its own account (it
@@ -21,40 +21,13 @@ from typing import Any
 from noetl_common import auth, pools
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import Conflict, NoetlError, NotFound, NotQualified
+from noetl_db import commands
 from noetl_dsl import merged_workload
 from noetl_dsl.credrefs import keychain_entries, keychain_reads
 
 from .catalog import Catalog
 
 logger = logging.getLogger(__name__)
-
-
-_CLAIM = """
-WITH wanted AS (
-  SELECT * FROM unnest(%(ids)b::text[], %(attempts)b::int[]) AS w(command_id, attempt)
-), claimed AS (
-  UPDATE noetl.command c SET status = 'claimed', worker_id = %(worker)s, claimed_at = now(),
-         lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
-  FROM wanted w
-  WHERE c.command_id = w.command_id
-    -- only a worker that qualifies (noetl_common.pools.qualifies says the same)
-    AND c.pool = ANY(%(pools)s::text[]) AND (c.requires IS NULL OR c.requires <@ %(labels)s::jsonb)
-    AND (cardinality(%(tools)s::text[]) = 0 OR c.kind = ANY(%(tools)s::text[]))
-    AND (c.status = 'queued' AND (c.attempt = w.attempt OR w.attempt = 0)
-         -- the same worker claiming the same attempt again: its first claim committed but the
-         -- answer was lost (an api replica died mid-call); it gets the command back
-         OR c.status = 'claimed' AND c.worker_id = %(worker)s AND c.attempt = w.attempt)
-  RETURNING c.*
-)
-SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item, r.workload_ref_id,
-       CASE WHEN c.execution_id = ANY(%(need_payload)b::bigint[]) AND r.workload_ref_id IS NULL
-            THEN r.payload END AS payload
-FROM claimed c
-LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id
-LEFT JOIN noetl.loop_item li
-  ON li.execution_id = c.execution_id AND li.loop_instance = c.context->'loop'->>'instance'
- AND li.idx = (c.context->'loop'->>'index')::int
-"""
 
 
 @dataclass(frozen=True)
@@ -104,17 +77,11 @@ class Claims:
         heads = {int(h) for c in ids if (h := c.split(":", 1)[0]).isdigit()}
         need = [e for e in heads if e not in self._workloads]
         async with autocommit(self._pool) as conn:
-            cur = await conn.execute(_CLAIM, {"worker": worker_id, "lease": self._lease, "ids": ids,
-                                              "attempts": [a for _, a in wanted], "need_payload": need,
-                                              "pools": list(placement.pools or (pools.DEFAULT_POOL,)),
-                                              "labels": json.dumps(placement.labels), "tools": list(placement.tools)})
-            rows = {r["command_id"]: r for r in await cur.fetchall()}
+            rows = await commands.claim(conn, wanted, worker_id, self._lease,
+                                        pools=list(placement.pools or (pools.DEFAULT_POOL,)),
+                                        labels=dict(placement.labels), tools=list(placement.tools), need_payload=need)
             missing = [c for c in ids if c not in rows]
-            current: dict[str, dict[str, Any]] = {}
-            if missing:
-                cur = await conn.execute("SELECT command_id, status, attempt, worker_id, pool, requires, kind"
-                                         " FROM noetl.command WHERE command_id = ANY(%s)", (missing,))
-                current = {r["command_id"]: r for r in await cur.fetchall()}
+            current = await commands.placement_of(conn, missing) if missing else {}
         out: list[Claimed | NoetlError] = []
         asked: set[str] = set()
         for command_id, attempt in wanted:
@@ -198,30 +165,16 @@ class Claims:
         pinned playbook, the cursor the engine rendered, and the execution's payload (or
         the reference of its workload). None when there is no such command."""
         async with autocommit(self._pool) as conn:
-            cur = await conn.execute(
-                "SELECT c.command_id, c.execution_id, c.step, c.attempt, c.status, c.worker_id, c.catalog_id,"
-                " c.context->'cursor' AS cursor, r.payload, r.workload_ref_id"
-                " FROM noetl.command c LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id"
-                " WHERE c.command_id = %s", (command_id,))
-            return await cur.fetchone()
+            return await commands.holder(conn, command_id)
 
     async def renew(self, command_id: str, worker_id: str, attempt: int,
                     progress: str) -> tuple[datetime | None, str]:
         """Returns (new lease expiry, "") or (None, why the worker must stop)."""
         async with autocommit(self._pool) as conn:
-            cur = await conn.execute(
-                "UPDATE noetl.command SET lease_until = now() + make_interval(secs => %s),"
-                " progress = COALESCE(%s::jsonb, progress), updated_at = now()"
-                " WHERE command_id = %s AND worker_id = %s AND attempt = %s AND status = 'claimed'"
-                " RETURNING lease_until",
-                (self._lease, progress or None, command_id, worker_id, attempt),
-            )
-            row = await cur.fetchone()
+            row = await commands.renew(conn, command_id, worker_id, attempt, self._lease, progress or None)
             if row is not None:
                 return row["lease_until"], ""
-            cur = await conn.execute("SELECT status, attempt, worker_id FROM noetl.command WHERE command_id = %s",
-                                     (command_id,))
-            current = await cur.fetchone()
+            current = await commands.state(conn, command_id)
         if current is None:
             return None, "command not found"
         if current["status"] == "cancelled":

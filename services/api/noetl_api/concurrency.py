@@ -10,6 +10,7 @@ import grpc
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NotFound
 from noetl_common.grpcutil import set_timestamp
+from noetl_db import limits as limits_db
 from noetl_dsl.templates import TemplateError, referenced_names
 from noetl_proto.v1 import concurrency_pb2, concurrency_pb2_grpc
 
@@ -68,56 +69,32 @@ class ConcurrencyServicer(concurrency_pb2_grpc.ConcurrencyServiceServicer):
         except NotFound as exc:
             raise InvalidInput(f"playbook_path: {exc} in the catalog (register it first)") from exc
         async with autocommit(self._pool) as conn:
-            cur = await conn.execute(
-                "INSERT INTO noetl.concurrency_limit (path, key_template, max_running) VALUES (%s, %s, %s)"
-                " ON CONFLICT (path, key_template) DO UPDATE SET max_running = EXCLUDED.max_running RETURNING *",
-                (path, template, request.max_running))
-            row = await cur.fetchone()
-        assert row is not None
+            row = await limits_db.set_limit(conn, path, template, request.max_running)
         return concurrency_pb2.SetLimitResponse(limit=limit_pb(row, []))
 
     async def ListLimits(self, request: concurrency_pb2.ListLimitsRequest,
                          context: grpc.aio.ServicerContext) -> concurrency_pb2.ListLimitsResponse:
         async with autocommit(self._pool) as conn:
-            cur = await conn.execute(
-                "SELECT * FROM noetl.concurrency_limit WHERE %s = '' OR path = %s ORDER BY path, limit_id",
-                (request.playbook_path, request.playbook_path))
-            rows = list(await cur.fetchall())
-            cur = await conn.execute(
-                "SELECT limit_id, key, sum(running)::int AS running, sum(waiting)::int AS waiting FROM ("
-                " SELECT limit_id, key, 1 AS running, 0 AS waiting FROM noetl.concurrency_slot"
-                " UNION ALL SELECT limit_id, key, 0, 1 FROM noetl.concurrency_wait) k"
-                " WHERE limit_id = ANY(%s) GROUP BY limit_id, key ORDER BY limit_id, key",
-                ([r["limit_id"] for r in rows],))
+            rows = await limits_db.limits_of(conn, request.playbook_path)
             keys: dict[int, list[dict[str, Any]]] = {}
-            for k in await cur.fetchall():
+            for k in await limits_db.keys_of(conn, [r["limit_id"] for r in rows]):
                 keys.setdefault(k["limit_id"], []).append(k)
         return concurrency_pb2.ListLimitsResponse(limits=[limit_pb(r, keys.get(r["limit_id"], [])) for r in rows])
 
     async def DeleteLimit(self, request: concurrency_pb2.DeleteLimitRequest,
                           context: grpc.aio.ServicerContext) -> concurrency_pb2.DeleteLimitResponse:
         async with autocommit(self._pool) as conn, conn.transaction():
-            cur = await conn.execute("DELETE FROM noetl.concurrency_limit WHERE limit_id = %s RETURNING limit_id",
-                                     (request.limit_id,))
-            if await cur.fetchone() is None:
-                raise NotFound(f"concurrency limit {request.limit_id} not found")
             # its slots go; its queue stays until each waiter's shard sweeps it (a waiter
             # whose limit is gone starts: engine/limits.py startable)
-            await conn.execute("DELETE FROM noetl.concurrency_slot WHERE limit_id = %s", (request.limit_id,))
+            if not await limits_db.delete_limit(conn, request.limit_id):
+                raise NotFound(f"concurrency limit {request.limit_id} not found")
         return concurrency_pb2.DeleteLimitResponse(deleted=True)
 
 
 async def waiting_reason(conn: Any, execution_id: int) -> str:
     """Why a PENDING execution has not started ('' when it is not queued)."""
-    cur = await conn.execute(
-        "SELECT w.limit_id, w.key, l.path, l.max_running,"
-        " (SELECT count(*) FROM noetl.concurrency_slot s WHERE s.limit_id = w.limit_id AND s.key = w.key) AS running,"
-        " (SELECT count(*) FROM noetl.concurrency_wait w2 WHERE w2.limit_id = w.limit_id AND w2.key = w.key"
-        "  AND w2.execution_id < w.execution_id) AS ahead"
-        " FROM noetl.concurrency_wait w LEFT JOIN noetl.concurrency_limit l ON l.limit_id = w.limit_id"
-        " WHERE w.execution_id = %s ORDER BY w.limit_id", (execution_id,))
     parts = []
-    for r in await cur.fetchall():
+    for r in await limits_db.waits(conn, execution_id):
         if r["path"] is None:
             parts.append(f"concurrency limit {r['limit_id']} (deleted): starting at its shard's next sweep")
             continue

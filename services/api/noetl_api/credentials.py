@@ -35,6 +35,7 @@ from typing import Any
 
 from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import ConfigError, Conflict, InvalidInput, NotFound
+from noetl_db import credentials as credentials_db
 
 from .keyring import SETTING, CredentialSealError, Keyring, Sealed
 
@@ -133,10 +134,7 @@ class CredentialStore:
                     if new is current:
                         continue
                     rewrapped += 1
-                await conn.execute(
-                    "UPDATE noetl.credential SET data = NULL, key_id = %s, wrapped_key = %s, nonce = %s,"
-                    " ciphertext = %s WHERE name = %s",
-                    (new.key_id, new.wrapped_key, new.nonce, new.ciphertext, name))
+                await credentials_db.reseal(conn, name, new)
         report = PrepareReport(len(rows), sealed, rewrapped)
         if sealed or rewrapped:
             logger.info("credentials: %d stored, %d plaintext row(s) encrypted, %d re-wrapped by key %s",
@@ -155,17 +153,9 @@ class CredentialStore:
                            " (docs/DEPLOY.md, 'Credentials')")
         sealed = self.keyring.seal(name, kind, data)
         async with transaction(self._pool) as conn:
-            cur = await conn.execute(
-                "INSERT INTO noetl.credential (name, kind, data, key_id, wrapped_key, nonce, ciphertext)"
-                " VALUES (%s, %s, NULL, %s, %s, %s, %s)"
-                " ON CONFLICT (name) DO UPDATE SET kind = EXCLUDED.kind, data = NULL, key_id = EXCLUDED.key_id,"
-                " wrapped_key = EXCLUDED.wrapped_key, nonce = EXCLUDED.nonce, ciphertext = EXCLUDED.ciphertext,"
-                " updated_at = now()"
-                " RETURNING (xmax = 0) AS created",
-                (name, kind, sealed.key_id, sealed.wrapped_key, sealed.nonce, sealed.ciphertext))
-            row = await cur.fetchone()
+            created = await credentials_db.put(conn, name, kind, sealed)
         self._opened.pop(name, None)
-        return bool(row and row["created"])
+        return created
 
     async def names(self) -> list[dict[str, Any]]:
         """Every credential's name, kind and update time (never its data)."""

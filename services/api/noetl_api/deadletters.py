@@ -1,7 +1,7 @@
 """DeadLetterService: list, inspect and redrive dead letters (docs/ARCHITECTURE.md "Dead
 letters (as built)").
 
-The engine writes ``noetl.dead_letter`` (``engine/sql.py``); this module reads it and
+The engine writes ``noetl.dead_letter`` (``noetl_db.dead_letters``); this module reads it and
 commits redrive requests (``noetl.redrive_request``), like a cancellation: the row is in
 Postgres before the call answers, the NATS message is a nudge, and the shard's engine
 sweeps committed requests. A redrive is checked here (``noetl_flow.refusal`` on the
@@ -22,6 +22,7 @@ from noetl_common import auth, natsio
 from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import Conflict, InvalidInput, NoetlError, NotFound
 from noetl_common.grpcutil import set_timestamp
+from noetl_db import requests
 from noetl_flow import ExecState, RedriveItem, refusal
 from noetl_proto.v1 import common_pb2, deadletter_pb2, deadletter_pb2_grpc, messages_pb2
 
@@ -146,10 +147,7 @@ class DeadLetterStore:
             why = await self.why_not(conn, row)
             if why is not None:
                 raise Conflict(f"dead letter {dead_letter_id} cannot be redriven: {why}")
-            await conn.execute(
-                "INSERT INTO noetl.redrive_request (dead_letter_id, execution_id, shard_id, requested_by)"
-                " VALUES (%s, %s, %s, %s) ON CONFLICT (dead_letter_id) DO NOTHING",
-                (dead_letter_id, row["execution_id"], row["shard_id"], requested_by))
+            await requests.request_redrive(conn, dead_letter_id, row["execution_id"], row["shard_id"], requested_by)
         row["pending"] = True
         return row, False
 

@@ -10,6 +10,7 @@ from typing import Any
 from noetl_common import pools
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NotFound
+from noetl_db import requests
 from noetl_store import ResultStore, entry_from_json, trace
 
 from .concurrency import waiting_reason
@@ -82,8 +83,7 @@ class Queries:
     async def request_cancel(self, execution_id: int, shard_id: int, reason: str) -> None:
         """Commit a cancellation (the shard's engine applies and deletes it)."""
         async with autocommit(self._pool) as conn:
-            await conn.execute("INSERT INTO noetl.cancel_request (execution_id, shard_id, reason) VALUES (%s, %s, %s)"
-                               " ON CONFLICT (execution_id) DO NOTHING", (execution_id, shard_id, reason))
+            await requests.request_cancel(conn, execution_id, shard_id, reason)
 
     async def quarantined(self, execution_id: int, page_size: int) -> builtins.list[dict[str, Any]]:
         size = min(max(page_size or 100, 1), 1000)

@@ -1,4 +1,4 @@
-"""ScheduleService: a thin adapter over ``noetl_common.schedulestore`` (validation here,
+"""ScheduleService: a thin adapter over ``noetl_db.schedules`` (validation here,
 firing in the reaper; docs/ARCHITECTURE.md "Schedules")."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from noetl_common.config import LimitSettings, ScheduleSettings
 from noetl_common.errors import InvalidInput, NotFound
 from noetl_common.grpcutil import set_timestamp
 from noetl_common.schedules import CatchUp, Spec, next_runs, parse_catch_up
-from noetl_common.schedulestore import ScheduleStore, spec_of
+from noetl_db.schedules import ScheduleStore, spec_of
 from noetl_proto.v1 import schedule_pb2, schedule_pb2_grpc
 
 from .catalog import Catalog

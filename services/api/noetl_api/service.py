@@ -24,9 +24,9 @@ from noetl_common.config import (
 )
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.retry import retry_transient
-from noetl_common.schedulestore import ScheduleStore
 from noetl_common.service import Service
 from noetl_common.shardtasks import ShardTasks, shard_health
+from noetl_db.schedules import ScheduleStore
 from noetl_dsl import templates
 from noetl_proto.v1 import (
     auth_pb2,

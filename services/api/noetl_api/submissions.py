@@ -21,6 +21,7 @@ from noetl_common.errors import InvalidInput, NoetlError, NotFound, PlaybookInva
 from noetl_common.ids import SnowflakeGenerator, shard_for
 from noetl_common.limits import check, check_json_depth, exceeded
 from noetl_common.pools import priority_problem
+from noetl_db import requests
 from noetl_dsl import Playbook, merged_workload
 from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, encode_json
@@ -139,21 +140,15 @@ class Submitter:
         shard = shard_for(execution_id, self._shards)
         timeout = timeout_sec or self._default_timeout
         async with autocommit(self._pool) as conn:  # one statement: its own transaction
-            cur = await conn.execute(
-                "INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
-                " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent, depth,"
-                " workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from, priority)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-                " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id",
-                (execution_id, shard, entry.catalog_id, json.dumps(payload), idempotency_key or None,
-                 parent_execution_id or None, parent_step or None, timeout,
-                 # the engine continues this trace for every command (engine/traces.py)
-                 tracing.current_traceparent(), depth, workload_ref, size,
-                 who.token_id if (who := auth.require_identity()) is not None else None, rerun_of, rerun_from,
-                 priority or None),
-            )
-            inserted = await cur.fetchone()
-        if inserted is None:  # lost an idempotency race to a concurrent retry
+            inserted = await requests.insert_submission(
+                conn, execution_id=execution_id, shard_id=shard, catalog_id=entry.catalog_id,
+                payload=json.dumps(payload), idempotency_key=idempotency_key or None,
+                parent_execution_id=parent_execution_id or None, parent_step=parent_step or None, timeout_sec=timeout,
+                # the engine continues this trace for every command (engine/traces.py)
+                traceparent=tracing.current_traceparent(), depth=depth, workload_ref_id=workload_ref,
+                payload_bytes=size, submitted_by=who.token_id if (who := auth.require_identity()) is not None else None,
+                rerun_of=rerun_of, rerun_from=rerun_from, priority=priority or None)
+        if not inserted:  # lost an idempotency race to a concurrent retry
             existing = await self.existing(idempotency_key)
             assert existing is not None
             return existing

@@ -43,6 +43,7 @@ from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
 from noetl_common.shardtasks import forget_on_loss
+from noetl_db import checkpoints, leases
 from noetl_proto.v1 import messages_pb2
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ SEALED = Counter("noetl_checkpoints_sealed_total", "Checkpoint epochs sealed", [
 BARRIERS = Counter("noetl_checkpoint_barriers_requested_total", "Barriers requested from the engine", ["shard"])
 
 ROLE = "checkpointer"
+ENGINE_ROLE = "api"  # whose lease row holds the engine's positions
 
 OLDEST_UNSEALED = ("SELECT created_at FROM noetl.event WHERE shard_id = %s AND shard_seq > %s"
                    " ORDER BY shard_seq LIMIT 1")
@@ -166,19 +168,12 @@ class ShardCheckpointer:
         With ``request=False`` it only seals (a probe found the seal condition met)."""
         async with transaction(self.pool) as conn:
             at = time.monotonic()
-            cur = await conn.execute(
-                "UPDATE noetl.shard_lease SET updated_at = now() WHERE role = %s AND shard_id = %s"
-                " AND owner_runtime_id = %s AND epoch = %s RETURNING shard_id",
-                (ROLE, self.shard, self.ownership.runtime_id, self.epoch))
-            if await cur.fetchone() is None:
-                raise LeaseLost(f"checkpointer lease for shard {self.shard} epoch {self.epoch} is no longer held")
+            await leases.fence(conn, ROLE, self.shard, self.ownership.runtime_id, self.epoch)
             state = await self._state(conn)
             sealed_epoch, sealed_seq = state["sealed_epoch"], state["sealed_seq"]
             if state["barrier_epoch"] > sealed_epoch:
                 if state["projected_seq"] >= state["barrier_seq"]:
-                    await conn.execute(
-                        "INSERT INTO noetl.checkpoint (shard_id, epoch, last_shard_seq) VALUES (%s, %s, %s)"
-                        " ON CONFLICT DO NOTHING", (self.shard, state["barrier_epoch"], state["barrier_seq"]))
+                    await checkpoints.seal(conn, self.shard, state["barrier_epoch"], state["barrier_seq"])
                     sealed_epoch, sealed_seq = state["barrier_epoch"], state["barrier_seq"]
                     outcome = "sealed"
                 else:
@@ -244,16 +239,7 @@ class ShardCheckpointer:
         BARRIERS.labels(str(self.shard)).inc()
 
     async def _state(self, conn: Any) -> dict[str, Any]:
-        cur = await conn.execute(
-            "SELECT e.event_seq, e.barrier_epoch, e.barrier_seq, now() AS now,"
-            " COALESCE(p.last_shard_seq, 0) AS projected_seq,"
-            " COALESCE(c.epoch, 0) AS sealed_epoch, COALESCE(c.last_shard_seq, 0) AS sealed_seq, c.sealed_at"
-            " FROM noetl.shard_lease e"
-            " LEFT JOIN noetl.projection_checkpoint p ON p.shard_id = e.shard_id"
-            " LEFT JOIN LATERAL (SELECT epoch, last_shard_seq, sealed_at FROM noetl.checkpoint"
-            "   WHERE shard_id = e.shard_id ORDER BY epoch DESC LIMIT 1) c ON true"
-            " WHERE e.role = 'api' AND e.shard_id = %s", (self.shard,))
-        row = await cur.fetchone()
+        row = await checkpoints.seal_state(conn, ENGINE_ROLE, self.shard)
         if row is None:
             return {"event_seq": 0, "barrier_epoch": 0, "barrier_seq": 0, "projected_seq": 0, "sealed_epoch": 0,
                     "sealed_seq": 0, "sealed_at": None, "now": None}

@@ -17,8 +17,9 @@ from datetime import date, timedelta
 from typing import Any
 
 from noetl_common.db import make_pool, partition_name
+from noetl_db import leases
 
-from .compaction import Compaction
+from .compaction import ROLE, Compaction
 from .synthetic import write_executions
 
 OWNER, EPOCH = 9_999_001, 1
@@ -37,10 +38,7 @@ async def measure(dsn: str, *, executions: int = 2000, events: int = 20, chain: 
                                       shard_count=shard_count, shard=shard)
         setup = time.perf_counter() - setup
         async with pool.connection() as conn:
-            await conn.execute(
-                "INSERT INTO noetl.shard_lease (role, shard_id, owner_runtime_id, epoch) VALUES ('compactor', %s, %s, %s)"
-                " ON CONFLICT (role, shard_id) DO UPDATE SET owner_runtime_id = EXCLUDED.owner_runtime_id,"
-                " epoch = EXCLUDED.epoch", (shard, OWNER, EPOCH))
+            await leases.assign(conn, ROLE, shard, OWNER, EPOCH)
             await conn.commit()
         compaction = Compaction(pool, shard, OWNER, EPOCH, retention_sec=RETENTION_SEC,
                                 batch_executions=batch_executions, batch_events=batch_events)

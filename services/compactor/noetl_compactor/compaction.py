@@ -1,8 +1,9 @@
-"""Compaction of one shard's finished executions (seed 004 section 9).
+"""Compaction of one shard's finished executions (seed 004 section 9); its statements are
+the data layer's (``noetl_db.checkpoints``, ``noetl_db.events``).
 
 One batch, in ONE transaction fenced on this member's compactor lease row:
 
-    fence      UPDATE noetl.shard_lease ... role='compactor' AND shard AND owner AND epoch
+    fence      noetl_db.leases.fence on (compactor, shard, owner, epoch)
                (row lock held to commit; zero rows = lease lost: roll back, stop)
     manifest   one row per execution: status, counts per event type, event id range,
                ref count, then the terminal reference and its chain depth
@@ -10,7 +11,7 @@ One batch, in ONE transaction fenced on this member's compactor lease row:
                envelope (call.done / call.error / loop.done / command.dead_lettered /
                step.kept),
                its terminal reference, and the whole chain as GetTrace returns it
-    delete     DELETE FROM noetl.event WHERE execution_id = ANY(batch)
+    delete     the batch's events (noetl_db.events.DELETE_EVENTS)
 
 Candidates: executions of the shard whose read model is terminal and ended before the
 horizon, that still have events, all of them already projected (``shard_seq`` at or
@@ -31,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from noetl_common.db import REDRIVE_LOCK_CLASS, Conn, Pool, transaction
-from noetl_common.errors import LeaseLost
 from noetl_common.ids import snowflake_at
-from noetl_store import TRACE_COLUMNS
+from noetl_db import leases
+from noetl_db.checkpoints import MANIFEST, PARTS, TERMINAL_REF
+from noetl_db.events import DELETE_BARRIERS, DELETE_EVENTS
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +44,6 @@ TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
 # step.kept: a rerun's step whose original result it kept (its reference is the original's)
 RESULT_EVENTS = ("call.done", "call.error", "loop.done", "command.dead_lettered", "step.kept")
 BARRIER_EVENT = "checkpoint.committed"
-MAX_CHAIN_DEPTH = 10_000
-
-FENCE = ("UPDATE noetl.shard_lease SET updated_at = now() WHERE role = %s AND shard_id = %s"
-         " AND owner_runtime_id = %s AND epoch = %s RETURNING shard_id")
 
 WATERMARK = "SELECT COALESCE((SELECT last_shard_seq FROM noetl.projection_checkpoint WHERE shard_id = %s), 0) AS seq"
 
@@ -94,80 +92,6 @@ LOCK_FOR_COMPACTION = ("SELECT id FROM unnest(%(ids)s::bigint[]) AS id"
 UNPROJECTED = ("SELECT DISTINCT execution_id FROM noetl.event WHERE execution_id = ANY(%(ids)s)"
                " AND shard_seq > %(projected)s")
 
-MANIFEST = """
-INSERT INTO noetl.manifest (execution_id, shard_id, status, playbook_path, playbook_version, step_count,
-                            ref_count, event_count, event_types, first_event_id, last_event_id, last_shard_seq,
-                            started_at, ended_at, compactor_epoch)
-SELECT x.execution_id, x.shard_id, x.status, x.playbook_path, x.playbook_version,
-       (SELECT count(*) FROM noetl.execution_step s WHERE s.execution_id = x.execution_id),
-       (SELECT count(*) FROM noetl.result_ref r WHERE r.execution_id = x.execution_id),
-       st.event_count, st.event_types, st.first_event_id, st.last_event_id, st.last_shard_seq,
-       x.started_at, x.ended_at, %(epoch)s
-FROM jsonb_to_recordset(%(stats)s::jsonb) AS st(execution_id bigint, event_count bigint, event_types jsonb,
-                                                 first_event_id bigint, last_event_id bigint, last_shard_seq bigint)
-JOIN noetl.execution x ON x.execution_id = st.execution_id
-ON CONFLICT (execution_id) DO UPDATE SET
-  event_count = noetl.manifest.event_count + EXCLUDED.event_count,
-  event_types = (SELECT jsonb_object_agg(k, COALESCE((noetl.manifest.event_types ->> k)::bigint, 0)
-                                            + COALESCE((EXCLUDED.event_types ->> k)::bigint, 0))
-                 FROM jsonb_object_keys(noetl.manifest.event_types || EXCLUDED.event_types) AS k),
-  last_event_id = GREATEST(noetl.manifest.last_event_id, EXCLUDED.last_event_id),
-  last_shard_seq = GREATEST(noetl.manifest.last_shard_seq, EXCLUDED.last_shard_seq)
-RETURNING execution_id, (xmax = 0) AS created
-"""
-
-_ENTRY = ", ".join(f"'{c}', rr.{c}" for c in TRACE_COLUMNS)
-
-# The chain walks result_ref by primary key (LATERAL ... LIMIT 1 keeps the planner from
-# hashing the whole table), and the batch's events are read once (``ev``).
-PARTS = f"""
-WITH RECURSIVE chain AS (
-  SELECT s.execution_id AS x_id, s.step AS x_step, r.parent_ref_id, r.entry, 1 AS depth
-  FROM noetl.execution_step s
-  CROSS JOIN LATERAL (SELECT rr.parent_ref_id, jsonb_build_object({_ENTRY}) AS entry
-                      FROM noetl.result_ref rr WHERE rr.ref_id = s.result_ref_id LIMIT 1) r
-  WHERE s.execution_id = ANY(%(ids)s)
-  UNION ALL
-  SELECT c.x_id, c.x_step, r.parent_ref_id, r.entry, c.depth + 1
-  FROM chain c
-  CROSS JOIN LATERAL (SELECT rr.parent_ref_id, jsonb_build_object({_ENTRY}) AS entry
-                      FROM noetl.result_ref rr WHERE rr.ref_id = c.parent_ref_id LIMIT 1) r
-  WHERE c.depth < {MAX_CHAIN_DEPTH}
-), chains AS (
-  SELECT x_id, x_step, count(*) AS depth, jsonb_agg(entry ORDER BY depth) AS chain FROM chain GROUP BY x_id, x_step
-), ev AS MATERIALIZED (
-  SELECT execution_id, step, event_type, event_id, result, (meta ? 'index') AS iteration
-  FROM noetl.event WHERE execution_id = ANY(%(ids)s) AND step IS NOT NULL
-), finals AS (
-  SELECT DISTINCT ON (execution_id, step) execution_id, step, event_type, result
-  FROM ev WHERE event_type = ANY(%(result_events)s) AND NOT iteration
-  ORDER BY execution_id, step, event_id DESC
-), counts AS (
-  SELECT execution_id, step, count(*) AS n FROM ev GROUP BY execution_id, step
-)
-INSERT INTO noetl.manifest_part (execution_id, step, status, visits, event_type, envelope, terminal_ref_id,
-                                 chain_depth, chain, event_count)
-SELECT s.execution_id, s.step, s.status, s.visits, f.event_type, f.result, s.result_ref_id,
-       COALESCE(c.depth, 0), COALESCE(c.chain, '[]'::jsonb), COALESCE(n.n, 0)
-FROM noetl.execution_step s
-LEFT JOIN chains c ON c.x_id = s.execution_id AND c.x_step = s.step
-LEFT JOIN finals f ON f.execution_id = s.execution_id AND f.step = s.step
-LEFT JOIN counts n ON n.execution_id = s.execution_id AND n.step = s.step
-WHERE s.execution_id = ANY(%(ids)s)
-RETURNING execution_id, terminal_ref_id, chain_depth
-"""
-
-# The execution's terminal reference: the newest step result (ref ids only grow).
-TERMINAL_REF = """
-UPDATE noetl.manifest m SET terminal_ref_id = t.ref_id, chain_depth = t.depth
-FROM unnest(%(ids)s::bigint[], %(refs)s::bigint[], %(depths)s::int[]) AS t(execution_id, ref_id, depth)
-WHERE m.execution_id = t.execution_id
-"""
-
-# The retention delete (the only statement that ever deletes events).
-DELETE_EVENTS = "DELETE FROM noetl.event WHERE execution_id = ANY(%(ids)s)"
-DELETE_BARRIERS = "DELETE FROM noetl.event WHERE execution_id = ANY(%(ids)s) AND event_type = %(barrier)s"
-
 
 @dataclass
 class BatchResult:
@@ -203,9 +127,7 @@ class Compaction:
         self.batch_events = batch_events
 
     async def _fence(self, conn: Conn) -> None:
-        cur = await conn.execute(FENCE, (ROLE, self.shard, self.owner, self.epoch))
-        if await cur.fetchone() is None:
-            raise LeaseLost(f"compactor lease for shard {self.shard} epoch {self.epoch} is no longer held")
+        await leases.fence(conn, ROLE, self.shard, self.owner, self.epoch)
 
     async def batch(self, *, now_ms: int | None = None) -> BatchResult:
         """Compact at most one batch; an empty result means nothing is due."""

@@ -20,9 +20,8 @@ from noetl_common.db import Pool, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
 from noetl_common.shardtasks import forget_on_loss
+from noetl_db import read_models
 from noetl_flow.projection import fold
-
-from . import store
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +87,7 @@ class ShardProjector:
         barrier = False
         # pipeline mode: fence + read, load, then the writes with the COMMIT (three round trips)
         async with pipelined_transaction(self.pool) as conn:
-            events = await store.fence_and_read(conn, self.shard, self.ownership.runtime_id, self.epoch,
+            events = await read_models.fence_and_read(conn, self.shard, self.ownership.runtime_id, self.epoch,
                                                 self.batch_size)
             if not events:
                 return 0
@@ -98,15 +97,15 @@ class ShardProjector:
                     by_exec[ev["execution_id"]].append(ev)
                 else:
                     barrier = True
-            views = await store.load_views(conn, self.shard, list(by_exec))
+            views = await read_models.load_views(conn, self.shard, list(by_exec))
             for eid, evs in by_exec.items():
                 if fold(views[eid], evs):
                     touched.append(eid)
-            await store.save_views(conn, [views[e] for e in touched])
+            await read_models.save_views(conn, [views[e] for e in touched])
             last = events[-1]
             lag = int((datetime.now(UTC) - last["created_at"]).total_seconds() * 1000)
             lag = min(max(lag, 0), MAX_LAG_MS)
-            await store.advance(conn, self.shard, int(last["shard_seq"]), lag)
+            await read_models.advance(conn, self.shard, int(last["shard_seq"]), lag)
         LAG.labels(str(self.shard)).set(lag)
         PROJECTED.labels(str(self.shard)).inc(len(events))
         if barrier:

@@ -1,6 +1,6 @@
 """One shard's scheduler loop (in the reaper: its shard leases are the schedules').
 
-Two loops per shard (``noetl_common.schedulestore``):
+Two loops per shard (``noetl_db.schedules``):
 
     fire:   in one transaction fenced on this reaper lease term, record the due ticks the
             catch-up policies fire and move each schedule's next tick;
@@ -32,7 +32,7 @@ from prometheus_client import Counter, Histogram
 
 from noetl_common.config import ScheduleSettings
 from noetl_common.errors import LeaseLost, NoetlError
-from noetl_common.schedulestore import ScheduleStore, idempotency_key
+from noetl_db.schedules import ScheduleStore, idempotency_key
 from noetl_proto.v1 import execution_pb2, execution_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from noetl_common.config import CommandSettings, CoreSettings, ScheduleSettings, ShardSettings
-from noetl_common.schedulestore import ScheduleStore
 from noetl_common.shardtasks import ShardedService, ShardTasks, shard_health
+from noetl_db.schedules import ScheduleStore
 from noetl_proto.v1 import execution_pb2_grpc
 
 from .scheduler import ShardScheduler

@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from noetl_db import limits as limits_db
 from noetl_dsl.templates import RenderContext, TemplateError, add_upstream_names, render_text
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,8 @@ class EngineLimits:
     async def refresh(self, conn: Any) -> None:
         if self._clock() - self._read_at < REFRESH_SEC:
             return
-        cur = await conn.execute("SELECT limit_id, path, key_template, max_running FROM noetl.concurrency_limit")
         by_path: dict[str, list[Limit]] = {}
-        for r in await cur.fetchall():
+        for r in await limits_db.all_limits(conn):
             by_path.setdefault(r["path"], []).append(Limit(r["limit_id"], r["path"], r["key_template"],
                                                            r["max_running"]))
         self._by_path = by_path
@@ -90,25 +90,20 @@ class EngineLimits:
         limits = self.of(path)
         if not limits:
             # no limit (any more): leave any queue it was in
-            await conn.execute("DELETE FROM noetl.concurrency_wait WHERE execution_id = %s", (execution_id,))
+            await limits_db.dequeue(conn, execution_id)
             return True
         wanted = sorted((lim.limit_id, render_key(lim.key_template, workload, execution_id), lim.max_running)
                         for lim in limits)
         granted: list[tuple[int, str]] = []
         for limit_id, key, max_running in wanted:  # a fixed order: no two engines wait on each other
-            cur = await conn.execute("SELECT noetl.take_slot(%s, %s, %s, %s, %s) AS ok",
-                                     (limit_id, key, max_running, execution_id, shard))
-            row = await cur.fetchone()
-            if row is not None and row["ok"]:
+            if await limits_db.take_slot(conn, limit_id, key, max_running, execution_id, shard):
                 granted.append((limit_id, key))
         if len(granted) == len(wanted):
-            await conn.execute("DELETE FROM noetl.concurrency_wait WHERE execution_id = %s", (execution_id,))
+            await limits_db.dequeue(conn, execution_id)
             return True
         for limit_id, key in granted:
-            await conn.execute("DELETE FROM noetl.concurrency_slot WHERE limit_id = %s AND key = %s"
-                               " AND execution_id = %s", (limit_id, key, execution_id))
-            await conn.execute("INSERT INTO noetl.concurrency_wait (limit_id, key, execution_id, shard_id)"
-                               " VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING", (limit_id, key, execution_id, shard))
+            await limits_db.give_back(conn, limit_id, key, execution_id)
+            await limits_db.enqueue(conn, limit_id, key, execution_id, shard)
         QUEUED.labels(str(shard)).inc()
         return False
 
@@ -116,32 +111,16 @@ class EngineLimits:
 async def release(conn: Any, ended: Sequence[int]) -> None:
     """Free the slots (and queue places: a queued execution cancelled) of executions that
     ended in the batch; run for every batch that ended one, limits or not."""
-    if ended:
-        await conn.execute("DELETE FROM noetl.concurrency_slot WHERE execution_id = ANY(%s)", (list(ended),))
-        await conn.execute("DELETE FROM noetl.concurrency_wait WHERE execution_id = ANY(%s)", (list(ended),))
+    await limits_db.release(conn, ended)
 
 
-_HEADS = """
-SELECT DISTINCT w.execution_id, w.shard_id FROM noetl.concurrency_wait w
-LEFT JOIN noetl.concurrency_limit l ON l.limit_id = w.limit_id
-WHERE {where}
-  AND NOT EXISTS (SELECT 1 FROM noetl.engine_state s WHERE s.execution_id = w.execution_id)
-  AND (l.limit_id IS NULL OR (
-  w.execution_id = (SELECT min(w2.execution_id) FROM noetl.concurrency_wait w2
-                    WHERE w2.limit_id = w.limit_id AND w2.key = w.key)
-  AND (SELECT count(*) FROM noetl.concurrency_slot s WHERE s.limit_id = w.limit_id AND s.key = w.key)
-      < l.max_running))
-ORDER BY 1 LIMIT %s
-"""
 
 
 async def startable(conn: Any, *, shard: int | None = None, limit: int = 200) -> list[tuple[int, int]]:
     """(execution_id, shard) of queued executions that may start now: the oldest of a
     queue with a free slot, or queued by a limit that no longer exists; of ``shard``
     only, or every shard's (the nudges after a batch freed slots)."""
-    where, params = ("w.shard_id = %s", (shard, limit)) if shard is not None else ("true", (limit,))
-    cur = await conn.execute(_HEADS.format(where=where), params)
-    return [(r["execution_id"], r["shard_id"]) for r in await cur.fetchall()]
+    return await limits_db.heads(conn, shard=shard, limit=limit)
 
 
 __all__ = ["QUEUED", "EngineLimits", "Limit", "release", "render_key", "startable"]

@@ -26,6 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
 
+import noetl_store
 from noetl_common import auth, faults, natsio
 from noetl_common.config import CommandSettings, ExecutionSettings, LimitSettings
 from noetl_common.db import Pool, pipelined_transaction
@@ -33,6 +34,13 @@ from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import barrier_execution_id, snowflake_at
 from noetl_common.retry import is_transient
 from noetl_common.shards import ShardOwnership
+from noetl_db import commands as commands_db
+from noetl_db import dead_letters as dead_letters_db
+from noetl_db import engine_state as engine_state_db
+from noetl_db import events as events_db
+from noetl_db import leases
+from noetl_db import loops as loops_db
+from noetl_db import requests as requests_db
 from noetl_dsl import merged_workload
 from noetl_flow import (
     EV_DEAD,
@@ -49,12 +57,14 @@ from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, envelope_from_proto
 
 from ..catalog import Catalog
-from . import limits, sql
+from . import limits
 from .limits import EngineLimits
 from .placing import Placed, place
 from .traces import EngineTraces
 
 logger = logging.getLogger(__name__)
+
+ROLE = "api"  # the engine's shard leases are the api's
 
 BATCH_EVENTS = Counter("noetl_engine_events_total", "Events appended by the engine", ["shard"])
 BATCH_SECONDS = Histogram("noetl_engine_batch_seconds", "Engine batch transaction time",
@@ -271,7 +281,7 @@ class ShardEngine:
         self._reset_to = last
         self._cache.clear()
         async with self.d.pool.connection() as conn:
-            queued = await sql.queued_commands(conn, self.shard)
+            queued = await commands_db.queued_commands(conn, self.shard)
             await conn.commit()
         if queued:
             REPUBLISHED.inc(len(queued))
@@ -284,14 +294,10 @@ class ShardEngine:
         """Load what a new owner needs, republish the shard's queued commands, and return
         the stream position to consume from."""
         async with self.d.pool.connection() as conn:
-            cur = await conn.execute(
-                "SELECT stream_seq, event_seq FROM noetl.shard_lease WHERE role = %s AND shard_id = %s"
-                " AND owner_runtime_id = %s AND epoch = %s",
-                (sql.ROLE, self.shard, self.d.ownership.runtime_id, self.epoch))
-            row = await cur.fetchone()
+            row = await leases.held_positions(conn, ROLE, self.shard, self.d.ownership.runtime_id, self.epoch)
             if row is None:
                 raise LeaseLost(f"shard {self.shard} epoch {self.epoch} is not ours")
-            queued = await sql.queued_commands(conn, self.shard)
+            queued = await commands_db.queued_commands(conn, self.shard)
             await self.d.traces.load(conn, {q["execution_id"] for q in queued}, {})
             await conn.commit()
         REPLAYED.labels(str(self.shard))  # the series exists (0) from the takeover on
@@ -325,15 +331,12 @@ class ShardEngine:
         logged and tried again next tick."""
         try:
             async with self.d.pool.connection() as conn:
-                cur = await conn.execute("SELECT sweep_from FROM noetl.shard_lease WHERE role = %s AND shard_id = %s",
-                                         (sql.ROLE, self.shard))
-                row = await cur.fetchone()
-                after = int(row["sweep_from"]) if row else 0
-                starts = await sql.unstarted(conn, self.shard, after, 200)
+                after = await leases.sweep_from(conn, ROLE, self.shard)
+                starts = await requests_db.unstarted(conn, self.shard, after, 200)
                 starts += [eid for eid, _ in await limits.startable(conn, shard=self.shard)]
-                late = await sql.overdue(conn, self.shard, 200)
-                cancels = await sql.pending_cancels(conn, self.shard, 200)
-                redrives = await sql.pending_redrive_executions(conn, self.shard, 200)
+                late = await engine_state_db.overdue(conn, self.shard, 200)
+                cancels = await requests_db.pending_cancels(conn, self.shard, 200)
+                redrives = await requests_db.pending_redrive_executions(conn, self.shard, 200)
                 await conn.commit()
         except Exception as exc:
             if is_transient(exc):
@@ -456,8 +459,8 @@ class ShardEngine:
         # Pipeline mode for the whole transaction: BEGIN travels with the fence, and the
         # batch's writes with the COMMIT (two round trips when the states are cached).
         async with pipelined_transaction(self.d.pool) as conn:
-            lease = await sql.fence(conn, self.shard, self.d.ownership.runtime_id, self.epoch, last_stream_seq,
-                                    reset=reset)
+            lease = await leases.fence(conn, ROLE, self.shard, self.d.ownership.runtime_id, self.epoch,
+                                       stream_seq=last_stream_seq, reset=reset)
             seq = int(lease["event_seq"])
             sweep_from = int(lease["sweep_from"])
             barrier_epoch, barrier_seq = int(lease["barrier_epoch"]), int(lease["barrier_seq"])
@@ -466,10 +469,10 @@ class ShardEngine:
             inputs = [i for i in inputs if i.kind != UNDECODABLE]
             ids = {i.execution_id for i in inputs if i.kind != "barrier"}
             states: dict[int, ExecState] = {e: self._cache[e] for e in ids if e in self._cache}
-            states.update(await sql.load_states(conn, [e for e in ids if e not in states]))
+            states.update(await engine_state_db.load_states(conn, [e for e in ids if e not in states]))
             need_requests = [e for e in ids if e not in states or e not in self.d.workloads
                              or e not in self.d.priorities]
-            requests = await sql.load_requests(conn, need_requests)
+            requests = await requests_db.load_requests(conn, need_requests)
             for e, req in requests.items():
                 self.d.priorities[e] = req.get("priority") or ""
             await self.d.traces.load(conn, ids, requests)
@@ -491,11 +494,11 @@ class ShardEngine:
                 eid = t.state.execution_id
                 states[eid] = t.state
                 for instance, items in t.loop_items:
-                    await sql.store_loop_items(conn, eid, instance, items)
+                    await loops_db.store_loop_items(conn, eid, instance, items)
                 for source, source_instance, instance in t.loop_copies:
-                    await sql.copy_loop(conn, source, source_instance, eid, instance)
+                    await loops_db.copy_loop(conn, source, source_instance, eid, instance)
                 for _instance, step_name, envelope in t.loop_refs:  # before the events are serialised
-                    envelope["reference"]["ref_id"] = await sql.loop_reference(
+                    envelope["reference"]["ref_id"] = await noetl_store.loop_reference(
                         conn, eid, step_name, envelope["reference"]["uri"], envelope["context"])
                 loop_results.extend((eid, *r) for r in t.loop_results)
                 dead_letters.extend((eid, d) for d in t.dead_letters)
@@ -531,21 +534,22 @@ class ShardEngine:
                 await limits.release(conn, finished)
                 await self.d.concurrency.refresh(conn)  # at most once a second: whom to nudge
             # every write of the batch, then the COMMIT, in one round trip
-            await sql.append_events(conn, events)
-            await sql.save_states(conn, self.shard, [(s, last, _deadline(s)) for s, last in touched.values()])
-            await sql.insert_commands(conn, self.shard, new_commands)
-            await sql.clear_loop_results(conn, cleared)
-            await sql.store_loop_results(conn, loop_results)
-            await sql.insert_dead_letters(conn, self.shard, dead_letters)
-            await sql.applied_redrives(conn, redrives)
-            await sql.update_commands(conn, updates)
-            await sql.applied_cancels(conn, sorted({i.execution_id for i in inputs if i.kind == "cancel"}))
-            await sql.cascade_cancels(conn, ended)
+            await events_db.append_events(conn, events)
+            await engine_state_db.save_states(conn, self.shard, [(s, last, _deadline(s)) for s, last in touched.values()])
+            await commands_db.insert_commands(conn, self.shard, new_commands)
+            await loops_db.clear_loop_results(conn, cleared)
+            await loops_db.store_loop_results(conn, loop_results)
+            await dead_letters_db.insert_dead_letters(conn, self.shard, dead_letters)
+            await dead_letters_db.record_redrives(conn, redrives)
+            await requests_db.applied_redrives(conn, [r[0] for r in redrives])
+            await commands_db.update_commands(conn, updates)
+            await requests_db.applied_cancels(conn, sorted({i.execution_id for i in inputs if i.kind == "cancel"}))
+            await requests_db.cascade_cancels(conn, ended)
             for bad in quarantine:
-                await sql.quarantine(conn, self.shard, bad.inp.execution_id, bad.inp.kind, bad.inp.seq or None,
+                await events_db.quarantine(conn, self.shard, bad.inp.execution_id, bad.inp.kind, bad.inp.seq or None,
                                      bad.attempts, bad.error, bad.inp.data)
-            await sql.finish_batch(conn, self.shard, seq, new_sweep, barrier_epoch, barrier_seq)
-            await sql.assert_lease(conn, self.shard, self.d.ownership.runtime_id, self.epoch)
+            await leases.finish_engine_batch(conn, ROLE, self.shard, seq, new_sweep, barrier_epoch, barrier_seq)
+            await leases.assert_lease(conn, ROLE, self.shard, self.d.ownership.runtime_id, self.epoch)
         # committed: the cache mirrors what is in Postgres now
         if reset:
             self._reset_to = None
@@ -663,7 +667,7 @@ class ShardEngine:
         checked it; this is a second look at what is durable), the rerun fails at once naming why."""
         original_id = int(req["rerun_of"])
         meta = {"rerun_of": original_id}
-        original = (await sql.load_states(conn, [original_id])).get(original_id)
+        original = (await engine_state_db.load_states(conn, [original_id])).get(original_id)
         if original is None:
             return flow.refuse(start, f"RERUN_REFUSED: execution {original_id} has no engine state to rerun from", meta)
         try:
@@ -672,7 +676,7 @@ class ShardEngine:
             return flow.refuse(start, f"RERUN_REFUSED: {exc}", meta)
         todo: dict[str, tuple[int, list[list[int]]]] = {}
         for name, lr in plan.resume.items():
-            ok = await sql.ok_ranges(conn, original_id, lr.instance)
+            ok = await loops_db.ok_ranges(conn, original_id, lr.instance)
             todo[name] = (sum(end - begin for begin, end in ok), rerun.todo_ranges(lr.total, ok))
         refs = rerun.needs(flow, original, plan, {name: ranges for name, (_, ranges) in todo.items()})
         values = await self._values(refs, conn, start.execution_id, []) if refs else {}
@@ -685,8 +689,8 @@ class ShardEngine:
         deleted in this batch either way."""
         eid = inp.execution_id
         inp.refused = []  # a batch retried after a failure folds its inputs again
-        compacted = await sql.lock_for_redrive(conn, eid)
-        rows = await sql.redrive_requests(conn, eid)
+        compacted = await requests_db.lock_for_redrive(conn, eid)
+        rows = await requests_db.redrive_requests(conn, eid)
         if not rows:
             return None  # applied already (a nudge and a sweep)
         inp.requested_by = {int(r["dead_letter_id"]): r["requested_by"] for r in rows}
@@ -698,7 +702,7 @@ class ShardEngine:
                        else refusal(None, item))
                 inp.refused.append((item.dead_letter_id, None, why))
             return None
-        req = requests.get(eid) or (await sql.load_requests(conn, [eid])).get(eid)
+        req = requests.get(eid) or (await requests_db.load_requests(conn, [eid])).get(eid)
         deadline_ms = int((time.time() + float(req["timeout_sec"])) * 1000) if req else None
         flow = (await self.d.catalog.compiled(state.catalog_id)).flow
         return flow.on_redrive(state, items, deadline_ms)
@@ -719,9 +723,9 @@ class ShardEngine:
         """The value of a loop finishing in this batch: every stored iteration result (the
         batch's own, not yet written, are flushed first) plus the finishing one."""
         loop = need["loop"]
-        await sql.store_loop_results(conn, batch_loop_results)
+        await loops_db.store_loop_results(conn, batch_loop_results)
         batch_loop_results.clear()
-        rows = await sql.loop_results(conn, eid, loop["instance"])
+        rows = await loops_db.loop_results(conn, eid, loop["instance"])
         ref = loop.get("ref") or {}
         rows[int(loop["index"])] = ref.get("ref_id")
         ids = [r for r in rows.values() if r]
@@ -745,7 +749,7 @@ class ShardEngine:
         req = requests.get(state.execution_id)
         if req is None:
             async with self.d.pool.connection() as conn:
-                req = (await sql.load_requests(conn, [state.execution_id])).get(state.execution_id)
+                req = (await requests_db.load_requests(conn, [state.execution_id])).get(state.execution_id)
         if req is None:
             return {}
         compiled = await self.d.catalog.compiled(state.catalog_id)
@@ -773,7 +777,7 @@ class ShardEngine:
         rather than at their next sweep."""
         try:
             async with self.d.pool.connection() as conn:
-                children = await sql.children(conn, parents)
+                children = await requests_db.children(conn, parents)
                 await conn.commit()
         except Exception as exc:  # a nudge: the children's sweeps apply the committed cancels anyway
             logger.warning("cancel nudges for the children of %s not sent: %s", parents, exc)

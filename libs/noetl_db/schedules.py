@@ -28,11 +28,12 @@ from typing import Any
 
 import psycopg
 
-from .db import Pool, autocommit, transaction
-from .errors import Conflict, LeaseLost, NotFound
-from .ids import shard_for
-from .schedules import CatchUp, Spec, decide, first_tick
-from .shards import fence_sql
+from noetl_common.db import Pool, autocommit, transaction
+from noetl_common.errors import Conflict, NotFound
+from noetl_common.ids import shard_for
+from noetl_common.schedules import CatchUp, Spec, decide, first_tick
+
+from . import leases
 
 # The reaper's shard leases are the schedules' (a schedule's shard: shard_for(schedule_id)).
 SCHEDULER_ROLE = "reaper"
@@ -140,9 +141,7 @@ class ScheduleStore:
         fired = skipped = 0
         lag: list[float] = []
         async with transaction(self._pool) as conn:
-            cur = await conn.execute(fence_sql(), (SCHEDULER_ROLE, shard, owner_runtime_id, epoch))
-            if await cur.fetchone() is None:
-                raise LeaseLost(f"reaper shard {shard} epoch {epoch} is not ours: no schedule fired")
+            await leases.fence(conn, SCHEDULER_ROLE, shard, owner_runtime_id, epoch)
             cur = await conn.execute("SELECT coalesce(%s, now()) AS now", (now,))
             row = await cur.fetchone()
             assert row is not None

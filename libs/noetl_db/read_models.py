@@ -1,40 +1,38 @@
-"""Read-model statements. Everything runs inside the shard's fenced transaction, in
-pipeline mode (``pipelined_transaction``): statements are sent without waiting, a read
-waits for what was sent before it."""
+"""The read model the projector folds the event log into: ``noetl.execution``,
+``noetl.execution_step`` and its watermark ``noetl.projection_checkpoint``. The
+projector's statements run inside its shard's fenced transaction, in pipeline mode
+(``pipelined_transaction``): statements are sent without waiting, a read waits for what
+was sent before it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import psycopg
-
-from noetl_common.db import columns
-from noetl_common.errors import LeaseLost
 from noetl_flow.projection import ExecutionView, StepView
+
+from . import leases
+from ._conn import Conn, columns
 
 ROLE = "projector"
 
 
-async def fence_and_read(conn: psycopg.AsyncConnection[Any], shard: int, owner: int, epoch: int,
+async def fence_and_read(conn: Conn, shard: int, owner: int, epoch: int,
                          limit: int) -> list[dict[str, Any]]:
     """Fence on our lease row and read up to ``limit`` events past the watermark, sent
     together (pipeline mode: one round trip). LeaseLost when the lease is not ours."""
-    fenced = await conn.execute(
-        "UPDATE noetl.shard_lease SET updated_at = now() WHERE role = %s AND shard_id = %s"
-        " AND owner_runtime_id = %s AND epoch = %s RETURNING shard_id", (ROLE, shard, owner, epoch))
+    fence = await leases.send_fence(conn, ROLE, shard, owner, epoch)
     await conn.execute("INSERT INTO noetl.projection_checkpoint (shard_id) VALUES (%s) ON CONFLICT DO NOTHING",
                        (shard,))
     events = await conn.execute(
         "SELECT execution_id, shard_seq, event_type, step, command_id, result, meta, created_at FROM noetl.event"
         " WHERE shard_id = %s AND shard_seq > (SELECT last_shard_seq FROM noetl.projection_checkpoint"
         " WHERE shard_id = %s) ORDER BY shard_seq LIMIT %s", (shard, shard, limit))
-    if await fenced.fetchone() is None:
-        raise LeaseLost(f"projector lease for shard {shard} epoch {epoch} is no longer held")
+    await leases.fenced(fence, ROLE, shard, epoch)
     return list(await events.fetchall())
 
 
-async def load_views(conn: psycopg.AsyncConnection[Any], shard: int, ids: Sequence[int]) -> dict[int, ExecutionView]:
+async def load_views(conn: Conn, shard: int, ids: Sequence[int]) -> dict[int, ExecutionView]:
     cur = await conn.execute("SELECT * FROM noetl.execution WHERE execution_id = ANY(%s)", (list(ids),))
     step_cur = await conn.execute("SELECT * FROM noetl.execution_step WHERE execution_id = ANY(%s)", (list(ids),))
     views: dict[int, ExecutionView] = {}
@@ -55,7 +53,7 @@ async def load_views(conn: psycopg.AsyncConnection[Any], shard: int, ids: Sequen
     return views
 
 
-async def save_views(conn: psycopg.AsyncConnection[Any], views: Iterable[ExecutionView]) -> None:
+async def save_views(conn: Conn, views: Iterable[ExecutionView]) -> None:
     """Upsert the touched executions and their changed steps (one statement each, arrays
     in binary)."""
     views = list(views)
@@ -93,7 +91,7 @@ async def save_views(conn: psycopg.AsyncConnection[Any], views: Iterable[Executi
         )
 
 
-async def advance(conn: psycopg.AsyncConnection[Any], shard: int, last_seq: int, lag_ms: int) -> None:
+async def advance(conn: Conn, shard: int, last_seq: int, lag_ms: int) -> None:
     await conn.execute(
         "UPDATE noetl.projection_checkpoint SET last_shard_seq = %s, last_projected_at = now(), lag_ms = %s"
         " WHERE shard_id = %s", (last_seq, lag_ms, shard))

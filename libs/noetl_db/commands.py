@@ -1,0 +1,143 @@
+"""Commands, ``noetl.command``: inserted queued and moved through their states by the
+engine, claimed and renewed for workers by the api."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from noetl_flow import CommandUpdate, NewCommand
+
+from ._conn import Conn, columns, one, rows
+
+
+class Placement(Protocol):
+    """Where a command runs (the engine's ``placing.Placed``)."""
+
+    @property
+    def pool(self) -> str: ...
+    @property
+    def requires(self) -> dict[str, str] | None: ...
+    @property
+    def priority(self) -> str: ...
+
+
+async def queued_commands(conn: Conn, shard: int) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        "SELECT command_id, execution_id, attempt, kind, pool, priority FROM noetl.command"
+        " WHERE shard_id = %s AND status = 'queued' ORDER BY created_at", (shard,))
+    return list(await cur.fetchall())
+
+
+async def insert_commands(conn: Conn, shard: int,
+                          commands: Iterable[tuple[int, int, NewCommand, Placement]]) -> None:
+    """Insert the batch's new commands, queued, with their placement (one statement)."""
+    rows = [(c.command_id, eid, shard, catalog_id, c.step, c.kind, c.attempt, json.dumps(c.context),
+             float(c.timeout_sec), p.pool, json.dumps(p.requires) if p.requires else None, p.priority)
+            for eid, catalog_id, c, p in commands]
+    if not rows:
+        return
+    await conn.execute(
+        "INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
+        " attempt, context, timeout_sec, pool, requires, priority)"
+        " SELECT c, e, sh, cat, st, k, 'queued', a, ctx::jsonb, t, po, rq::jsonb, pr FROM unnest(%b::text[],"
+        " %b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::int[], %b::text[], %b::float8[],"
+        " %b::text[], %b::text[], %b::text[]) AS x(c, e, sh, cat, st, k, a, ctx, t, po, rq, pr)"
+        " ON CONFLICT (command_id) DO NOTHING",
+        columns(rows, 12),
+    )
+
+
+async def update_commands(conn: Conn, updates: Iterable[CommandUpdate]) -> None:
+    """Apply the batch's command status changes in one statement. Several updates of one
+    command in a batch fold in order: the last status, the last attempt given, and the
+    worker cleared if it was re-queued on the way."""
+    merged: dict[str, tuple[str, str, int | None, bool]] = {}
+    for u in updates:
+        _, _, attempt, requeued = merged.get(u.command_id, ("", "", None, False))
+        merged[u.command_id] = (u.command_id, u.status, u.attempt if u.attempt is not None else attempt,
+                                requeued or u.status == "queued")
+    if not merged:
+        return
+    await conn.execute(
+        "UPDATE noetl.command c SET status = u.st, attempt = COALESCE(u.a, c.attempt),"
+        " worker_id = CASE WHEN u.rq THEN NULL ELSE c.worker_id END, updated_at = now()"
+        " FROM unnest(%b::text[], %b::text[], %b::int[], %b::bool[]) AS u(cid, st, a, rq) WHERE c.command_id = u.cid",
+        columns(list(merged.values()), 4),
+    )
+
+
+_CLAIM = """
+WITH wanted AS (
+  SELECT * FROM unnest(%(ids)b::text[], %(attempts)b::int[]) AS w(command_id, attempt)
+), claimed AS (
+  UPDATE noetl.command c SET status = 'claimed', worker_id = %(worker)s, claimed_at = now(),
+         lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
+  FROM wanted w
+  WHERE c.command_id = w.command_id
+    -- only a worker that qualifies (noetl_common.pools.qualifies says the same)
+    AND c.pool = ANY(%(pools)s::text[]) AND (c.requires IS NULL OR c.requires <@ %(labels)s::jsonb)
+    AND (cardinality(%(tools)s::text[]) = 0 OR c.kind = ANY(%(tools)s::text[]))
+    AND (c.status = 'queued' AND (c.attempt = w.attempt OR w.attempt = 0)
+         -- the same worker claiming the same attempt again: its first claim committed but the
+         -- answer was lost (an api replica died mid-call); it gets the command back
+         OR c.status = 'claimed' AND c.worker_id = %(worker)s AND c.attempt = w.attempt)
+  RETURNING c.*
+)
+SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item, r.workload_ref_id,
+       CASE WHEN c.execution_id = ANY(%(need_payload)b::bigint[]) AND r.workload_ref_id IS NULL
+            THEN r.payload END AS payload
+FROM claimed c
+LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id
+LEFT JOIN noetl.loop_item li
+  ON li.execution_id = c.execution_id AND li.loop_instance = c.context->'loop'->>'instance'
+ AND li.idx = (c.context->'loop'->>'index')::int
+"""
+
+
+async def claim(conn: Conn, wanted: list[tuple[str, int]], worker_id: str, lease_sec: float, *,
+                pools: list[str], labels: dict[str, str], tools: list[str],
+                need_payload: list[int]) -> dict[str, dict[str, Any]]:
+    """Claim ``wanted`` ((command_id, attempt); attempt 0: any) for ``worker_id`` in ONE
+    statement: each claimed row with its loop item and, for executions in
+    ``need_payload``, the submitted payload. Only commands the worker qualifies for
+    (``pools``, ``labels``, ``tools``: noetl_common.pools.qualifies says the same)."""
+    found = await rows(conn, _CLAIM, {
+        "worker": worker_id, "lease": lease_sec, "ids": [c for c, _ in wanted], "attempts": [a for _, a in wanted],
+        "need_payload": need_payload, "pools": pools, "labels": json.dumps(labels), "tools": tools})
+    return {r["command_id"]: r for r in found}
+
+
+async def placement_of(conn: Conn, command_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Who holds which attempt of each command, and where it may run (why a claim failed)."""
+    found = await rows(conn, "SELECT command_id, status, attempt, worker_id, pool, requires, kind"
+                             " FROM noetl.command WHERE command_id = ANY(%s)", (command_ids,))
+    return {r["command_id"]: r for r in found}
+
+
+async def holder(conn: Conn, command_id: str) -> dict[str, Any] | None:
+    """The command as GetCredential checks it: who holds which attempt, its step and pinned
+    playbook, the cursor the engine rendered, and the execution's payload (or the
+    reference of its workload)."""
+    return await one(conn,
+        "SELECT c.command_id, c.execution_id, c.step, c.attempt, c.status, c.worker_id, c.catalog_id,"
+        " c.context->'cursor' AS cursor, r.payload, r.workload_ref_id"
+        " FROM noetl.command c LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id"
+        " WHERE c.command_id = %s", (command_id,))
+
+
+async def renew(conn: Conn, command_id: str, worker_id: str, attempt: int, lease_sec: float,
+                progress: str | None) -> dict[str, Any] | None:
+    """Extend a claimed command's lease (and record its progress) when ``worker_id`` holds
+    ``attempt``; its new ``lease_until``, else None."""
+    return await one(conn,
+        "UPDATE noetl.command SET lease_until = now() + make_interval(secs => %s),"
+        " progress = COALESCE(%s::jsonb, progress), updated_at = now()"
+        " WHERE command_id = %s AND worker_id = %s AND attempt = %s AND status = 'claimed'"
+        " RETURNING lease_until", (lease_sec, progress, command_id, worker_id, attempt))
+
+
+async def state(conn: Conn, command_id: str) -> dict[str, Any] | None:
+    return await one(conn, "SELECT status, attempt, worker_id FROM noetl.command WHERE command_id = %s",
+                     (command_id,))

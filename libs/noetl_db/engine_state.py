@@ -1,0 +1,45 @@
+"""The engine's compact state per execution: ``noetl.engine_state``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+
+from noetl_flow import ExecState
+
+from ._conn import Conn, columns
+from .events import NOT_QUARANTINED
+
+
+async def load_states(conn: Conn, ids: Sequence[int]) -> dict[int, ExecState]:
+    if not ids:
+        return {}
+    cur = await conn.execute("SELECT execution_id, state FROM noetl.engine_state WHERE execution_id = ANY(%s)",
+                             (list(ids),))
+    return {r["execution_id"]: ExecState.from_json(r["state"]) for r in await cur.fetchall()}
+
+
+async def overdue(conn: Conn, shard: int, limit: int) -> list[int]:
+    cur = await conn.execute(
+        "SELECT s.execution_id FROM noetl.engine_state s WHERE s.shard_id = %s AND s.status = 'running'"
+        " AND s.deadline < now() AND " + NOT_QUARANTINED.format(col="s.execution_id") +
+        " ORDER BY s.deadline LIMIT %s", (shard, limit))
+    return [r["execution_id"] for r in await cur.fetchall()]
+
+
+async def save_states(conn: Conn, shard: int,
+                      states: Iterable[tuple[ExecState, int, datetime | None]]) -> None:
+    """Upsert the compact engine state of every touched execution (one statement)."""
+    rows = [(s.execution_id, shard, s.status, json.dumps(s.to_json()), deadline, seq)
+            for s, seq, deadline in states]
+    if not rows:
+        return
+    await conn.execute(
+        "INSERT INTO noetl.engine_state (execution_id, shard_id, status, state, deadline, last_shard_seq)"
+        " SELECT e, sh, st, js::jsonb, d, q FROM unnest(%b::bigint[], %b::int[], %b::text[], %b::text[],"
+        " %b::timestamptz[], %b::bigint[]) AS t(e, sh, st, js, d, q)"
+        " ON CONFLICT (execution_id) DO UPDATE SET status = EXCLUDED.status, state = EXCLUDED.state,"
+        " deadline = EXCLUDED.deadline, last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
+        columns(rows, 6),
+    )

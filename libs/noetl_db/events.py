@@ -1,0 +1,41 @@
+"""The append-only event log, ``noetl.event`` (appended by the engine, deleted only by the
+compactor once an execution's manifest holds it), and ``noetl.quarantine`` (engine inputs
+that could not be processed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ._conn import Conn, columns
+
+# Sweeps skip executions with a quarantined input: their input could not be processed,
+# and sweeping them again would only quarantine the same failure every tick.
+NOT_QUARANTINED = "NOT EXISTS (SELECT 1 FROM noetl.quarantine q WHERE q.execution_id = {col})"
+
+
+async def quarantine(conn: Conn, shard: int, execution_id: int, kind: str,
+                     stream_seq: int | None, attempts: int, error: str, data: bytes | None) -> None:
+    await conn.execute(
+        "INSERT INTO noetl.quarantine (shard_id, execution_id, input_kind, stream_seq, attempts, error, input)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)", (shard, execution_id, kind, stream_seq, attempts, error[:4000], data))
+
+
+async def append_events(conn: Conn, rows: Sequence[tuple[Any, ...]]) -> None:
+    """Append the batch's events (execution_id, shard_id, shard_seq, type, step, command_id,
+    result, meta) in ONE statement (pipeline-friendly, unlike COPY)."""
+    if not rows:
+        return
+    await conn.execute(
+        "INSERT INTO noetl.event (execution_id, shard_id, shard_seq, event_type, step, command_id, result, meta)"
+        " SELECT * FROM unnest(%b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::text[],"
+        " %b::text[]::jsonb[], %b::text[]::jsonb[])",
+        columns(rows, 8),
+    )
+
+
+# The retention delete (the only statement that ever deletes events).
+DELETE_EVENTS = "DELETE FROM noetl.event WHERE execution_id = ANY(%(ids)s)"
+
+
+DELETE_BARRIERS = "DELETE FROM noetl.event WHERE execution_id = ANY(%(ids)s) AND event_type = %(barrier)s"

@@ -1,0 +1,75 @@
+"""A loop's collection and its iterations' results: ``noetl.loop_item``, ``noetl.loop_result``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ._conn import Conn, columns
+
+LOOP_ITEMS_CHUNK = 10_000
+
+
+async def store_loop_items(conn: Conn, execution_id: int, instance: str,
+                           items: list[Any]) -> None:
+    """A loop's collection, rendered once at entry, one row per item (binary arrays in
+    chunks: the engine's transaction runs in pipeline mode, where COPY is not available)."""
+    for start in range(0, len(items), LOOP_ITEMS_CHUNK):
+        chunk = items[start:start + LOOP_ITEMS_CHUNK]
+        await conn.execute(
+            "INSERT INTO noetl.loop_item (execution_id, loop_instance, idx, item)"
+            " SELECT %b, %b, %b + i.ord - 1, i.item::jsonb FROM unnest(%b::text[]) WITH ORDINALITY AS i(item, ord)",
+            (execution_id, instance, start, [json.dumps(item, default=str) for item in chunk]))
+
+
+async def store_loop_results(conn: Conn,
+                             rows: Iterable[tuple[int, str, int, str, int | None]]) -> None:
+    rows = list(rows)
+    if not rows:
+        return
+    await conn.execute(
+        "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
+        " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::int[], %b::text[], %b::bigint[])"
+        " ON CONFLICT DO NOTHING", columns(rows, 5))
+
+
+async def loop_results(conn: Conn, execution_id: int, instance: str) -> dict[int, int | None]:
+    """{index: ref_id} of a loop instance's accepted iteration results."""
+    cur = await conn.execute(
+        "SELECT idx, ref_id FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s",
+        (execution_id, instance))
+    return {int(r["idx"]): r["ref_id"] for r in await cur.fetchall()}
+
+
+async def ok_ranges(conn: Conn, execution_id: int, instance: str) -> list[tuple[int, int]]:
+    """The successful iterations of a loop instance as [start, end) index ranges (islands:
+    O(ranges) rows whatever the collection's size)."""
+    cur = await conn.execute(
+        "SELECT min(idx) AS lo, max(idx) + 1 AS hi FROM (SELECT idx, idx - row_number() OVER (ORDER BY idx) AS g"
+        " FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s AND status = 'ok') x"
+        " GROUP BY g ORDER BY lo", (execution_id, instance))
+    return [(int(r["lo"]), int(r["hi"])) for r in await cur.fetchall()]
+
+
+async def copy_loop(conn: Conn, source: int, source_instance: str, execution_id: int,
+                    instance: str) -> None:
+    """A rerun's resumed loop: the original instance's items, and its successful iteration
+    results (references: the payloads stay the original's), into the new instance."""
+    await conn.execute(
+        "INSERT INTO noetl.loop_item (execution_id, loop_instance, idx, item)"
+        " SELECT %s, %s, idx, item FROM noetl.loop_item WHERE execution_id = %s AND loop_instance = %s"
+        " ON CONFLICT DO NOTHING", (execution_id, instance, source, source_instance))
+    await conn.execute(
+        "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
+        " SELECT %s, %s, idx, status, ref_id FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s"
+        " AND status = 'ok' ON CONFLICT DO NOTHING", (execution_id, instance, source, source_instance))
+
+
+async def clear_loop_results(conn: Conn, rows: Sequence[tuple[int, str, int]]) -> None:
+    """Take back failed iteration results a redrive re-issues ((execution, instance, index))."""
+    if rows:
+        await conn.execute(
+            "DELETE FROM noetl.loop_result l USING unnest(%b::bigint[], %b::text[], %b::int[]) AS x(e, li, ix)"
+            " WHERE l.execution_id = x.e AND l.loop_instance = x.li AND l.idx = x.ix AND l.status = 'error'",
+            columns(list(rows), 3))

@@ -1,0 +1,135 @@
+"""What users and parents ask of executions: ``noetl.execution_request`` (submissions),
+``noetl.cancel_request`` and ``noetl.redrive_request`` (committed by the api, applied by
+the shard's engine, then deleted)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from noetl_common.db import REDRIVE_LOCK_CLASS
+
+from ._conn import Conn, one
+from .events import NOT_QUARANTINED
+
+
+async def load_requests(conn: Conn, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    if not ids:
+        return {}
+    cur = await conn.execute(
+        "SELECT r.*, c.path, c.version FROM noetl.execution_request r"
+        " JOIN noetl.catalog c ON c.catalog_id = r.catalog_id WHERE r.execution_id = ANY(%s)", (list(ids),))
+    return {r["execution_id"]: r for r in await cur.fetchall()}
+
+
+async def unstarted(conn: Conn, shard: int, after_id: int, limit: int) -> list[int]:
+    cur = await conn.execute(
+        "SELECT r.execution_id FROM noetl.execution_request r WHERE r.shard_id = %s AND r.execution_id > %s"
+        " AND NOT EXISTS (SELECT 1 FROM noetl.engine_state s WHERE s.execution_id = r.execution_id)"
+        # queued by a concurrency limit: the heads of the queues are swept (limits.startable)
+        " AND NOT EXISTS (SELECT 1 FROM noetl.concurrency_wait w WHERE w.execution_id = r.execution_id)"
+        " AND " + NOT_QUARANTINED.format(col="r.execution_id") + " ORDER BY r.execution_id LIMIT %s",
+        (shard, after_id, limit),
+    )
+    return [r["execution_id"] for r in await cur.fetchall()]
+
+
+async def pending_cancels(conn: Conn, shard: int, limit: int) -> list[dict[str, Any]]:
+    """Cancellations committed by CancelExecution (or a parent's cascade) not applied yet."""
+    cur = await conn.execute(
+        "SELECT c.execution_id, c.reason FROM noetl.cancel_request c WHERE c.shard_id = %s AND "
+        + NOT_QUARANTINED.format(col="c.execution_id") + " ORDER BY c.requested_at LIMIT %s", (shard, limit))
+    return list(await cur.fetchall())
+
+
+async def applied_cancels(conn: Conn, execution_ids: Sequence[int]) -> None:
+    """Pending cancellations the batch applied (or found moot) are done."""
+    if execution_ids:
+        await conn.execute("DELETE FROM noetl.cancel_request WHERE execution_id = ANY(%b::bigint[])",
+                           (list(execution_ids),))
+
+
+async def cascade_cancels(conn: Conn, parents: Sequence[int]) -> None:
+    """Commit the cancellation of the sub-playbook executions of ``parents`` (their own
+    shards' engines apply it), in the batch that cancelled the parents."""
+    if parents:
+        await conn.execute(
+            "INSERT INTO noetl.cancel_request (execution_id, shard_id, reason)"
+            " SELECT execution_id, shard_id, 'parent execution cancelled' FROM noetl.execution_request"
+            " WHERE parent_execution_id = ANY(%b::bigint[]) ON CONFLICT (execution_id) DO NOTHING",
+            (list(parents),))
+
+
+async def children(conn: Conn, parents: Sequence[int]) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        "SELECT execution_id, shard_id FROM noetl.execution_request WHERE parent_execution_id = ANY(%s)",
+        (list(parents),))
+    return list(await cur.fetchall())
+
+
+async def pending_redrive_executions(conn: Conn, shard: int, limit: int) -> list[int]:
+    """Executions with a committed redrive request not applied yet (the sweep)."""
+    cur = await conn.execute(
+        "SELECT execution_id FROM noetl.redrive_request r WHERE r.shard_id = %s AND "
+        + NOT_QUARANTINED.format(col="r.execution_id")
+        + " GROUP BY execution_id ORDER BY min(requested_at) LIMIT %s", (shard, limit))
+    return [r["execution_id"] for r in await cur.fetchall()]
+
+
+async def lock_for_redrive(conn: Conn, execution_id: int) -> bool:
+    """Take the execution's redrive lock (waits out a compactor batch holding it); True
+    when the execution was compacted (its events are gone: nothing can be redriven)."""
+    await conn.execute("SELECT pg_advisory_xact_lock(%s, (%s %% 2147483647)::int)",
+                       (REDRIVE_LOCK_CLASS, execution_id))
+    cur = await conn.execute("SELECT 1 AS x FROM noetl.manifest WHERE execution_id = %s", (execution_id,))
+    return await cur.fetchone() is not None
+
+
+async def redrive_requests(conn: Conn, execution_id: int) -> list[dict[str, Any]]:
+    """The execution's pending redrive requests with their dead letters, oldest first."""
+    cur = await conn.execute(
+        "SELECT d.dead_letter_id, d.command_id, d.step, d.reason, d.loop_instance, d.loop_index, d.status,"
+        " d.redrive_command_id, r.requested_by FROM noetl.redrive_request r"
+        " JOIN noetl.dead_letter d ON d.dead_letter_id = r.dead_letter_id"
+        " WHERE r.execution_id = %s ORDER BY r.requested_at, r.dead_letter_id", (execution_id,))
+    return list(await cur.fetchall())
+
+
+async def applied_redrives(conn: Conn, dead_letter_ids: Sequence[int]) -> None:
+    """The redrive requests the batch applied (or refused) are done."""
+    if dead_letter_ids:
+        await conn.execute("DELETE FROM noetl.redrive_request WHERE dead_letter_id = ANY(%b::bigint[])",
+                           (list(dead_letter_ids),))
+
+
+async def insert_submission(conn: Conn, *, execution_id: int, shard_id: int, catalog_id: int, payload: str,
+                            idempotency_key: str | None, parent_execution_id: int | None, parent_step: str | None,
+                            timeout_sec: float, traceparent: str | None, depth: int, workload_ref_id: int | None,
+                            payload_bytes: int, submitted_by: int | None, rerun_of: int | None,
+                            rerun_from: str | None, priority: str | None) -> bool:
+    """Record a submission; False when ``idempotency_key`` was already taken (a concurrent
+    retry won: its execution is the one)."""
+    return await one(conn,
+        "INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
+        " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent, depth,"
+        " workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from, priority)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+        " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id",
+        (execution_id, shard_id, catalog_id, payload, idempotency_key, parent_execution_id, parent_step,
+         timeout_sec, traceparent, depth, workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from,
+         priority)) is not None
+
+
+async def request_cancel(conn: Conn, execution_id: int, shard_id: int, reason: str) -> None:
+    """Commit a cancellation (the shard's engine applies and deletes it)."""
+    await conn.execute("INSERT INTO noetl.cancel_request (execution_id, shard_id, reason) VALUES (%s, %s, %s)"
+                       " ON CONFLICT (execution_id) DO NOTHING", (execution_id, shard_id, reason))
+
+
+async def request_redrive(conn: Conn, dead_letter_id: int, execution_id: int, shard_id: int,
+                          requested_by: str) -> None:
+    """Commit a redrive of a dead letter (the shard's engine applies and deletes it)."""
+    await conn.execute(
+        "INSERT INTO noetl.redrive_request (dead_letter_id, execution_id, shard_id, requested_by)"
+        " VALUES (%s, %s, %s, %s) ON CONFLICT (dead_letter_id) DO NOTHING",
+        (dead_letter_id, execution_id, shard_id, requested_by))
