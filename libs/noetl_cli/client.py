@@ -19,6 +19,7 @@ from typing import Any, TextIO
 import grpc
 
 from noetl_common.errors import InvalidInput, NoetlError, NotFound
+from noetl_common.vocab import ExecutionStatus
 from noetl_proto.v1 import catalog_pb2, common_pb2, execution_pb2, shard_manager_pb2
 
 from . import output
@@ -237,7 +238,7 @@ def follow_to_end(api: Api, execution_id: int, *, as_json: bool, timeout: float 
         output.print_json(output.execution_json(execution))
     else:
         print(output.execution_summary(execution, colour=output.colour_enabled(sys.stdout)))
-    return 0 if output.execution_status(execution.status) == "COMPLETED" else 1
+    return 0 if output.execution_status(execution.status) == ExecutionStatus.COMPLETED else 1
 
 
 def _latest(api: Api, execution_id: int, *, include_results: bool) -> execution_pb2.Execution | None:

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from noetl_common.errors import NoetlError
+from noetl_common.vocab import EventType, ExecutionStatus
 from noetl_proto.v1 import deadletter_pb2, deadletter_pb2_grpc
 
 from . import client, output
@@ -24,7 +25,9 @@ STATUSES = {"dead": deadletter_pb2.DEAD_LETTER_STATUS_DEAD,
             "pending": deadletter_pb2.DEAD_LETTER_STATUS_REDRIVE_PENDING,
             "redriven": deadletter_pb2.DEAD_LETTER_STATUS_REDRIVEN}
 _STATUS_NAMES = {v: k for k, v in STATUSES.items()}
-_ENDS = {"playbook.completed": "COMPLETED", "playbook.failed": "FAILED", "playbook.cancelled": "CANCELLED"}
+_ENDS: dict[str, str] = {EventType.PLAYBOOK_COMPLETED: ExecutionStatus.COMPLETED,
+                         EventType.PLAYBOOK_FAILED: ExecutionStatus.FAILED,
+                         EventType.PLAYBOOK_CANCELLED: ExecutionStatus.CANCELLED}
 
 def add_parsers(sub: Any, with_api: argparse.ArgumentParser, run: WithApi) -> None:
     """The ``dlq`` command group; ``run(args, fn)`` calls ``fn`` with the api."""
@@ -169,7 +172,7 @@ def redrive(api: Api, a: argparse.Namespace) -> int:
     else:
         for eid, st in status.items():
             print(f"execution {eid}: {st}")
-    return 0 if all(s == "COMPLETED" for s in status.values()) else 1
+    return 0 if all(s == ExecutionStatus.COMPLETED for s in status.values()) else 1
 
 
 def _wait(api: Api, done: list[dict[str, Any]], timeout: float) -> dict[int, str]:
@@ -208,7 +211,7 @@ class _Follow:
         for page in client.event_pages(api, self.execution_id, self.after, 1000):
             for e in page:
                 self.after = max(self.after, e.event_id)
-                if e.event_type == "command.redriven":
+                if e.event_type == EventType.COMMAND_REDRIVEN:
                     self.last_redrive = max(self.last_redrive, e.shard_seq)
                 elif e.event_type in _ENDS:
                     self.ended = (e.shard_seq, _ENDS[e.event_type])

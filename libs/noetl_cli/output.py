@@ -14,9 +14,10 @@ from typing import Any, TextIO
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from noetl_common.vocab import PUBLIC_TERMINAL, ExecutionStatus, StepViewStatus
 from noetl_proto.v1 import common_pb2, execution_pb2, shard_manager_pb2
 
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
+TERMINAL = PUBLIC_TERMINAL
 RESULT_PREVIEW_CHARS = 4000
 
 
@@ -37,7 +38,8 @@ def eprint(*parts: object) -> None:
 # Status colours on a terminal (ANSI SGR; plain text when the stream is not a terminal,
 # NO_COLOR is set or TERM is dumb: https://no-color.org). Four codes do not justify a
 # rendering library in a CLI whose start-up time is budgeted (docs/BENCHMARKS.md).
-_COLOURS = {"COMPLETED": "32", "FAILED": "31", "CANCELLED": "35", "RUNNING": "33", "PENDING": "2"}
+_COLOURS: dict[str, str] = {ExecutionStatus.COMPLETED: "32", ExecutionStatus.FAILED: "31", ExecutionStatus.CANCELLED: "35",
+            ExecutionStatus.RUNNING: "33", ExecutionStatus.PENDING: "2"}
 
 
 def colour_enabled(stream: TextIO) -> bool:
@@ -172,7 +174,7 @@ class LoopMeter:
 
     def lines(self, execution: execution_pb2.Execution, now: float, *, force: bool = False) -> list[str]:
         out: list[str] = []
-        running = [s for s in execution.steps if s.HasField("loop") and step_status(s.status) == "RUNNING"]
+        running = [s for s in execution.steps if s.HasField("loop") and step_status(s.status) == StepViewStatus.RUNNING]
         width = max([len(s.name) for s in running] + [5])
         for s in running:
             key = f"{s.name}#{s.visits}"

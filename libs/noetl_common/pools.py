@@ -24,6 +24,8 @@ import re
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
 
+from noetl_common.vocab import MemberStatus
+
 __all__ = [
     "DEFAULT_POOL",
     "PRIORITIES",
@@ -132,7 +134,7 @@ def no_live_worker(c: str = "c") -> str:
     """SQL: the ``noetl.command`` row aliased ``c`` has no live worker that qualifies for it
     (``noetl.runtime``: what alive workers declared when they joined; a worker that joined
     without a pool serves the default one). The same test as :func:`qualifies`."""
-    return (f"NOT EXISTS (SELECT 1 FROM noetl.runtime r WHERE r.role = 'worker' AND r.status = 'alive'"
+    return (f"NOT EXISTS (SELECT 1 FROM noetl.runtime r WHERE r.role = 'worker' AND r.status = '{MemberStatus.ALIVE}'"
             f" AND {c}.pool = ANY(COALESCE(r.pools, ARRAY['{DEFAULT_POOL}']))"
             f" AND ({c}.requires IS NULL OR {c}.requires <@ COALESCE(r.labels, '{{}}'::jsonb))"
             f" AND (r.tools IS NULL OR {c}.kind = ANY(r.tools)))")

@@ -7,6 +7,8 @@ import json
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from noetl_common import pools
+from noetl_common.vocab import CommandStatus
 from noetl_flow import CommandUpdate, NewCommand
 
 from ._conn import Conn, columns, one, rows
@@ -26,7 +28,7 @@ class Placement(Protocol):
 async def queued_commands(conn: Conn, shard: int) -> list[dict[str, Any]]:
     cur = await conn.execute(
         "SELECT command_id, execution_id, attempt, kind, pool, priority FROM noetl.command"
-        " WHERE shard_id = %s AND status = 'queued' ORDER BY created_at", (shard,))
+        f" WHERE shard_id = %s AND status = '{CommandStatus.QUEUED}' ORDER BY created_at", (shard,))
     return list(await cur.fetchall())
 
 
@@ -41,7 +43,7 @@ async def insert_commands(conn: Conn, shard: int,
     await conn.execute(
         "INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
         " attempt, context, timeout_sec, pool, requires, priority)"
-        " SELECT c, e, sh, cat, st, k, 'queued', a, ctx::jsonb, t, po, rq::jsonb, pr FROM unnest(%b::text[],"
+        f" SELECT c, e, sh, cat, st, k, '{CommandStatus.QUEUED}', a, ctx::jsonb, t, po, rq::jsonb, pr FROM unnest(%b::text[],"
         " %b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::int[], %b::text[], %b::float8[],"
         " %b::text[], %b::text[], %b::text[]) AS x(c, e, sh, cat, st, k, a, ctx, t, po, rq, pr)"
         " ON CONFLICT (command_id) DO NOTHING",
@@ -57,7 +59,7 @@ async def update_commands(conn: Conn, updates: Iterable[CommandUpdate]) -> None:
     for u in updates:
         _, _, attempt, requeued = merged.get(u.command_id, ("", "", None, False))
         merged[u.command_id] = (u.command_id, u.status, u.attempt if u.attempt is not None else attempt,
-                                requeued or u.status == "queued")
+                                requeued or u.status == CommandStatus.QUEUED)
     if not merged:
         return
     await conn.execute(
@@ -68,21 +70,21 @@ async def update_commands(conn: Conn, updates: Iterable[CommandUpdate]) -> None:
     )
 
 
-_CLAIM = """
+_CLAIM = f"""
 WITH wanted AS (
   SELECT * FROM unnest(%(ids)b::text[], %(attempts)b::int[]) AS w(command_id, attempt)
 ), claimed AS (
-  UPDATE noetl.command c SET status = 'claimed', worker_id = %(worker)s, claimed_at = now(),
+  UPDATE noetl.command c SET status = '{CommandStatus.CLAIMED}', worker_id = %(worker)s, claimed_at = now(),
          lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
   FROM wanted w
   WHERE c.command_id = w.command_id
     -- only a worker that qualifies (noetl_common.pools.qualifies says the same)
     AND c.pool = ANY(%(pools)s::text[]) AND (c.requires IS NULL OR c.requires <@ %(labels)s::jsonb)
     AND (cardinality(%(tools)s::text[]) = 0 OR c.kind = ANY(%(tools)s::text[]))
-    AND (c.status = 'queued' AND (c.attempt = w.attempt OR w.attempt = 0)
+    AND (c.status = '{CommandStatus.QUEUED}' AND (c.attempt = w.attempt OR w.attempt = 0)
          -- the same worker claiming the same attempt again: its first claim committed but the
          -- answer was lost (an api replica died mid-call); it gets the command back
-         OR c.status = 'claimed' AND c.worker_id = %(worker)s AND c.attempt = w.attempt)
+         OR c.status = '{CommandStatus.CLAIMED}' AND c.worker_id = %(worker)s AND c.attempt = w.attempt)
   RETURNING c.*
 )
 SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item, r.workload_ref_id,
@@ -134,10 +136,39 @@ async def renew(conn: Conn, command_id: str, worker_id: str, attempt: int, lease
     return await one(conn,
         "UPDATE noetl.command SET lease_until = now() + make_interval(secs => %s),"
         " progress = COALESCE(%s::jsonb, progress), updated_at = now()"
-        " WHERE command_id = %s AND worker_id = %s AND attempt = %s AND status = 'claimed'"
+        f" WHERE command_id = %s AND worker_id = %s AND attempt = %s AND status = '{CommandStatus.CLAIMED}'"
         " RETURNING lease_until", (lease_sec, progress, command_id, worker_id, attempt))
 
 
 async def state(conn: Conn, command_id: str) -> dict[str, Any] | None:
     return await one(conn, "SELECT status, attempt, worker_id FROM noetl.command WHERE command_id = %s",
                      (command_id,))
+
+
+async def expired_claims(conn: Conn, shard: int, lease_sec: float, limit: int = 500) -> list[dict[str, Any]]:
+    """Claimed commands whose lease ran out, oldest first; none within a lease of the
+    database's own start (a Postgres restart stops every renewal)."""
+    return await rows(conn,
+        "SELECT command_id, execution_id, attempt, worker_id FROM noetl.command WHERE shard_id = %s"
+        f" AND status = '{CommandStatus.CLAIMED}' AND lease_until < now()"
+        " AND pg_postmaster_start_time() < now() - make_interval(secs => %s)"
+        " ORDER BY lease_until LIMIT %s", (shard, lease_sec, limit))
+
+
+async def stale_queued(conn: Conn, shard: int, older_than_sec: float, limit: int = 500) -> list[dict[str, Any]]:
+    """Queued commands not touched for ``older_than_sec`` (their notices may be lost), with
+    the trace their execution continues."""
+    return await rows(conn,
+        "SELECT c.command_id, c.execution_id, c.attempt, c.kind, c.pool, c.priority, r.traceparent"
+        " FROM noetl.command c"
+        " LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id WHERE c.shard_id = %s"
+        f" AND c.status = '{CommandStatus.QUEUED}' AND c.updated_at < now() - make_interval(secs => %s)"
+        " ORDER BY c.updated_at LIMIT %s", (shard, older_than_sec, limit))
+
+
+async def unschedulable(conn: Conn, shard: int) -> dict[str, int]:
+    """Queued commands no live worker qualifies for, per pool."""
+    found = await rows(conn,
+        f"SELECT c.pool, count(*) AS n FROM noetl.command c WHERE c.shard_id = %s AND c.status = '{CommandStatus.QUEUED}'"
+        f" AND {pools.no_live_worker('c')} GROUP BY c.pool", (shard,))
+    return {r["pool"]: int(r["n"]) for r in found}

@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 
+from noetl_common.vocab import EngineStatus
 from noetl_flow import ExecState
 
 from ._conn import Conn, columns
@@ -22,7 +23,7 @@ async def load_states(conn: Conn, ids: Sequence[int]) -> dict[int, ExecState]:
 
 async def overdue(conn: Conn, shard: int, limit: int) -> list[int]:
     cur = await conn.execute(
-        "SELECT s.execution_id FROM noetl.engine_state s WHERE s.shard_id = %s AND s.status = 'running'"
+        f"SELECT s.execution_id FROM noetl.engine_state s WHERE s.shard_id = %s AND s.status = '{EngineStatus.RUNNING}'"
         " AND s.deadline < now() AND " + NOT_QUARANTINED.format(col="s.execution_id") +
         " ORDER BY s.deadline LIMIT %s", (shard, limit))
     return [r["execution_id"] for r in await cur.fetchall()]

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from noetl_common.errors import LeaseLost
+from noetl_common.vocab import MemberStatus
 
 from ._conn import Conn, one, rows
 
@@ -157,7 +158,7 @@ async def join(conn: Conn, role: str, instance: str, address: str, metrics: str,
         "INSERT INTO noetl.runtime (role, instance, address, metrics_address, pid, node_id,"
         " member_secret_sha256, pools, labels, tools)"
         " SELECT %s, %s, %s, %s, %s, min(n), %s, %s, %s::jsonb, %s FROM generate_series(0, 1022) n"
-        " WHERE n NOT IN (SELECT node_id FROM noetl.runtime WHERE status = 'alive' AND node_id IS NOT NULL)"
+        f" WHERE n NOT IN (SELECT node_id FROM noetl.runtime WHERE status = '{MemberStatus.ALIVE}' AND node_id IS NOT NULL)"
         " RETURNING runtime_id, node_id",
         (role, instance, address, metrics, pid, secret_sha256, pools,
          json.dumps(labels) if labels is not None else None, tools))
@@ -169,14 +170,14 @@ async def heartbeat(conn: Conn, runtime_id: int, secret_sha256: str | None = Non
     """Record a live member's heartbeat; with ``secret_sha256``, only the member holding
     that secret's. False when unknown or declared dead."""
     return await one(conn,
-        "UPDATE noetl.runtime SET heartbeat_at = now() WHERE runtime_id = %s AND status = 'alive'"
+        f"UPDATE noetl.runtime SET heartbeat_at = now() WHERE runtime_id = %s AND status = '{MemberStatus.ALIVE}'"
         " AND (%s::text IS NULL OR member_secret_sha256 = %s) RETURNING runtime_id",
         (runtime_id, secret_sha256, secret_sha256)) is not None
 
 
 async def leave(conn: Conn, runtime_id: int, secret_sha256: str | None = None) -> bool:
     return await one(conn,
-        "UPDATE noetl.runtime SET status = 'left' WHERE runtime_id = %s"
+        f"UPDATE noetl.runtime SET status = '{MemberStatus.LEFT}' WHERE runtime_id = %s"
         " AND (%s::text IS NULL OR member_secret_sha256 = %s) RETURNING runtime_id",
         (runtime_id, secret_sha256, secret_sha256)) is not None
 
@@ -185,22 +186,22 @@ async def declare_dead(conn: Conn, lease_sec: float) -> list[dict[str, Any]]:
     """Members silent for a lease are dead, never within a lease of the database's own
     start (a Postgres restart is everyone's missed heartbeat)."""
     return await rows(conn,
-        "UPDATE noetl.runtime SET status = 'dead' WHERE status = 'alive'"
+        f"UPDATE noetl.runtime SET status = '{MemberStatus.DEAD}' WHERE status = '{MemberStatus.ALIVE}'"
         " AND heartbeat_at < now() - make_interval(secs => %s)"
         " AND pg_postmaster_start_time() < now() - make_interval(secs => %s)"
         " RETURNING runtime_id, role, instance", (lease_sec, lease_sec))
 
 
 async def live_members(conn: Conn, roles: Sequence[str]) -> list[dict[str, Any]]:
-    return await rows(conn, "SELECT runtime_id, role FROM noetl.runtime WHERE status = 'alive' AND role = ANY(%s)",
+    return await rows(conn, f"SELECT runtime_id, role FROM noetl.runtime WHERE status = '{MemberStatus.ALIVE}' AND role = ANY(%s)",
                       (list(roles),))
 
 
 async def members(conn: Conn, role: str) -> list[dict[str, Any]]:
     """Members of ``role`` ('' = every role), alive or seen in the last ten minutes."""
     return await rows(conn,
-        "SELECT *, status = 'alive' AS alive FROM noetl.runtime WHERE (role = %s OR %s = '')"
-        " AND (status = 'alive' OR heartbeat_at > now() - interval '10 minutes') ORDER BY role, runtime_id",
+        f"SELECT *, status = '{MemberStatus.ALIVE}' AS alive FROM noetl.runtime WHERE (role = %s OR %s = '')"
+        f" AND (status = '{MemberStatus.ALIVE}' OR heartbeat_at > now() - interval '10 minutes') ORDER BY role, runtime_id",
         (role, role))
 
 

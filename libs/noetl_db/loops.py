@@ -6,6 +6,8 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from noetl_common.vocab import ResultStatus
+
 from ._conn import Conn, columns
 
 LOOP_ITEMS_CHUNK = 10_000
@@ -47,7 +49,7 @@ async def ok_ranges(conn: Conn, execution_id: int, instance: str) -> list[tuple[
     O(ranges) rows whatever the collection's size)."""
     cur = await conn.execute(
         "SELECT min(idx) AS lo, max(idx) + 1 AS hi FROM (SELECT idx, idx - row_number() OVER (ORDER BY idx) AS g"
-        " FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s AND status = 'ok') x"
+        f" FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s AND status = '{ResultStatus.OK}') x"
         " GROUP BY g ORDER BY lo", (execution_id, instance))
     return [(int(r["lo"]), int(r["hi"])) for r in await cur.fetchall()]
 
@@ -63,7 +65,7 @@ async def copy_loop(conn: Conn, source: int, source_instance: str, execution_id:
     await conn.execute(
         "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
         " SELECT %s, %s, idx, status, ref_id FROM noetl.loop_result WHERE execution_id = %s AND loop_instance = %s"
-        " AND status = 'ok' ON CONFLICT DO NOTHING", (execution_id, instance, source, source_instance))
+        f" AND status = '{ResultStatus.OK}' ON CONFLICT DO NOTHING", (execution_id, instance, source, source_instance))
 
 
 async def clear_loop_results(conn: Conn, rows: Sequence[tuple[int, str, int]]) -> None:
@@ -71,5 +73,5 @@ async def clear_loop_results(conn: Conn, rows: Sequence[tuple[int, str, int]]) -
     if rows:
         await conn.execute(
             "DELETE FROM noetl.loop_result l USING unnest(%b::bigint[], %b::text[], %b::int[]) AS x(e, li, ix)"
-            " WHERE l.execution_id = x.e AND l.loop_instance = x.li AND l.idx = x.ix AND l.status = 'error'",
+            f" WHERE l.execution_id = x.e AND l.loop_instance = x.li AND l.idx = x.ix AND l.status = '{ResultStatus.ERROR}'",
             columns(list(rows), 3))

@@ -4,17 +4,6 @@ from . import rerun
 from .redrive import RedriveItem, redrive_command_id, refusal
 from .rerun import RerunPlan, RerunRefused
 from .router import (
-    EV_CALL_DONE,
-    EV_CALL_ERROR,
-    EV_CANCELLED,
-    EV_COMPLETED,
-    EV_DEAD,
-    EV_DUPLICATE,
-    EV_FAILED,
-    EV_REDRIVEN,
-    EV_REISSUED,
-    EV_STARTED,
-    EV_STEP_ENTER,
     Flow,
 )
 from .state import ExecState, Pending, StepRun
@@ -29,17 +18,6 @@ from .transitions import (
 )
 
 __all__ = [
-    "EV_CALL_DONE",
-    "EV_CALL_ERROR",
-    "EV_CANCELLED",
-    "EV_COMPLETED",
-    "EV_DEAD",
-    "EV_DUPLICATE",
-    "EV_FAILED",
-    "EV_REDRIVEN",
-    "EV_REISSUED",
-    "EV_STARTED",
-    "EV_STEP_ENTER",
     "CallResultInput",
     "CommandUpdate",
     "DeadLetter",

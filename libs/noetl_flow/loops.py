@@ -25,6 +25,8 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from noetl_common.vocab import EventType
+from noetl_common.vocab import command_id as make_command_id
 from noetl_dsl import Step
 from noetl_dsl.templates import RenderContext, TemplateError, referenced_names, render, render_text
 
@@ -34,7 +36,6 @@ from .transitions import Transition
 if TYPE_CHECKING:
     from .router import Flow, Inputs
 
-EV_LOOP_DONE = "loop.done"
 
 
 class LoopError(TemplateError):
@@ -45,7 +46,6 @@ class LoopError(TemplateError):
         self.message = message
         Exception.__init__(self, message)
 
-EV_STEP_ENTER = "step.enter"
 DEFAULT_PARALLEL = 16
 CURSOR_KIND = "cursor"
 
@@ -105,7 +105,7 @@ def start(flow: Flow, t: Transition, step: Step, run: StepRun, event: dict[str, 
         slots = width(step, scope, 1)
         run.loop = LoopRun(instance=instance, mode="cursor", iterator=iterator, total=slots, max_in_flight=slots,
                            cursor=rendered)
-        t.emit(EV_STEP_ENTER, step=step.step,
+        t.emit(EventType.STEP_ENTER, step=step.step,
                meta={"visit": run.visits, "loop_instance": instance, "mode": "cursor", "total": slots})
     else:
         items = _collection(render(loop.in_, scope), step.step, flow.max_loop_items)
@@ -114,7 +114,7 @@ def start(flow: Flow, t: Transition, step: Step, run: StepRun, event: dict[str, 
         run.loop = LoopRun(instance=instance, mode=mode, iterator=iterator, total=len(items),
                            max_in_flight=in_flight)
         t.loop_items.append((instance, items))
-        t.emit(EV_STEP_ENTER, step=step.step,
+        t.emit(EventType.STEP_ENTER, step=step.step,
                meta={"visit": run.visits, "loop_instance": instance, "mode": mode, "total": len(items)})
     if run.loop.total == 0:
         return finish(t, step.step, run)
@@ -133,7 +133,7 @@ def resume(flow: Flow, t: Transition, step: Step, run: StepRun, original_eid: in
                        max_in_flight=original.max_in_flight, next_index=original.total, done=kept,
                        todo=[list(r) for r in todo])
     t.loop_copies.append((original_eid, original.instance, instance))
-    t.emit(EV_STEP_ENTER, step=step.step,
+    t.emit(EventType.STEP_ENTER, step=step.step,
            meta={"visit": run.visits, "loop_instance": instance, "mode": original.mode, "total": original.total,
                  "kept": kept, "resumed_from": f"{original_eid}/{original.instance}"})
     if run.loop.finished:
@@ -163,7 +163,7 @@ def on_iteration(flow: Flow, t: Transition, step_name: str, run: StepRun, index:
         io.values.setdefault(step_name, {"stats": lr.stats()})
         return finish(t, step_name, run)
     if not t.state.terminal:
-        _refill(flow, t, step_name, run, {"name": "loop.next", "step": step_name})
+        _refill(flow, t, step_name, run, {"name": EventType.LOOP_NEXT, "step": step_name})
     return None
 
 
@@ -207,7 +207,7 @@ def finish(t: Transition, step_name: str, run: StepRun) -> bool:
     meta: dict[str, Any] = {"loop_instance": lr.instance, **stats}
     if t.state.redrives:  # loop.done is exactly once per loop instance and redrive generation
         meta["redrive"] = t.state.redrives
-    t.emit(EV_LOOP_DONE, step=step_name, result=envelope, meta=meta)
+    t.emit(EventType.LOOP_DONE, step=step_name, result=envelope, meta=meta)
     return ok
 
 
@@ -225,7 +225,7 @@ def _refill(flow: Flow, t: Transition, step_name: str, run: StepRun, event: dict
     while lr.in_flight < lr.max_in_flight and not lr.exhausted:
         index = lr.take()
         lr.in_flight += 1
-        command_id = f"{t.state.execution_id}:{step_name}:{run.visits}:{index}"
+        command_id = make_command_id(t.state.execution_id, step_name, run.visits, index)
         loop_ctx: dict[str, Any] = {"instance": lr.instance, "index": index, "iterator": lr.iterator,
                                     "mode": lr.mode}
         extra: dict[str, Any] = {"loop": loop_ctx}

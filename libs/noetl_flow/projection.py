@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from . import router as r
-from .rerun import EV_STEP_KEPT
+from noetl_common.vocab import EventType, ExecutionStatus
 
-PENDING, RUNNING, COMPLETED, FAILED, CANCELLED = "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
+PENDING, RUNNING, COMPLETED, FAILED, CANCELLED = (ExecutionStatus.PENDING, ExecutionStatus.RUNNING,
+                                                  ExecutionStatus.COMPLETED, ExecutionStatus.FAILED,
+                                                  ExecutionStatus.CANCELLED)
 
 
 @dataclass
@@ -79,7 +80,7 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
     meta = ev.get("meta") or {}
     result = ev.get("result") or {}
     name = ev.get("step")
-    if kind == r.EV_STARTED:
+    if kind == EventType.PLAYBOOK_STARTED:
         view.status = RUNNING
         view.started_at = at
         view.catalog_id = meta.get("catalog_id", view.catalog_id)
@@ -89,7 +90,7 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
         view.rerun_of = meta.get("rerun_of") or view.rerun_of
         if meta.get("requested_at") and view.created_at is None:
             view.created_at = _ts(meta["requested_at"])
-    elif kind == r.EV_STEP_ENTER and name:
+    elif kind == EventType.STEP_ENTER and name:
         s = view.step(name)
         s.status = RUNNING
         s.visits = int(meta.get("visit", s.visits + 1))
@@ -103,20 +104,20 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
             s.loop_done = s.loop_failed = 0
         else:
             s.loop_total = None
-    elif kind in (r.EV_CALL_DONE, r.EV_CALL_ERROR) and name and meta.get("index") is not None:
+    elif kind in (EventType.CALL_DONE, EventType.CALL_ERROR) and name and meta.get("index") is not None:
         # a loop iteration's accepted result (the loop step completes on loop.done)
         s = view.step(name)
         s.loop_done += 1
-        if kind == r.EV_CALL_ERROR or result.get("status") == "error":
+        if kind == EventType.CALL_ERROR or result.get("status") == "error":
             s.loop_failed += 1
-    elif kind in (r.EV_CALL_DONE, r.EV_CALL_ERROR, r.EV_LOOP_DONE) and name:
+    elif kind in (EventType.CALL_DONE, EventType.CALL_ERROR, EventType.LOOP_DONE) and name:
         s = view.step(name)
-        s.status = FAILED if kind == r.EV_CALL_ERROR or result.get("status") == "error" else COMPLETED
+        s.status = FAILED if kind == EventType.CALL_ERROR or result.get("status") == "error" else COMPLETED
         ref = result.get("reference") or {}
         s.result_ref_id = ref.get("ref_id")
         s.error = _message(result) if s.status == FAILED else None
         s.ended_at = at
-    elif kind == EV_STEP_KEPT and name:  # a rerun's step whose original result it keeps
+    elif kind == EventType.STEP_KEPT and name:  # a rerun's step whose original result it keeps
         s = view.step(name)
         s.status = FAILED if meta.get("status") == "failed" else COMPLETED
         s.visits = int(meta.get("visit") or 0)
@@ -124,15 +125,15 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
         s.result_ref_id = (result.get("reference") or {}).get("ref_id")
         s.error = _message(result) if s.status == FAILED else None
         s.started_at = s.ended_at = at
-    elif kind == r.EV_REISSUED and name:
+    elif kind == EventType.COMMAND_REISSUED and name:
         s = view.step(name)
         s.attempts = int(meta.get("attempt", s.attempts + 1))
-    elif kind == r.EV_DEAD and name:
+    elif kind == EventType.COMMAND_DEAD_LETTERED and name:
         s = view.step(name)
         s.status = FAILED
         s.error = _message(result)
         s.ended_at = at
-    elif kind == r.EV_REDRIVEN and name:
+    elif kind == EventType.COMMAND_REDRIVEN and name:
         # a dead letter re-issued: the execution runs again (if it had failed), the step
         # runs its command again, and the steps the failure had cancelled resume
         view.status = RUNNING
@@ -152,8 +153,8 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
             o = view.step(other)
             o.status = RUNNING
             o.ended_at = None
-    elif kind in (r.EV_COMPLETED, r.EV_FAILED, r.EV_CANCELLED):
-        view.status = {r.EV_COMPLETED: COMPLETED, r.EV_FAILED: FAILED, r.EV_CANCELLED: CANCELLED}[kind]
+    elif kind in (EventType.PLAYBOOK_COMPLETED, EventType.PLAYBOOK_FAILED, EventType.PLAYBOOK_CANCELLED):
+        view.status = {EventType.PLAYBOOK_COMPLETED: COMPLETED, EventType.PLAYBOOK_FAILED: FAILED, EventType.PLAYBOOK_CANCELLED: CANCELLED}[kind]
         view.error = _message(result) if result else None
         view.ended_at = at
         for s in view.steps.values():

@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from noetl_common.vocab import CommandStatus, EventType
+
 from . import loops
 from .state import CANCELLED, COMPLETED, FAILED, RUNNING, STEP_RUNNING, ExecState, Pending
 from .transitions import CommandUpdate, Transition
@@ -31,7 +33,6 @@ from .transitions import CommandUpdate, Transition
 if TYPE_CHECKING:
     from .router import Flow
 
-EV_REDRIVEN = "command.redriven"
 DEAD = "dead"
 REDRIVEN = "redriven"
 EXPIRED = "expired"
@@ -137,13 +138,13 @@ def apply(flow: Flow, t: Transition, items: list[RedriveItem], deadline_ms: int 
             st.pending[command_id] = pending
             run = st.steps[pending.step]
             run.status = STEP_RUNNING
-            t.updates.append(CommandUpdate(command_id, "queued", attempt=pending.attempt))
+            t.updates.append(CommandUpdate(command_id, CommandStatus.QUEUED, attempt=pending.attempt))
             t.republish.append((command_id, pending.attempt, loops.command_kind(flow, pending.step, run)))
             resumed.add(pending.step)
         for target in suspended.get("armed") or ():
             if target not in st.armed:
                 st.armed.append(target)
-    event = {"name": EV_REDRIVEN, "step": None}
+    event = {"name": EventType.COMMAND_REDRIVEN, "step": None}
     for item in accepted:
         run = st.steps[item.step]
         command_id = redrive_command_id(item.command_id, generation)
@@ -172,5 +173,5 @@ def apply(flow: Flow, t: Transition, items: list[RedriveItem], deadline_ms: int 
             meta["index"] = item.loop_index
             # its failed result was taken back (an expired iteration never had one)
             meta["taken_back"] = item.reason != EXPIRED
-        t.emit(EV_REDRIVEN, step=item.step, command_id=command_id, meta=meta)
+        t.emit(EventType.COMMAND_REDRIVEN, step=item.step, command_id=command_id, meta=meta)
         t.redrive_outcomes.append((item.dead_letter_id, command_id, None))

@@ -38,9 +38,7 @@ from .state import COMPLETED, STEP_CANCELLED, STEP_DONE, STEP_FAILED, ExecState,
 if TYPE_CHECKING:
     from .router import Flow
 
-EV_STEP_KEPT = "step.kept"
 # ``event.name`` where a rerun step is entered again
-EV_RERUN = "playbook.rerun"
 
 # RerunRefused.reason values
 RUNNING = "running"

@@ -37,6 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from noetl_common.vocab import CommandStatus, EventType, ExecutionStatus, ResultStatus
+from noetl_common.vocab import command_id as make_command_id
 from noetl_dsl import Playbook, Step, predecessors, successors
 from noetl_dsl.templates import (
     RenderContext,
@@ -66,18 +68,6 @@ from .state import (
 )
 from .transitions import CallResultInput, CommandUpdate, DeadLetter, NewCommand, StartInput, Transition
 
-EV_STARTED = "playbook.started"
-EV_COMPLETED = "playbook.completed"
-EV_FAILED = "playbook.failed"
-EV_CANCELLED = "playbook.cancelled"
-EV_STEP_ENTER = "step.enter"
-EV_CALL_DONE = "call.done"
-EV_CALL_ERROR = "call.error"
-EV_DUPLICATE = "call.duplicate"
-EV_REISSUED = "command.reissued"
-EV_DEAD = "command.dead_lettered"
-EV_LOOP_DONE = loops.EV_LOOP_DONE
-EV_REDRIVEN = redrive.EV_REDRIVEN
 # The name a step's own `set` and `next` arcs read its result by (upstream's), and
 # upstream's Python reference's `result` (the result alone: `output.data`).
 OUTPUT = "output"
@@ -121,10 +111,10 @@ class Flow:
         state = ExecState(execution_id=inp.execution_id, shard_id=inp.shard_id, catalog_id=inp.catalog_id,
                           deadline_ms=inp.deadline_ms, parent_execution_id=inp.parent_execution_id)
         t = Transition(state)
-        t.emit(EV_STARTED, meta=dict(inp.meta))
+        t.emit(EventType.PLAYBOOK_STARTED, meta=dict(inp.meta))
         io = Inputs(workload, {})
         try:
-            self._enter(t, self.pb.start_step, {"name": EV_STARTED, "step": None}, io)
+            self._enter(t, self.pb.start_step, {"name": EventType.PLAYBOOK_STARTED, "step": None}, io)
         except TemplateError as exc:
             self._fail(t, f"step '{self.pb.start_step}': {exc}", step=_failing_step(exc, self.pb.start_step))
             return t
@@ -141,19 +131,19 @@ class Flow:
                           deadline_ms=inp.deadline_ms, parent_execution_id=inp.parent_execution_id,
                           rerun_of=original.execution_id, ctx=copy.deepcopy(original.ctx))
         t = Transition(state)
-        t.emit(EV_STARTED, meta={**inp.meta, "rerun_of": original.execution_id, "rerun_steps": list(plan.steps),
+        t.emit(EventType.PLAYBOOK_STARTED, meta={**inp.meta, "rerun_of": original.execution_id, "rerun_steps": list(plan.steps),
                                  "kept_steps": list(plan.kept)})
         for name in plan.kept:
             was = original.steps[name]
             state.steps[name] = StepRun(status=was.status, visits=was.visits, command_id=was.command_id,
                                         attempt=was.attempt, result=copy.deepcopy(was.result), error=was.error,
                                         loop=LoopRun(**{**was.loop.__dict__, "todo": None}) if was.loop else None)
-            t.emit(rerun.EV_STEP_KEPT, step=name, result=state.steps[name].result,
+            t.emit(EventType.STEP_KEPT, step=name, result=state.steps[name].result,
                    meta={"rerun_of": original.execution_id, "status": was.status, "visit": was.visits,
                          "command_id": was.command_id})
         state.armed = list(plan.armed)
         io = Inputs(workload, dict(values))
-        event = {"name": rerun.EV_RERUN, "step": None}
+        event = {"name": EventType.PLAYBOOK_RERUN, "step": None}
         name = ""
         try:
             for name in plan.steps:
@@ -178,7 +168,7 @@ class Flow:
         rerun when the engine starts it): ``playbook.started`` then ``playbook.failed``."""
         t = Transition(ExecState(execution_id=inp.execution_id, shard_id=inp.shard_id, catalog_id=inp.catalog_id,
                                  deadline_ms=inp.deadline_ms, parent_execution_id=inp.parent_execution_id))
-        t.emit(EV_STARTED, meta={**inp.meta, **meta})
+        t.emit(EventType.PLAYBOOK_STARTED, meta={**inp.meta, **meta})
         self._fail(t, message)
         return t
 
@@ -218,7 +208,7 @@ class Flow:
         pending = st.pending.get(res.command_id)
         ok = res.envelope.get("status") != "error"
         if pending is None or st.terminal:
-            t.emit(EV_DUPLICATE, step=None, command_id=res.command_id, result=res.envelope,
+            t.emit(EventType.CALL_DUPLICATE, step=None, command_id=res.command_id, result=res.envelope,
                    meta={"attempt": res.attempt, "worker": res.worker_id,
                          "reason": "terminal" if st.terminal else "not pending"})
             return t
@@ -228,9 +218,9 @@ class Flow:
         meta: dict[str, Any] = {"attempt": res.attempt, "worker": res.worker_id}
         if pending.index is not None:
             meta["index"] = pending.index
-        t.emit(EV_CALL_DONE if ok else EV_CALL_ERROR, step=step_name, command_id=res.command_id,
+        t.emit(EventType.CALL_DONE if ok else EventType.CALL_ERROR, step=step_name, command_id=res.command_id,
                result=res.envelope, meta=meta)
-        t.updates.append(CommandUpdate(res.command_id, "done" if ok else "failed"))
+        t.updates.append(CommandUpdate(res.command_id, CommandStatus.DONE if ok else CommandStatus.FAILED))
         if not ok:
             in_loop = pending.index is not None and run.loop is not None
             t.dead_letters.append(DeadLetter(
@@ -256,7 +246,7 @@ class Flow:
         t = Transition(self._own(state))
         if t.state.terminal:
             return t
-        self._finish(t, CANCELLED, EV_CANCELLED, reason or "cancelled by request")
+        self._finish(t, CANCELLED, EventType.PLAYBOOK_CANCELLED, reason or "cancelled by request")
         return t
 
     def on_abort(self, state: ExecState, message: str) -> Transition:
@@ -287,17 +277,17 @@ class Flow:
         if attempt < max_attempts:
             pending.attempt = attempt + 1
             run.attempt = attempt + 1
-            t.emit(EV_REISSUED, step=pending.step, command_id=command_id,
+            t.emit(EventType.COMMAND_REISSUED, step=pending.step, command_id=command_id,
                    meta={"attempt": attempt + 1, "reason": reason})
-            t.updates.append(CommandUpdate(command_id, "queued", attempt=attempt + 1))
+            t.updates.append(CommandUpdate(command_id, CommandStatus.QUEUED, attempt=attempt + 1))
             t.republish.append((command_id, attempt + 1, loops.command_kind(self, pending.step, run)))
             return t
         del st.pending[command_id]
         message = f"step '{pending.step}' command {command_id} dead-lettered after {attempt} attempts ({reason})"
-        t.emit(EV_DEAD, step=pending.step, command_id=command_id,
+        t.emit(EventType.COMMAND_DEAD_LETTERED, step=pending.step, command_id=command_id,
                result={"status": "error", "error": {"code": "DEAD_LETTERED", "message": message}},
                meta={"attempt": attempt, "reason": reason})
-        t.updates.append(CommandUpdate(command_id, "dead"))
+        t.updates.append(CommandUpdate(command_id, CommandStatus.DEAD))
         t.dead_letters.append(DeadLetter(command_id, pending.step, attempt, redrive.EXPIRED,
                                          {"code": "DEAD_LETTERED", "message": message},
                                          loop_instance=run.loop.instance if run.loop and pending.index is not None
@@ -322,9 +312,9 @@ class Flow:
         run.status = STEP_DONE if ok else STEP_FAILED
         run.error = None if ok else _error_text(run.result or {})
         if loop_done:  # a loop with failed iterations routes as `loop.failed` (arcs may catch it)
-            event_name = EV_LOOP_DONE if ok else "loop.failed"
+            event_name = EventType.LOOP_DONE if ok else EventType.LOOP_FAILED
         else:
-            event_name = EV_CALL_DONE if ok else EV_CALL_ERROR
+            event_name = EventType.CALL_DONE if ok else EventType.CALL_ERROR
         self._route(t, step_name, ok, io, {"name": event_name, "step": step_name})
 
     def _route(self, t: Transition, step_name: str, ok: bool, io: Inputs, event: dict[str, Any]) -> None:
@@ -393,11 +383,11 @@ class Flow:
             if done is not None:  # an empty collection: the loop is done at once
                 self._complete(t, name, done, io, loop_done=True)
             return
-        command_id = f"{st.execution_id}:{name}:{run.visits}"
+        command_id = make_command_id(st.execution_id, name, run.visits)
         run.command_id = command_id
         kind = self.kind(step)
         self.dispatch(t, name, command_id, kind, event, extra=None)
-        t.emit(EV_STEP_ENTER, step=name, command_id=command_id,
+        t.emit(EventType.STEP_ENTER, step=name, command_id=command_id,
                meta={"visit": run.visits, "attempt": 1, "kind": kind})
 
     def dispatch(self, t: Transition, step: str, command_id: str, kind: str, event: dict[str, Any],
@@ -440,7 +430,7 @@ class Flow:
                         return
                     progressed = True
         if not st.terminal and not st.pending and not st.armed:
-            self._finish(t, COMPLETED, EV_COMPLETED, None)
+            self._finish(t, COMPLETED, EventType.PLAYBOOK_COMPLETED, None)
 
     def _fail(self, t: Transition, message: str, cause: dict[str, Any] | None = None,
               step: str | None = None) -> None:
@@ -450,7 +440,7 @@ class Flow:
         (``rerun.py``)."""
         if not t.state.terminal:
             t.state.failed_step = step or (cause["step"] if cause else None)
-            self._finish(t, FAILED, EV_FAILED, message, cause)
+            self._finish(t, FAILED, EventType.PLAYBOOK_FAILED, message, cause)
 
     def _finish(self, t: Transition, status: str, event_type: str, message: str | None,
                 cause: dict[str, Any] | None = None) -> None:
@@ -462,14 +452,15 @@ class Flow:
             st.suspended = {**cause, "pending": {cid: dict(p.__dict__) for cid, p in st.pending.items()},
                             "armed": list(st.armed)}
         for command_id, pending in list(st.pending.items()):
-            t.updates.append(CommandUpdate(command_id, "cancelled"))
+            t.updates.append(CommandUpdate(command_id, CommandStatus.CANCELLED))
             st.steps[pending.step].status = STEP_CANCELLED
         st.pending.clear()
         # ``armed`` stays: the fan-in steps still waiting when it ended (a rerun re-arms them)
         result = None
         if message:
-            code = "CANCELLED" if status == CANCELLED else "EXECUTION_FAILED"
-            result = {"status": "error" if status == FAILED else "cancelled",
+            # a cancelled execution's error code is its status
+            code = ExecutionStatus.CANCELLED.value if status == CANCELLED else "EXECUTION_FAILED"
+            result = {"status": ResultStatus.ERROR if status == FAILED else ResultStatus.CANCELLED,
                       "error": {"code": code, "message": message}}
         t.emit(event_type, result=result, meta={"redrive": st.redrives} if st.redrives else {})
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-RUNNING = "running"
-COMPLETED = "completed"
-FAILED = "failed"
-CANCELLED = "cancelled"
-TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
+from noetl_common.vocab import ENGINE_TERMINAL, EngineStatus, StepStatus
 
-STEP_RUNNING = "running"
-STEP_DONE = "done"
-STEP_FAILED = "failed"
-STEP_CANCELLED = "cancelled"
+RUNNING = EngineStatus.RUNNING
+COMPLETED = EngineStatus.COMPLETED
+FAILED = EngineStatus.FAILED
+CANCELLED = EngineStatus.CANCELLED
+TERMINAL = ENGINE_TERMINAL
+
+STEP_RUNNING = StepStatus.RUNNING
+STEP_DONE = StepStatus.DONE
+STEP_FAILED = StepStatus.FAILED
+STEP_CANCELLED = StepStatus.CANCELLED
 
 
 @dataclass

@@ -79,7 +79,7 @@ class _Pool:
 
                 class Cur:
                     async def fetchone(self) -> dict[str, int]:
-                        return {"running": 3 * pool.calls, "waiting": 1, "queued": 7 * pool.calls}
+                        return {"running": 3 * pool.calls, "waiting": 1, "queued_commands": 7 * pool.calls}
 
                 return Cur()
 

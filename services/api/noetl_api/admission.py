@@ -19,6 +19,7 @@ from prometheus_client import Counter, Gauge
 from noetl_common.db import Pool
 from noetl_common.errors import Overloaded
 from noetl_common.ids import snowflake_at
+from noetl_common.vocab import CommandStatus, EngineStatus
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +75,15 @@ class Admission:
             recent = snowflake_at(int((time.time() - 3600) * 1000))
             async with self._pool.connection() as conn:
                 cur = await conn.execute(
-                    "SELECT (SELECT count(*) FROM noetl.engine_state WHERE status = 'running') AS running,"
+                    f"SELECT (SELECT count(*) FROM noetl.engine_state WHERE status = '{EngineStatus.RUNNING}') AS running,"
                     " (SELECT count(*) FROM noetl.execution_request r WHERE r.execution_id > %s AND NOT EXISTS"
                     "   (SELECT 1 FROM noetl.engine_state s WHERE s.execution_id = r.execution_id)) AS waiting,"
-                    " (SELECT count(*) FROM noetl.command WHERE status = 'queued') AS queued", (recent,))
+                    f" (SELECT count(*) FROM noetl.command WHERE status = '{CommandStatus.QUEUED}') AS queued_commands", (recent,))
                 row = await cur.fetchone()
                 await conn.commit()
             assert row is not None
             self._active = int(row["running"]) + int(row["waiting"])
-            self._queued = int(row["queued"])
+            self._queued = int(row["queued_commands"])
             self._at = time.monotonic()
             ACTIVE.set(self._active)
             QUEUED.set(self._queued)

@@ -21,6 +21,7 @@ from typing import Any
 from noetl_common import auth, pools
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import Conflict, NoetlError, NotFound, NotQualified
+from noetl_common.vocab import CommandStatus, StopReason, execution_of_command
 from noetl_db import commands
 from noetl_dsl import merged_workload
 from noetl_dsl.credrefs import keychain_entries, keychain_reads
@@ -74,7 +75,7 @@ class Claims:
         not cached yet. Returns, per requested claim in order, the claim or why it failed.
         A worker claims only commands it qualifies for (``placement``; NotQualified)."""
         ids = [c for c, _ in wanted]
-        heads = {int(h) for c in ids if (h := c.split(":", 1)[0]).isdigit()}
+        heads = {e for c in ids if (e := execution_of_command(c)) is not None}
         need = [e for e in heads if e not in self._workloads]
         async with autocommit(self._pool) as conn:
             rows = await commands.claim(conn, wanted, worker_id, self._lease,
@@ -176,9 +177,9 @@ class Claims:
                 return row["lease_until"], ""
             current = await commands.state(conn, command_id)
         if current is None:
-            return None, "command not found"
-        if current["status"] == "cancelled":
-            return None, "cancelled"
+            return None, StopReason.NOT_FOUND
+        if current["status"] == CommandStatus.CANCELLED:
+            return None, StopReason.CANCELLED
         return None, (f"command is {current['status']} (attempt {current['attempt']},"
                       f" worker {current['worker_id'] or '-'})")
 

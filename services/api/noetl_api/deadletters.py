@@ -22,6 +22,7 @@ from noetl_common import auth, natsio
 from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import Conflict, InvalidInput, NoetlError, NotFound
 from noetl_common.grpcutil import set_timestamp
+from noetl_common.vocab import DeadLetterStatus, redrive_msg_id
 from noetl_db import requests
 from noetl_flow import ExecState, RedriveItem, refusal
 from noetl_proto.v1 import common_pb2, deadletter_pb2, deadletter_pb2_grpc, messages_pb2
@@ -32,9 +33,9 @@ DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 
 _STATUS_SQL: dict[int, str] = {
-    deadletter_pb2.DEAD_LETTER_STATUS_DEAD: "d.status = 'dead' AND r.dead_letter_id IS NULL",
+    deadletter_pb2.DEAD_LETTER_STATUS_DEAD: f"d.status = '{DeadLetterStatus.DEAD}' AND r.dead_letter_id IS NULL",
     deadletter_pb2.DEAD_LETTER_STATUS_REDRIVE_PENDING: "r.dead_letter_id IS NOT NULL",
-    deadletter_pb2.DEAD_LETTER_STATUS_REDRIVEN: "d.status = 'redriven'",
+    deadletter_pb2.DEAD_LETTER_STATUS_REDRIVEN: f"d.status = '{DeadLetterStatus.REDRIVEN}'",
 }
 _SELECT = (
     "SELECT d.*, x.playbook_path, r.dead_letter_id IS NOT NULL AS pending FROM noetl.dead_letter d"
@@ -196,7 +197,7 @@ class DeadLetterServicer(deadletter_pb2_grpc.DeadLetterServiceServicer):
             msg = messages_pb2.EngineInput(redrive=messages_pb2.RedriveRequested(execution_id=row["execution_id"]))
             try:
                 await natsio.publish(self._js, natsio.events_subject(row["shard_id"], natsio.KIND_REDRIVE),
-                                     msg.SerializeToString(), msg_id=f"redrive#{request.dead_letter_id}")
+                                     msg.SerializeToString(), msg_id=redrive_msg_id(request.dead_letter_id))
             except NoetlError as exc:  # committed: the engine's sweep applies it
                 logger.warning("redrive nudge for dead letter %s not published (%s); the shard sweep applies it",
                                request.dead_letter_id, exc)

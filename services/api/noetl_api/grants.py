@@ -32,6 +32,7 @@ from prometheus_client import Counter
 
 from noetl_common import auth
 from noetl_common.errors import Conflict, NotFound, PermissionDenied
+from noetl_common.vocab import CommandStatus
 from noetl_dsl import merged_workload
 from noetl_dsl.credrefs import Grant, playbook_names, reference_of, step_grant
 
@@ -83,7 +84,7 @@ class CredentialGrants:
         row = await self._claims.holder(command_id)
         if row is None:
             raise NotFound(f"command {command_id} not found")
-        if row["status"] != "claimed" or row["worker_id"] != worker_id or row["attempt"] != attempt:
+        if row["status"] != CommandStatus.CLAIMED or row["worker_id"] != worker_id or row["attempt"] != attempt:
             raise Conflict(f"command {command_id} attempt {attempt} is not claimed by worker {worker_id}"
                            f" (it is {row['status']}, attempt {row['attempt']})")
         key = self._claims.claim_key

@@ -10,13 +10,14 @@ from typing import Any
 from noetl_common import pools
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NotFound
+from noetl_common.vocab import PUBLIC_TERMINAL, CommandStatus, ExecutionStatus
 from noetl_db import requests
 from noetl_store import ResultStore, entry_from_json, trace
 
 from .concurrency import waiting_reason
 
-STATUSES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
+STATUSES = tuple(ExecutionStatus)
+TERMINAL = PUBLIC_TERMINAL
 
 
 class Queries:
@@ -36,7 +37,7 @@ class Queries:
             # queued commands no live worker qualifies for: why their steps wait (StepState.waiting)
             waiting_cur = await conn.execute(
                 "SELECT DISTINCT ON (c.step) c.step, c.pool, c.requires, c.kind FROM noetl.command c"
-                f" WHERE c.execution_id = %s AND c.status = 'queued' AND {pools.no_live_worker('c')}"
+                f" WHERE c.execution_id = %s AND c.status = '{CommandStatus.QUEUED}' AND {pools.no_live_worker('c')}"
                 " ORDER BY c.step", (execution_id,))
             row = await cur.fetchone()
             steps: list[dict[str, Any]] = list(await step_cur.fetchall())
@@ -53,14 +54,14 @@ class Queries:
                 req = await cur.fetchone()
                 if req is None:
                     raise NotFound(f"execution {execution_id} not found")
-                row = {**req, "status": "PENDING", "error": None, "started_at": None, "ended_at": None,
+                row = {**req, "status": ExecutionStatus.PENDING, "error": None, "started_at": None, "ended_at": None,
                        "last_shard_seq": 0}
                 # never started because its first input was quarantined: it will not start
                 cur = await conn.execute("SELECT error, created_at FROM noetl.quarantine WHERE execution_id = %s"
                                          " ORDER BY quarantine_id LIMIT 1", (execution_id,))
                 bad = await cur.fetchone()
                 if bad is not None:
-                    row.update(status="FAILED", ended_at=bad["created_at"],
+                    row.update(status=ExecutionStatus.FAILED, ended_at=bad["created_at"],
                                error=f"ENGINE_INPUT_QUARANTINED: {bad['error']}")
                 else:
                     row["waiting"] = await waiting_reason(conn, execution_id)

@@ -24,6 +24,7 @@ from noetl_common.errors import (
 )
 from noetl_common.grpcutil import set_timestamp
 from noetl_common.pools import DEFAULT_POOL, Priority
+from noetl_common.vocab import ExecutionStatus, StepViewStatus, cancel_msg_id
 from noetl_proto.v1 import (
     catalog_pb2,
     catalog_pb2_grpc,
@@ -55,7 +56,7 @@ def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
     ex = execution_pb2.Execution(
         execution_id=row["execution_id"], shard_id=row["shard_id"] or 0,
         playbook_path=row.get("playbook_path") or "", playbook_version=row.get("playbook_version") or 0,
-        status=common_pb2.ExecutionStatus.Value(f"EXECUTION_STATUS_{row['status']}"),
+        status=common_pb2.ExecutionStatus.Value(ExecutionStatus(row["status"]).proto_name),
         error=row.get("error") or "", parent_execution_id=row.get("parent_execution_id") or 0,
         last_shard_seq=row.get("last_shard_seq") or 0, waiting=row.get("waiting") or "",
         rerun_of=row.get("rerun_of") or 0,
@@ -63,7 +64,7 @@ def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
     for field in ("created_at", "started_at", "ended_at"):
         set_timestamp(getattr(ex, field), row.get(field))
     for s in row.get("steps", []):
-        step = ex.steps.add(name=s["step"], status=common_pb2.StepStatus.Value(f"STEP_STATUS_{s['status']}"),
+        step = ex.steps.add(name=s["step"], status=common_pb2.StepStatus.Value(StepViewStatus(s["status"]).proto_name),
                             attempts=s["attempts"] or 0, visits=s["visits"] or 0, error=s.get("error") or "",
                             result_json=s.get("result_json") or "", waiting=s.get("waiting") or "")
         if s.get("result_ref_id"):
@@ -209,7 +210,7 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
             execution_id=request.execution_id, reason=reason))
         try:
             await natsio.publish(self._js, natsio.events_subject(row["shard_id"], natsio.KIND_CANCEL),
-                                 msg.SerializeToString(), msg_id=f"cancel#{request.execution_id}")
+                                 msg.SerializeToString(), msg_id=cancel_msg_id(request.execution_id))
         except NoetlError as exc:  # committed: the engine's sweep applies it
             logger.warning("cancel nudge for execution %s not published (%s); the shard sweep applies it",
                            request.execution_id, exc)

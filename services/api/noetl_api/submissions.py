@@ -21,6 +21,7 @@ from noetl_common.errors import InvalidInput, NoetlError, NotFound, PlaybookInva
 from noetl_common.ids import SnowflakeGenerator, shard_for
 from noetl_common.limits import check, check_json_depth, exceeded
 from noetl_common.pools import priority_problem
+from noetl_common.vocab import submit_msg_id
 from noetl_db import requests
 from noetl_dsl import Playbook, merged_workload
 from noetl_proto.v1 import messages_pb2
@@ -194,7 +195,7 @@ class Submitter:
         msg = messages_pb2.EngineInput(submitted=messages_pb2.ExecutionSubmitted(execution_id=execution_id))
         try:
             await natsio.publish(self._js, natsio.events_subject(shard, natsio.KIND_SUBMIT),
-                                 msg.SerializeToString(), msg_id=f"submit#{execution_id}")
+                                 msg.SerializeToString(), msg_id=submit_msg_id(execution_id))
         except NoetlError as exc:  # the sweep will find it
             logger.warning("nudge for execution %s not published (%s); the shard sweep will start it",
                            execution_id, exc)

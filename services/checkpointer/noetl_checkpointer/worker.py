@@ -43,6 +43,7 @@ from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
 from noetl_common.shardtasks import forget_on_loss
+from noetl_common.vocab import barrier_msg_id
 from noetl_db import checkpoints, leases
 from noetl_proto.v1 import messages_pb2
 
@@ -233,7 +234,7 @@ class ShardCheckpointer:
         msg = messages_pb2.EngineInput(barrier=messages_pb2.CheckpointBarrier(shard_id=self.shard,
                                                                               checkpoint_epoch=epoch))
         await natsio.publish(self.js, natsio.events_subject(self.shard, natsio.KIND_BARRIER), msg.SerializeToString(),
-                             msg_id=f"barrier#{self.shard}#{epoch}")
+                             msg_id=barrier_msg_id(self.shard, epoch))
         self._requested = (epoch, time.monotonic())
         self._asked_at = self._requested[1]
         BARRIERS.labels(str(self.shard)).inc()

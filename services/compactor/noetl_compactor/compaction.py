@@ -33,6 +33,7 @@ from typing import Any
 
 from noetl_common.db import REDRIVE_LOCK_CLASS, Conn, Pool, transaction
 from noetl_common.ids import snowflake_at
+from noetl_common.vocab import PUBLIC_TERMINAL, EventType
 from noetl_db import leases
 from noetl_db.checkpoints import MANIFEST, PARTS, TERMINAL_REF
 from noetl_db.events import DELETE_BARRIERS, DELETE_EVENTS
@@ -40,10 +41,11 @@ from noetl_db.events import DELETE_BARRIERS, DELETE_EVENTS
 logger = logging.getLogger(__name__)
 
 ROLE = "compactor"
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
+TERMINAL = tuple(sorted(PUBLIC_TERMINAL))
 # step.kept: a rerun's step whose original result it kept (its reference is the original's)
-RESULT_EVENTS = ("call.done", "call.error", "loop.done", "command.dead_lettered", "step.kept")
-BARRIER_EVENT = "checkpoint.committed"
+RESULT_EVENTS = (EventType.CALL_DONE, EventType.CALL_ERROR, EventType.LOOP_DONE, EventType.COMMAND_DEAD_LETTERED,
+                 EventType.STEP_KEPT)
+BARRIER_EVENT = EventType.CHECKPOINT_COMMITTED
 
 WATERMARK = "SELECT COALESCE((SELECT last_shard_seq FROM noetl.projection_checkpoint WHERE shard_id = %s), 0) AS seq"
 

@@ -18,6 +18,7 @@ from datetime import UTC, date, datetime, timedelta
 
 from noetl_common.db import Conn, Pool, ensure_event_partitions, transaction
 from noetl_common.ids import shard_for, snowflake_at
+from noetl_common.vocab import EventType, ExecutionStatus, ResultStatus, StepViewStatus, command_id
 
 SYNTHETIC_NODE = 1022
 PLAYBOOK_PATH = "synthetic/compaction"
@@ -81,31 +82,31 @@ async def write_executions(pool: Pool, *, day: date, count: int, events_per_exec
                 for t in range(chain if i == steps_n - 1 else 1):
                     ref_id = next(pool_ids)
                     data = json.dumps({"step": step, "task": t, "rows": [1, 2, 3]}).encode()
-                    refs_rows.append((ref_id, execution_id, step, f"{execution_id}:{step}:1", f"task_{t}", "db",
+                    refs_rows.append((ref_id, execution_id, step, command_id(execution_id, step, 1), f"task_{t}", "db",
                                       f"pg://result_payload/{ref_id}", len(data), parent, at))
                     payload_rows.append((ref_id, data))
                     chain_ids.append(ref_id)
                     parent = ref_id
                 refs[step] = chain_ids
-            rows: list[tuple[object, ...]] = [(execution_id, sid, 0, "playbook.started", None, None, None,
+            rows: list[tuple[object, ...]] = [(execution_id, sid, 0, EventType.PLAYBOOK_STARTED, None, None, None,
                                               json.dumps({"path": PLAYBOOK_PATH}), at)]
             for step in steps:
                 chain_ids = refs[step]
-                command = f"{execution_id}:{step}:1"
-                rows.append((execution_id, sid, 0, "step.enter", step, None, None, json.dumps({"visit": 1}), at))
-                rows.append((execution_id, sid, 0, "call.done", step, command,
+                command = command_id(execution_id, step, 1)
+                rows.append((execution_id, sid, 0, EventType.STEP_ENTER, step, None, None, json.dumps({"visit": 1}), at))
+                rows.append((execution_id, sid, 0, EventType.CALL_DONE, step, command,
                              json.dumps(_envelope(chain_ids[-1], chain_ids[-2] if len(chain_ids) > 1 else None)),
                              json.dumps({"attempt": 1, "worker": "synthetic"}), at))
             while len(rows) < events_per_execution - 1:
                 step = steps[len(rows) % steps_n]
-                rows.append((execution_id, sid, 0, "call.duplicate", step, f"{execution_id}:{step}:1",
+                rows.append((execution_id, sid, 0, EventType.CALL_DUPLICATE, step, command_id(execution_id, step, 1),
                              json.dumps(_envelope(refs[step][-1], None)),
                              json.dumps({"attempt": 2, "reason": "synthetic"}), at))
-            rows.append((execution_id, sid, 0, "playbook.completed", None, None, json.dumps({"status": "ok"}),
+            rows.append((execution_id, sid, 0, EventType.PLAYBOOK_COMPLETED, None, None, json.dumps({"status": ResultStatus.OK}),
                          "{}", at))
             event_rows.extend(rows)
-            execution_rows.append((execution_id, sid, PLAYBOOK_PATH, 1, "COMPLETED", at, at, at, 0))
-            step_rows.extend((execution_id, step, "COMPLETED", 1, 1, refs[step][-1], at, at) for step in steps)
+            execution_rows.append((execution_id, sid, PLAYBOOK_PATH, 1, ExecutionStatus.COMPLETED, at, at, at, 0))
+            step_rows.extend((execution_id, step, StepViewStatus.COMPLETED, 1, 1, refs[step][-1], at, at) for step in steps)
             made.append(Synthetic(execution_id, sid, steps, list(reversed(refs[steps[-1]])), len(rows)))
         await _copy(conn, "noetl.result_ref (ref_id, execution_id, step, command_id, task, tier, uri, size_bytes,"
                           " parent_ref_id, created_at)", refs_rows)

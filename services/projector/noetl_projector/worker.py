@@ -20,12 +20,13 @@ from noetl_common.db import Pool, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
 from noetl_common.shardtasks import forget_on_loss
+from noetl_common.vocab import EventType
 from noetl_db import read_models
 from noetl_flow.projection import fold
 
 logger = logging.getLogger(__name__)
 
-SYSTEM_EVENTS = frozenset({"checkpoint.committed"})
+SYSTEM_EVENTS = frozenset({EventType.CHECKPOINT_COMMITTED})
 LAG = Gauge("noetl_projection_lag_ms", "Age of the newest projected event when it was projected", ["shard"])
 forget_on_loss("projector", LAG)
 MAX_LAG_MS = 2**31 - 1  # projection_checkpoint.lag_ms is an int (~24.8 days)

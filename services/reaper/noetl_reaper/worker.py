@@ -13,10 +13,11 @@ from typing import Any
 from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
-from noetl_common import natsio, pools, tracing
+from noetl_common import natsio, pools, tracing, vocab
 from noetl_common.config import CommandSettings
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError
+from noetl_db import commands
 from noetl_proto.v1 import messages_pb2
 
 logger = logging.getLogger(__name__)
@@ -90,24 +91,10 @@ class ShardReaper:
         async with transaction(self.pool) as conn:
             expired: list[Any] = []
             if not self._holding():
-                cur = await conn.execute(
-                    "SELECT command_id, execution_id, attempt, worker_id FROM noetl.command WHERE shard_id = %s"
-                    " AND status = 'claimed' AND lease_until < now()"
-                    " AND pg_postmaster_start_time() < now() - make_interval(secs => %s)"
-                    " ORDER BY lease_until LIMIT 500", (self.shard, self.cfg.lease_sec))
-                expired = list(await cur.fetchall())
-            cur = await conn.execute(
-                "SELECT c.command_id, c.execution_id, c.attempt, c.kind, c.pool, c.priority, r.traceparent"
-                " FROM noetl.command c"
-                " LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id WHERE c.shard_id = %s"
-                " AND c.status = 'queued' AND c.updated_at < now() - make_interval(secs => %s)"
-                " ORDER BY c.updated_at LIMIT 500", (self.shard, self.cfg.republish_after_sec))
-            stale = list(await cur.fetchall())
-            cur = await conn.execute(
-                "SELECT c.pool, count(*) AS n FROM noetl.command c WHERE c.shard_id = %s AND c.status = 'queued'"
-                f" AND {pools.no_live_worker('c')} GROUP BY c.pool", (self.shard,))
+                expired = await commands.expired_claims(conn, self.shard, self.cfg.lease_sec)
+            stale = await commands.stale_queued(conn, self.shard, self.cfg.republish_after_sec)
             # the default pool is always exported (0 when nothing waits): the alert has a series
-            waiting = {pools.DEFAULT_POOL: 0, **{row["pool"]: int(row["n"]) for row in await cur.fetchall()}}
+            waiting = {pools.DEFAULT_POOL: 0, **await commands.unschedulable(conn, self.shard)}
         for pool in self._unschedulable - set(waiting):
             UNSCHEDULABLE.labels(pool, str(self.shard)).set(0)
         for pool, n in waiting.items():
@@ -118,7 +105,7 @@ class ShardReaper:
                 command_id=row["command_id"], execution_id=row["execution_id"], attempt=row["attempt"],
                 reason=f"claim lease expired (worker {row['worker_id'] or '-'} lost)"))
             await natsio.publish(self.js, natsio.events_subject(self.shard, natsio.KIND_EXPIRED),
-                                 msg.SerializeToString(), msg_id=f"expired#{row['command_id']}#{row['attempt']}")
+                                 msg.SerializeToString(), msg_id=vocab.expired_msg_id(row["command_id"], row["attempt"]))
             REAPED.labels("lease_expired").inc()
         window = int(time.time() // max(self.cfg.republish_after_sec, 1))
         for row in stale:
@@ -127,7 +114,7 @@ class ShardReaper:
             # the execution's trace goes on with the republished notice (docs/DEPLOY.md "Tracing")
             await natsio.publish(self.js, natsio.commands_subject(row["pool"], row["priority"], self.shard),
                                  notice.SerializeToString(),
-                                 msg_id=f"{row['command_id']}#{row['attempt']}#r{window}",
+                                 msg_id=vocab.republish_msg_id(row["command_id"], row["attempt"], window),
                                  trace_parent=tracing.context_from(row["traceparent"]))
             REAPED.labels("republished").inc()
         if expired or stale:

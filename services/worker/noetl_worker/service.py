@@ -79,6 +79,7 @@ from noetl_common.errors import NoetlError, Unavailable
 from noetl_common.redact import ActiveSecrets, LogFilter, Redactor
 from noetl_common.retry import retry_transient
 from noetl_common.service import Service
+from noetl_common.vocab import CommandStatus, StopReason, result_msg_id
 from noetl_dsl import templates
 from noetl_proto.v1 import execution_pb2_grpc, messages_pb2, worker_pb2, worker_pb2_grpc
 from noetl_store import ResultStore, encode_json, envelope_from_proto, make_result_store
@@ -123,7 +124,6 @@ WORKER_ERROR = "WORKER_ERROR"
 # Core-NATS hints of cancelled commands, one subject per shard (natsio.cancel_subject).
 CANCEL_HINTS_SUBJECT = natsio.cancel_filter()
 STREAMS_WAIT_SEC = 120.0
-CANCELLED = "cancelled"
 _LOST_CLAIM = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 _LOST_LEASE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
 
@@ -457,7 +457,7 @@ class WorkerService(Service):
             logger.debug("command %s attempt %s already claimed here; dropping the duplicate notice",
                          command.command_id, command.attempt)
             return
-        CLAIMS.labels("claimed").inc()
+        CLAIMS.labels(CommandStatus.CLAIMED).inc()
         await self.run_command(command)
 
     def _take(self, command: messages_pb2.Command) -> bool:
@@ -597,7 +597,7 @@ class WorkerService(Service):
                 logger.warning("renewing the lease of %s failed (%s)", command.command_id, code)
                 continue
             if resp.stop:
-                run.stop(resp.stop_reason, cancelled=resp.stop_reason == CANCELLED)
+                run.stop(resp.stop_reason, cancelled=resp.stop_reason == StopReason.CANCELLED)
                 return
 
     async def _report_row(self, run: _Run, row: Row, counts: dict[str, int]) -> None:
@@ -618,7 +618,7 @@ class WorkerService(Service):
                 raise asyncio.CancelledError(run.stop_reason) from None
             raise Unavailable(f"recording the claimed row failed ({code})") from exc
         if resp.stop:
-            run.stop(resp.stop_reason, cancelled=resp.stop_reason == CANCELLED)
+            run.stop(resp.stop_reason, cancelled=resp.stop_reason == StopReason.CANCELLED)
             raise asyncio.CancelledError(run.stop_reason)
 
     async def _on_cancel_hint(self, msg: Msg) -> None:
@@ -633,7 +633,7 @@ class WorkerService(Service):
             run = self._runs.get(str(command_id))
             if run is not None and not run.stopped.is_set():
                 CANCEL_HINTS.inc()
-                run.stop(CANCELLED, cancelled=True)
+                run.stop(StopReason.CANCELLED, cancelled=True)
 
     async def _publish(self, run: _Run, result: messages_pb2.CallResult) -> None:
         """Publish until JetStream acks (capped backoff); gives up only when the command
@@ -642,7 +642,7 @@ class WorkerService(Service):
         command = run.command
         payload = messages_pb2.EngineInput(call_result=result).SerializeToString()
         subject = natsio.events_subject(command.shard_id, natsio.KIND_CALL)
-        msg_id = f"{command.command_id}#{command.attempt}#result"
+        msg_id = result_msg_id(command.command_id, command.attempt)
         delay = 0.05
         give_up_at: float | None = None
         while True:

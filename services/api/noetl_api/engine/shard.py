@@ -34,6 +34,7 @@ from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import barrier_execution_id, snowflake_at
 from noetl_common.retry import is_transient
 from noetl_common.shards import ShardOwnership
+from noetl_common.vocab import CommandStatus, EngineStatus, EventType, cancel_msg_id, notice_msg_id
 from noetl_db import commands as commands_db
 from noetl_db import dead_letters as dead_letters_db
 from noetl_db import engine_state as engine_state_db
@@ -43,7 +44,6 @@ from noetl_db import loops as loops_db
 from noetl_db import requests as requests_db
 from noetl_dsl import merged_workload
 from noetl_flow import (
-    EV_DEAD,
     CallResultInput,
     ExecState,
     Flow,
@@ -100,7 +100,6 @@ MAX_QUEUE = 10_000
 # quarantined (recorded, its execution failed, skipped).
 POISON_ATTEMPTS = 3
 UNDECODABLE = "undecodable"
-EV_CHECKPOINT = "checkpoint.committed"
 
 
 @dataclass
@@ -483,7 +482,7 @@ class ShardEngine:
                         seq += 1
                         barrier_epoch, barrier_seq = epoch, seq
                         events.append((barrier_execution_id(epoch, self.shard), self.shard, seq,
-                                       EV_CHECKPOINT, None, None, None,
+                                       EventType.CHECKPOINT_COMMITTED, None, None, None,
                                        json.dumps({"checkpoint_epoch": epoch, "epoch_id": epoch,
                                                    "lease_epoch": self.epoch})))
                     continue
@@ -526,7 +525,7 @@ class ShardEngine:
             started_ids = [e for e in requests if e in touched]
             horizon = snowflake_at(int((time.time() - 60) * 1000))
             new_sweep = min(max(started_ids, default=sweep_from), horizon)
-            ended = [eid for eid, (state, _) in touched.items() if state.status == "cancelled"]
+            ended = [eid for eid, (state, _) in touched.items() if state.status == EngineStatus.CANCELLED]
             finished = [eid for eid, (state, _) in touched.items() if state.terminal]
             if finished:
                 # always (two pipelined DELETEs, no round trip): slots and queue places of a
@@ -569,7 +568,7 @@ class ShardEngine:
             self.d.priorities.popitem(last=False)
         if publish:
             await self._publish(publish)
-        cancelled = [u.command_id for u in updates if u.status == "cancelled"]
+        cancelled = [u.command_id for u in updates if u.status == CommandStatus.CANCELLED]
         if cancelled:  # a hint: running tasks stop now rather than at their next lease renewal
             await natsio.hint(self.d.nc, natsio.cancel_subject(self.shard),
                               json.dumps({"command_ids": cancelled}).encode())
@@ -579,7 +578,7 @@ class ShardEngine:
             await self._nudge_waiters()
         if events:
             self.d.traces.committed(events)
-            if dead := sum(1 for e in events if e[3] == EV_DEAD):
+            if dead := sum(1 for e in events if e[3] == EventType.COMMAND_DEAD_LETTERED):
                 DEAD_LETTERS.labels(str(self.shard)).inc(dead)
             BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
             await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
@@ -787,7 +786,7 @@ class ShardEngine:
                 execution_id=child["execution_id"], reason="parent execution cancelled"))
             try:
                 await natsio.publish(self.d.js, natsio.events_subject(child["shard_id"], natsio.KIND_CANCEL),
-                                     msg.SerializeToString(), msg_id=f"cancel#{child['execution_id']}")
+                                     msg.SerializeToString(), msg_id=cancel_msg_id(child["execution_id"]))
             except NoetlError as exc:
                 logger.warning("cancel nudge of child execution %s not published: %s", child["execution_id"], exc)
 
@@ -797,7 +796,7 @@ class ShardEngine:
                                                 attempt=attempt, kind=kind)
             await natsio.publish(self.d.js, natsio.commands_subject(placed.pool, placed.priority, self.shard),
                                  notice.SerializeToString(),
-                                 msg_id=f"{cid}#{attempt}", trace_parent=self.d.traces.notice_parent(eid))
+                                 msg_id=notice_msg_id(cid, attempt), trace_parent=self.d.traces.notice_parent(eid))
 
         results = await asyncio.gather(*(one(*i) for i in items), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]

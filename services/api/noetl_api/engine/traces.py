@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 from opentelemetry.context import Context
 
 from noetl_common import tracing
-from noetl_flow import EV_CANCELLED, EV_COMPLETED, EV_DEAD, EV_FAILED, EV_REDRIVEN
+from noetl_common.vocab import EventType
 
-TRACED_EVENTS = (EV_COMPLETED, EV_FAILED, EV_CANCELLED, EV_DEAD, EV_REDRIVEN)
-_ERROR_EVENTS = (EV_FAILED, EV_DEAD)
+TRACED_EVENTS = (EventType.PLAYBOOK_COMPLETED, EventType.PLAYBOOK_FAILED, EventType.PLAYBOOK_CANCELLED, EventType.COMMAND_DEAD_LETTERED, EventType.COMMAND_REDRIVEN)
+_ERROR_EVENTS = (EventType.PLAYBOOK_FAILED, EventType.COMMAND_DEAD_LETTERED)
 T = TypeVar("T")
 
 
