@@ -25,6 +25,7 @@ from .errors import (
     Overloaded,
     PermissionDenied,
     Unavailable,
+    Unimplemented,
 )
 from .grpcclient import (  # noqa: F401  (re-exported: one home, the light module)
     CLIENT_KEEPALIVE_OPTIONS,
@@ -47,6 +48,7 @@ STATUS_FOR: list[tuple[type[NoetlError], grpc.StatusCode]] = [
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LeaseLost, grpc.StatusCode.ABORTED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
 ]
 
 GRPC_REQUESTS = Counter("noetl_grpc_requests_total", "gRPC requests served", ["method", "code"])
