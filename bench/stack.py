@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ import psycopg
 from noetl_cli import devstack, localstack
 from noetl_cli.client import Api
 from noetl_cli.supervise import ServiceProcess, target_of
-from noetl_common import natsio
+from noetl_common import grpcretry, natsio
 from noetl_proto.v1 import common_pb2, execution_pb2
 
 from .progress import Progress
@@ -309,10 +310,14 @@ class BenchStack:
 
     def submit(self, playbook: str, payload: Mapping[str, Any] | None = None, *, api: Api | None = None,
                timeout: float = 0.0) -> int:
+        """Submit with a fresh idempotency key, repeated on a transient failure (one
+        execution however many calls it takes: ``grpcretry.call_keyed``)."""
         api = api or self.client
-        resp = api.executions.SubmitExecution(execution_pb2.SubmitExecutionRequest(
-            playbook_yaml=playbook, payload_json=json.dumps(dict(payload or {})), timeout_seconds=timeout),
-            timeout=60)
+        request = execution_pb2.SubmitExecutionRequest(
+            playbook_yaml=playbook, payload_json=json.dumps(dict(payload or {})), timeout_seconds=timeout,
+            idempotency_key=f"bench-{uuid.uuid4()}")
+        resp = grpcretry.call_keyed(lambda left: api.executions.SubmitExecution(request, timeout=left), request,
+                                    timeout=60)
         return int(resp.execution_id)
 
     def watch(self, execution_id: int, deadline: float, *, api: Api | None = None) -> Terminal | None:

@@ -18,6 +18,7 @@ import json
 import random
 import threading
 import time
+import uuid
 from typing import Any
 
 import grpc
@@ -98,8 +99,10 @@ def run(ctx: Ctx) -> dict[str, Any]:
     try:
         with Meter(ctx) as meter:
             t0 = time.monotonic()
-            futures = [stack.client.executions.SubmitExecution.future(execution_pb2.SubmitExecutionRequest(
-                playbook_yaml=THREE_STEPS, payload_json=json.dumps({"seed": s})), timeout=120) for s in seeds]
+            # one key per submission, the same on its resubmissions: never two executions of one
+            requests = [execution_pb2.SubmitExecutionRequest(playbook_yaml=THREE_STEPS, payload_json=json.dumps(
+                {"seed": s}), idempotency_key=f"bench-{uuid.uuid4()}") for s in seeds]
+            futures = [stack.client.executions.SubmitExecution.future(r, timeout=120) for r in requests]
             ids: list[int] = []
             for i, fut in enumerate(futures):
                 while True:
@@ -111,8 +114,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
                             raise BenchError(f"submission {i} failed: {exc.code()} {exc.details()}") from exc  # type: ignore[attr-defined]
                         refused += 1
                         time.sleep(0.5)
-                        fut = stack.client.executions.SubmitExecution.future(execution_pb2.SubmitExecutionRequest(
-                            playbook_yaml=THREE_STEPS, payload_json=json.dumps({"seed": seeds[i]})), timeout=120)
+                        fut = stack.client.executions.SubmitExecution.future(requests[i], timeout=120)
             t_submitted = time.monotonic()
             deadline = t0 + 300
             finished = 0

@@ -20,14 +20,13 @@ right after: a server that answers it is up, so the UNAVAILABLE was its own.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from noetl_common import grpcclient
+from noetl_common import grpcclient, grpcretry
 from noetl_common.errors import ConfigError, NoetlError, Overloaded, Unavailable
 from noetl_proto.v1 import (
     auth_pb2_grpc,
@@ -40,16 +39,6 @@ from noetl_proto.v1 import (
 
 T = TypeVar("T")
 
-# Same policy as noetl_common.grpcutil.channel (round robin over replicas, transparent
-# retries on UNAVAILABLE), for the blocking client.
-_SERVICE_CONFIG = json.dumps({
-    "loadBalancingConfig": [{"round_robin": {}}],
-    "methodConfig": [{
-        "name": [{}],
-        "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s",
-                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
-    }],
-})
 RPC_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 5.0
 _GRPC_DEADLINE_TEXT = "Deadline Exceeded"  # what gRPC says when the client's own deadline passed
@@ -103,7 +92,9 @@ class Api:
         self.what = what
         self.connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
         options = [
-            ("grpc.service_config", _SERVICE_CONFIG),
+            # round robin over replicas; transparent retries on UNAVAILABLE of the idempotent
+            # methods only, as noetl_common.grpcutil.channel does for the roles
+            ("grpc.service_config", grpcretry.service_config()),
             ("grpc.enable_retries", 1),
             # a replica that froze is dropped within seconds, and the call goes to another
             *grpcclient.CLIENT_KEEPALIVE_OPTIONS,
@@ -149,9 +140,8 @@ class Api:
         try:
             self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                return code  # type: ignore[no-any-return]
+            if grpcretry.grpc_transient(exc):  # refused, lost, or no answer in time
+                return exc.code()  # type: ignore[attr-defined,no-any-return]
         return None
 
     def connect(self) -> None:
@@ -179,5 +169,16 @@ class Api:
         self.connect()
         try:
             return fn(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self.error(exc, timeout) from exc
+
+    def call_keyed(self, fn: Callable[..., T], request: Any, timeout: float = RPC_TIMEOUT) -> T:
+        """``call`` of a submission (SubmitExecution, RerunExecution: ``grpcretry.KEYED``),
+        repeated on a transient failure within ``timeout`` when ``request`` carries an
+        idempotency key (``grpcretry.call_keyed``); the api answers a repeated key with the
+        execution the first call made."""
+        self.connect()
+        try:
+            return grpcretry.call_keyed(lambda left: fn(request, timeout=left), request, timeout=timeout)
         except grpc.RpcError as exc:
             raise self.error(exc, timeout) from exc

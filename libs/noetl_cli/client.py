@@ -12,6 +12,7 @@ import getpass
 import json
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -19,6 +20,7 @@ from typing import Any, TextIO
 import grpc
 
 from noetl_common.errors import InvalidInput, NoetlError, NotFound
+from noetl_common.grpcretry import grpc_transient
 from noetl_common.vocab import ExecutionStatus
 from noetl_proto.v1 import catalog_pb2, common_pb2, execution_pb2, shard_manager_pb2
 
@@ -27,8 +29,13 @@ from .apichannel import RPC_TIMEOUT, Api
 from .output import CliError, eprint
 
 POLL_INTERVAL = 0.2
-TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND})
 TRANSIENT_GRACE = 30.0
+
+
+def _poll_again(exc: grpc.RpcError) -> bool:
+    """A poll worth repeating: a transient failure (the api restarting, one slow poll;
+    ``grpcretry``), or NOT_FOUND: the read model not yet showing a fresh submission."""
+    return grpc_transient(exc) or exc.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
 
 
 def parse_payload(text: str | None) -> str:
@@ -118,9 +125,7 @@ class Follower:
                 resp = self.api.executions.GetExecution(
                     execution_pb2.GetExecutionRequest(execution_id=self.execution_id), timeout=timeout)
             except grpc.RpcError as exc:
-                # Transient: the api restarting (UNAVAILABLE), one slow poll, or the read
-                # model not yet showing a fresh submission (NOT_FOUND). Give up after a grace.
-                if exc.code() not in TRANSIENT:  # type: ignore[attr-defined]
+                if not _poll_again(exc):  # give up on anything else, and after a grace
                     raise self.api.error(exc) from exc
                 trouble_since = trouble_since or time.monotonic()
                 if time.monotonic() - trouble_since > TRANSIENT_GRACE:
@@ -157,29 +162,34 @@ def run(api: Api, playbook_yaml: str = "", *, ref: execution_pb2.PlaybookRef | N
     """``noetl-rt run``: submit (a playbook's text, or a registered one by ``ref``), then
     follow with live progress on stderr and print the outcome, or with ``detach`` print
     the execution id and return. Inputs are validated by the caller (``parse_payload``,
-    ``read_file``, ``parse_playbook_ref``) before any RPC."""
+    ``read_file``, ``parse_playbook_ref``) before any RPC. The submission carries
+    ``idempotency_key``, or a fresh one: repeated on a transient failure, it never makes
+    two executions."""
     request = execution_pb2.SubmitExecutionRequest(
-        payload_json=payload_json, timeout_seconds=timeout or 0.0, idempotency_key=idempotency_key,
+        payload_json=payload_json, timeout_seconds=timeout or 0.0,
+        idempotency_key=idempotency_key or f"cli-{uuid.uuid4()}",
         priority=execution_pb2.Priority.Value(f"PRIORITY_{(priority or 'unspecified').upper()}"))
     if ref is not None:
         request.ref.CopyFrom(ref)
     else:
         request.playbook_yaml = playbook_yaml
     try:
-        submitted = api.call(api.executions.SubmitExecution, request)
+        submitted = api.call_keyed(api.executions.SubmitExecution, request)
     except InvalidInput as exc:
         raise CliError(str(exc), code=2) from None
     except NotFound as exc:  # an unknown catalog path or version
         raise CliError(str(exc), code=2) from None
     execution_id = submitted.execution_id
-    dedup = " (deduplicated: an earlier submission with this idempotency key)" if submitted.deduplicated else ""
+    # an answer to a repeat of this submission (our own key) is no earlier submission of the user's
+    deduplicated = submitted.deduplicated and bool(idempotency_key)
+    dedup = " (deduplicated: an earlier submission with this idempotency key)" if deduplicated else ""
     eprint(f"execution {execution_id} submitted: {submitted.playbook_path} v{submitted.playbook_version}, "
            f"shard {submitted.shard_id}{dedup}")
     if detach:
         if as_json:
             output.print_json({"execution_id": str(execution_id), "playbook_path": submitted.playbook_path,
                                "playbook_version": submitted.playbook_version, "shard_id": submitted.shard_id,
-                               "deduplicated": submitted.deduplicated})
+                               "deduplicated": deduplicated})
         else:
             print(execution_id)
         return 0

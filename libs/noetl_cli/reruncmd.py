@@ -53,10 +53,11 @@ def rerun(api: Api, execution_id: int, *, from_step: str = "", as_json: bool = F
           timeout: float | None = None, idempotency_key: str = "", detach: bool = False) -> int:
     request = execution_pb2.RerunExecutionRequest(
         execution_id=execution_id, from_step=from_step, timeout_seconds=timeout or 0.0,
-        # a key per call even when none is given: the channel's retries never make two reruns
+        # a key per call even when none is given: repeated on a transient failure, it never
+        # makes two reruns
         idempotency_key=idempotency_key or f"cli-{uuid.uuid4()}")
     try:
-        resp = api.call(api.executions.RerunExecution, request)
+        resp = api.call_keyed(api.executions.RerunExecution, request)
     except (InvalidInput, NotFound) as exc:
         raise CliError(str(exc), code=2) from None
     except Conflict as exc:

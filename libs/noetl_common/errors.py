@@ -1,5 +1,5 @@
 """The project's exception tree. Dependencies' errors are translated once, at the
-edge that talks to them (psycopg in db.py, nats in natsio.py, grpc in grpcutil.py),
+edge that talks to them (psycopg in db.py, nats in natsio.py, grpc in grpcclient.py),
 and chained with ``from``. Servicers map these to gRPC status codes in one place
 (``grpcutil.STATUS_FOR``).
 
@@ -14,6 +14,7 @@ and chained with ``from``. Servicers map these to gRPC status codes in one place
     ├── LeaseLost             a fenced write found the lease gone  -> ABORTED
     ├── ConfigError           a setting is missing or out of range (startup)
     ├── Unavailable           a dependency is down                 -> UNAVAILABLE
+    ├── Unimplemented         the peer does not serve the method   -> UNIMPLEMENTED
     └── ToolError             a tool failed while running a task (worker side)
 """
 
@@ -73,6 +74,10 @@ class ConfigError(NoetlError):
 
 class Unavailable(NoetlError):
     """A dependency (Postgres, NATS, a peer service) cannot be reached."""
+
+
+class Unimplemented(NoetlError):
+    """The peer does not serve this method (an older version of it)."""
 
 
 class ToolError(NoetlError):

@@ -4,7 +4,6 @@ status codes become project errors (client side), plus RED metrics per method.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -15,7 +14,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from prometheus_client import Counter, Histogram
 
-from . import auth, tracing
+from . import auth, grpcretry, tracing
 from .config import TlsSettings
 from .errors import (
     Conflict,
@@ -26,6 +25,7 @@ from .errors import (
     Overloaded,
     PermissionDenied,
     Unavailable,
+    Unimplemented,
 )
 from .grpcclient import (  # noqa: F401  (re-exported: one home, the light module)
     CLIENT_KEEPALIVE_OPTIONS,
@@ -48,6 +48,7 @@ STATUS_FOR: list[tuple[type[NoetlError], grpc.StatusCode]] = [
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LeaseLost, grpc.StatusCode.ABORTED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
 ]
 
 GRPC_REQUESTS = Counter("noetl_grpc_requests_total", "gRPC requests served", ["method", "code"])
@@ -186,31 +187,18 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, exc: 
 
 # ------------------------------------------------------------------ client side
 
-_SERVICE_CONFIG = json.dumps({
-    "loadBalancingConfig": [{"round_robin": {}}],
-    "methodConfig": [{
-        "name": [{}],
-        "retryPolicy": {
-            "maxAttempts": 4,
-            "initialBackoff": "0.1s",
-            "maxBackoff": "2s",
-            "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
-        },
-    }],
-})
-
 
 def channel(target: str, *, token: str = "", tls: TlsSettings | None = None) -> grpc.aio.Channel:
-    """An aio channel with round-robin balancing, transparent retries on UNAVAILABLE (a
-    replica died: the call goes to another one) and keepalive pings that drop a frozen
+    """An aio channel with round-robin balancing, transparent retries on UNAVAILABLE of
+    the idempotent methods only (a replica died: the call goes to another one;
+    ``grpcretry.service_config``) and keepalive pings that drop a frozen
     replica within seconds; every call carries ``token`` (bearer) when given, and goes
     over TLS when ``tls`` has a CA (presenting this process's certificate when it has
     one: mutual TLS). Targets may list several replicas: ``ipv4:127.0.0.1:P1,127.0.0.1:P2``.
     With tracing on, every unary call gets a client span whose context travels in the
     call's metadata."""
     options: list[tuple[str, Any]] = [
-        ("grpc.service_config", _SERVICE_CONFIG),
+        ("grpc.service_config", grpcretry.service_config()),
         ("grpc.enable_retries", 1),
         *CLIENT_KEEPALIVE_OPTIONS,
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),

@@ -56,7 +56,7 @@ from nats.js.api import (
 from nats.js.errors import NotFoundError
 from opentelemetry.context import Context
 
-from . import pools, tracing
+from . import pools, retry, tracing
 from .errors import ConfigError, NoetlError, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -155,9 +155,14 @@ def tls_context(ca_file: str = "", cert_file: str = "", key_file: str = "") -> s
 
 
 def translate(exc: BaseException) -> NoetlError:
+    """A nats (or socket) error as the project's: Unavailable when waiting can get past it
+    (``retry.nats_transient``, OSError, timeouts), else a plain NoetlError."""
     if isinstance(exc, NoetlError):
         return exc
-    return Unavailable(f"nats error: {type(exc).__name__}: {exc}")
+    message = f"nats error: {type(exc).__name__}: {exc}"
+    if retry.nats_transient(exc) or isinstance(exc, OSError | TimeoutError):
+        return Unavailable(message)
+    return NoetlError(message)
 
 
 class Reconnects:

@@ -1,4 +1,5 @@
-"""Which failures are the infrastructure's, and how the runtime retries them: one classifier.
+"""Which failures are the infrastructure's, and how the runtime retries them: one
+classifier per dependency, and one retry loop.
 
 A *transient* failure is one the same call can get past by waiting: a dependency that is
 down, restarting, unreachable, overloaded or timing out (Postgres, NATS, a peer's gRPC
@@ -9,22 +10,35 @@ callers retry them with capped, jittered exponential backoff for a bounded time 
 turn them into a user-visible task error while that time lasts; permanent failures are
 never retried blindly.
 
-    transient                                  permanent
-    ---------                                  ---------
-    Unavailable (translated psycopg            InvalidInput, NotFound, Conflict,
-      OperationalError / PoolTimeout,          LeaseLost, ConfigError, ToolError,
-      nats errors, gRPC UNAVAILABLE /          any other NoetlError, any other exception
-      DEADLINE_EXCEEDED)
-    raw psycopg OperationalError (includes
-      AdminShutdown, CannotConnectNow,
-      SerializationFailure, DeadlockDetected,
-      LockNotAvailable), PoolTimeout
-    nats connection/timeout errors, OSError,
-    TimeoutError
-    grpc.RpcError UNAVAILABLE, DEADLINE_EXCEEDED
+    dependency  transient                                  permanent
+    ----------  ---------                                  ---------
+    gRPC        UNAVAILABLE, DEADLINE_EXCEEDED             every other status
+                (``grpc_transient``, from grpcretry.py)
+    Postgres    psycopg OperationalError (connection       IntegrityError (UniqueViolation,
+                lost or refused, AdminShutdown,              ForeignKeyViolation, ...),
+                CannotConnectNow, SerializationFailure,      DataError, ProgrammingError,
+                DeadlockDetected, LockNotAvailable,          every other psycopg error
+                QueryCanceled), psycopg_pool PoolTimeout
+                (``postgres_transient``)
+    NATS        every nats error (connection closed or     what waiting cannot fix:
+                draining, no servers, timeouts, no           ``NATS_PERMANENT`` (authorization,
+                responders, JetStream API errors: a          max payload, a bad subject, ...)
+                stream or consumer the api has not made
+                yet) (``nats_transient``)
+    S3          httpx timeouts, network errors, a          401/403, 404, other 4xx,
+                connection cut mid-answer; HTTP 429 and      an unsupported URL
+                5xx (``s3_transient``, ``s3_status_transient``)
+    any         OSError, TimeoutError
+
+A translated error (``NoetlError``) is transient when it is ``Unavailable``, or when the
+dependency error it was raised from (``__cause__``) is; ``ConfigError`` never is.
+``is_transient`` is the union: what every caller that does not know which dependency
+failed asks.
 
 ``retrying()`` is the one retry loop of the project's infrastructure calls (tenacity
-underneath): ``async for attempt in retrying(...): with attempt: await call()``.
+underneath): ``async for attempt in retrying(...): with attempt: await call()``;
+``retry_transient`` runs a call under it; ``retry_keyed`` runs a submission under it only
+when the request carries an idempotency key (grpcretry.py says which calls those are).
 """
 
 from __future__ import annotations
@@ -32,16 +46,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import grpc
+import httpx
 import psycopg
-from nats.errors import Error as NatsError
+from nats import errors as nats_errors
 from psycopg_pool import PoolTimeout
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
     retry_if_exception,
+    stop_after_attempt,
     stop_after_delay,
     stop_never,
     wait_exponential,
@@ -50,12 +65,53 @@ from tenacity import (
 from tenacity.stop import stop_base
 
 from .errors import ConfigError, NoetlError, Unavailable
+from .grpcretry import grpc_transient, has_key
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_TRANSIENT_GRPC = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# NATS client errors that waiting cannot fix: wrong credentials or permissions, a message
+# over the server's max payload, a malformed subject or header, misuse of the client.
+NATS_PERMANENT: tuple[type[Exception], ...] = (
+    nats_errors.AuthorizationError, nats_errors.InvalidUserCredentialsError, nats_errors.MaxPayloadError,
+    nats_errors.BadSubjectError, nats_errors.BadHeaderError, nats_errors.BadSubscriptionError,
+    nats_errors.BadTimeoutError, nats_errors.InvalidCallbackTypeError, nats_errors.SecureConnRequiredError,
+    nats_errors.SecureConnWantedError, nats_errors.NotJSMessageError, nats_errors.MsgAlreadyAckdError,
+)
+
+
+def postgres_transient(exc: BaseException) -> bool:
+    """psycopg's OperationalError (the server went away, refused, restarts, shut the
+    session down, or the transaction lost a serialization race or a deadlock: all
+    OperationalError subclasses in psycopg 3) and a pool that had no connection in time."""
+    return isinstance(exc, psycopg.OperationalError | PoolTimeout)
+
+
+def nats_transient(exc: BaseException) -> bool:
+    """Every nats-py error but ``NATS_PERMANENT``: the client reconnects by itself, and a
+    JetStream API error (no such stream, a consumer the server refuses while an older one
+    exists) passes once the api has set things up."""
+    return isinstance(exc, nats_errors.Error) and not isinstance(exc, NATS_PERMANENT)
+
+
+def s3_status_transient(status: int) -> bool:
+    """An S3 answer that a later call can get past: throttled (429) or a server error (5xx)."""
+    return status == 429 or status >= 500
+
+
+def s3_transient(exc: BaseException) -> bool:
+    """The S3 client's transport (httpx): a timeout, a network error, or a connection
+    closed mid-answer; not a malformed request or an unsupported URL."""
+    return isinstance(exc, httpx.TimeoutException | httpx.NetworkError | httpx.RemoteProtocolError)
+
+
+CLASSIFIERS: dict[str, Callable[[BaseException], bool]] = {
+    "grpc": grpc_transient,
+    "postgres": postgres_transient,
+    "nats": nats_transient,
+    "s3": s3_transient,
+}
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -73,17 +129,8 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def _transient_dependency_error(exc: BaseException) -> bool:
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, Unavailable) or any(transient(exc) for transient in CLASSIFIERS.values()):
         return True
-    if isinstance(exc, psycopg.OperationalError | PoolTimeout):
-        return True
-    if isinstance(exc, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected):
-        return True
-    if isinstance(exc, grpc.RpcError):
-        code = exc.code() if hasattr(exc, "code") else None
-        return code in _TRANSIENT_GRPC
-    if isinstance(exc, NatsError):
-        return True  # connection closed / no servers / timeouts: the client reconnects by itself
     return isinstance(exc, OSError | TimeoutError | asyncio.TimeoutError)
 
 
@@ -98,12 +145,13 @@ class _stop_when(stop_base):
 
 
 def retrying(what: str, *, deadline_sec: float | None, initial: float = 0.05, cap: float = 2.0,
-             give_up: Callable[[], bool] | None = None,
+             give_up: Callable[[], bool] | None = None, attempts: int | None = None,
              transient: Callable[[BaseException], bool] = is_transient) -> AsyncRetrying:
     """A tenacity loop that retries transient failures of ``what`` with jittered exponential
     backoff (``initial`` doubling up to ``cap`` seconds) until ``deadline_sec`` has passed
-    (None: forever) or ``give_up()`` is true; the last failure is then re-raised as it was.
-    Permanent failures are re-raised at once. Each retry is logged with what failed."""
+    (None: forever), ``attempts`` calls were made (None: no limit) or ``give_up()`` is true;
+    the last failure is then re-raised as it was. Permanent failures are re-raised at once.
+    Each retry is logged with what failed."""
 
     def log(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
@@ -112,6 +160,8 @@ def retrying(what: str, *, deadline_sec: float | None, initial: float = 0.05, ca
                        exc, wait)
 
     stop: stop_base = stop_never if deadline_sec is None else stop_after_delay(deadline_sec)
+    if attempts is not None:
+        stop = stop | stop_after_attempt(attempts)
     if give_up is not None:
         stop = stop | _stop_when(give_up)
     return AsyncRetrying(retry=retry_if_exception(transient), stop=stop,
@@ -121,19 +171,40 @@ def retrying(what: str, *, deadline_sec: float | None, initial: float = 0.05, ca
 
 async def retry_transient(what: str, call: Callable[[], Awaitable[T]], *, deadline_sec: float | None,
                           give_up: Callable[[], bool] | None = None, initial: float = 0.05,
-                          cap: float = 2.0, transient: Callable[[BaseException], bool] = is_transient) -> T:
-    """``await call()``; when it fails transiently, again under ``retrying(...)``. Returns
-    its result or raises its last failure. The first attempt runs bare: building a
-    retry loop costs ~0.1 ms, paid only when something failed (measured on the worker's
-    hot path, where every command stores a result and reads earlier ones)."""
+                          cap: float = 2.0, attempts: int | None = None,
+                          transient: Callable[[BaseException], bool] = is_transient) -> T:
+    """``await call()``; when it fails transiently, again under ``retrying(...)`` (at most
+    ``attempts`` calls in all when given). Returns its result or raises its last failure.
+    The first attempt runs bare: building a retry loop costs ~0.1 ms, paid only when
+    something failed (measured on the worker's hot path, where every command stores a
+    result and reads earlier ones)."""
     try:
         return await call()
     except Exception as exc:
-        if not transient(exc) or (give_up is not None and give_up()):
+        if not transient(exc) or (give_up is not None and give_up()) or (attempts is not None and attempts <= 1):
             raise
         logger.warning("%s failed (%s); retrying", what, exc)
     async for attempt in retrying(what, deadline_sec=deadline_sec, give_up=give_up, initial=initial, cap=cap,
-                                  transient=transient):
+                                  attempts=None if attempts is None else attempts - 1, transient=transient):
         with attempt:
             return await call()
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def retry_keyed(what: str, request: Any, call: Callable[[], Awaitable[T]], *, attempts: int,
+                      initial: float = 0.1, cap: float = 2.0,
+                      transient: Callable[[BaseException], bool] = is_transient) -> T:
+    """A submission (SubmitExecution, RerunExecution: ``grpcretry.KEYED``) of ``request``:
+    ``await call()``, and when it fails transiently, again with the same request, at most
+    ``attempts`` calls, only if ``request`` carries an idempotency key (the api answers a
+    repeated key with the execution the first call made). Without a key: one call; gRPC's
+    channel policy cannot look at the key, so it never repeats these methods."""
+    if not has_key(request):
+        return await call()
+    return await retry_transient(what, call, deadline_sec=None, attempts=attempts, initial=initial, cap=cap,
+                                 transient=transient)
+
+
+__all__ = ["CLASSIFIERS", "NATS_PERMANENT", "grpc_transient", "is_transient", "nats_transient",
+           "postgres_transient", "retry_keyed", "retry_transient", "retrying", "s3_status_transient",
+           "s3_transient"]

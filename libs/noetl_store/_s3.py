@@ -3,22 +3,22 @@ of objects, HEAD / PUT of the bucket. Enough for the result store; nothing more.
 
 Errors are translated here, once (``_translate``):
 
-    httpx timeout, connection error, 5xx, 429  -> Unavailable  (retried, then raised)
+    httpx timeout, network error, 5xx, 429     -> Unavailable  (retried, then raised)
     404 (NoSuchKey / NoSuchBucket)             -> NotFound
     401 / 403                                  -> AccessDenied (a NoetlError: fix the keys)
-    any other 4xx                              -> NoetlError naming the S3 error code
+    any other 4xx, other transport errors      -> NoetlError naming the S3 error code
 
-Every request has httpx timeouts (connect, read, write, pool) and is retried at most
-``attempts`` times on ``Unavailable`` with capped, jittered backoff; callers bound the
-whole operation with their own deadline as well.
+Which failures are transient is S3's classifier in ``noetl_common.retry``
+(``s3_transient``, ``s3_status_transient``). Every request has httpx timeouts (connect,
+read, write, pool) and is retried at most ``attempts`` times on ``Unavailable`` with
+capped, jittered backoff (``retry.retry_transient``); callers bound the whole operation
+with their own deadline as well.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
-import random
 import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from noetl_common.errors import NoetlError, NotFound, Unavailable
+from noetl_common.retry import retry_transient, s3_status_transient, s3_transient
 
 from ._sigv4 import EMPTY_SHA256, sign, uri_encode
 
@@ -117,17 +118,9 @@ class S3Client:
     async def _request(self, method: str, key: str | None, *, body: bytes = b"",
                        headers: dict[str, str] | None = None) -> httpx.Response:
         what = f"{method} s3://{self.bucket}/{key or ''}"
-        delay = BACKOFF_START_SEC
-        for attempt in range(1, self.config.attempts + 1):
-            try:
-                return await self._once(method, key, body, headers or {}, what)
-            except Unavailable as exc:
-                if attempt >= self.config.attempts:
-                    raise
-                logger.debug("%s failed (%s); attempt %d of %d", what, exc, attempt, self.config.attempts)
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, BACKOFF_CAP_SEC)
-        raise AssertionError("unreachable")  # pragma: no cover
+        return await retry_transient(what, lambda: self._once(method, key, body, headers or {}, what),
+                                     deadline_sec=None, attempts=self.config.attempts, initial=BACKOFF_START_SEC,
+                                     cap=BACKOFF_CAP_SEC)
 
     async def _once(self, method: str, key: str | None, body: bytes, headers: dict[str, str],
                     what: str) -> httpx.Response:
@@ -144,7 +137,9 @@ class S3Client:
         except httpx.TimeoutException as exc:
             raise Unavailable(f"{what}: the S3 server did not answer in time ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:
-            raise Unavailable(f"{what}: cannot reach the S3 server at {self._base}: {exc}") from exc
+            if s3_transient(exc):
+                raise Unavailable(f"{what}: cannot reach the S3 server at {self._base}: {exc}") from exc
+            raise NoetlError(f"{what}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code < 300:
             return resp
         raise _translate(resp, what)
@@ -159,7 +154,7 @@ def _translate(resp: httpx.Response, what: str) -> NoetlError:
         return NotFound(message)
     if status in (401, 403):
         return AccessDenied(message)
-    if status == 429 or status >= 500:
+    if s3_status_transient(status):
         return Unavailable(message)
     return NoetlError(message)
 

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import psycopg
 
 from noetl_cli import devstack
 from noetl_cli.client import Api
+from noetl_common import grpcretry
 from noetl_proto.v1 import common_pb2, execution_pb2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,9 +62,13 @@ class Runner:
 
     def submit(self, text: str, payload: dict[str, Any] | None = None, *, key: str = "",
                timeout: float = 0.0) -> execution_pb2.SubmitExecutionResponse:
-        return self.api.executions.SubmitExecution(execution_pb2.SubmitExecutionRequest(
-            playbook_yaml=text, payload_json=json.dumps(payload or {}), idempotency_key=key,
-            timeout_seconds=timeout), timeout=30)
+        """Submit with ``key`` (or a fresh one), repeated on a transient failure as the
+        project's clients do (``grpcretry.call_keyed``): one execution however many calls."""
+        request = execution_pb2.SubmitExecutionRequest(
+            playbook_yaml=text, payload_json=json.dumps(payload or {}), idempotency_key=key or f"e2e-{uuid.uuid4()}",
+            timeout_seconds=timeout)
+        return grpcretry.call_keyed(lambda left: self.api.executions.SubmitExecution(request, timeout=left), request,
+                                    timeout=30)
 
     def wait(self, execution_id: int, timeout: float = 60.0) -> Outcome:
         deadline = time.monotonic() + timeout

@@ -1,7 +1,8 @@
 """The worker role: pull command notices, claim, run, persist, report.
 
     NOETL_COMMANDS --fetch--> CommandNotice --ClaimCommand(s)(api)--> Command
-        not claimable / not found: ack and drop (another worker has it, or it is done)
+        not claimable / not found (Conflict, NotFound): ack and drop (another worker has
+            it, or it is done)
         UNAVAILABLE (or any other failure): claim again a few times (CLAIM_RETRY_SEC), then
             nak with a delay (redelivered). If the claim committed and only its answer was
             lost, claiming the same attempt again gives the command back to this worker,
@@ -42,6 +43,11 @@ the attempt this worker holds: ``tools/credentials.py``). The secret values a co
 resolved are masked in everything it reports (``secrecy.py``) and, by a filter on this
 process's log handlers, in every log line written while it runs (``noetl_common.redact``).
 
+gRPC errors: the api's stubs are ``grpcclient.translating`` ones, so every call here
+raises the project's errors (Unavailable, Conflict, NotFound, LeaseLost, ...) and never a
+``grpc.RpcError``; claims, lease renewals and credential reads are idempotent, retried by
+the channel (``grpcretry``) and, for claims, again here.
+
 Shutdown: stop fetching, let running commands finish within part of the grace period,
 cancel the rest, then close the python pool, http client, tool pools, NATS and gRPC.
 """
@@ -64,7 +70,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from noetl_common import natsio, pools, tracing
+from noetl_common import grpcclient, natsio, pools, tracing
 from noetl_common.coalesce import Coalescer
 from noetl_common.config import (
     CommandSettings,
@@ -75,7 +81,15 @@ from noetl_common.config import (
     ShardSettings,
     WorkerSettings,
 )
-from noetl_common.errors import NoetlError, Unavailable
+from noetl_common.errors import (
+    Conflict,
+    LeaseLost,
+    NoetlError,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+    Unimplemented,
+)
 from noetl_common.redact import ActiveSecrets, LogFilter, Redactor
 from noetl_common.retry import retry_transient
 from noetl_common.service import Service
@@ -124,8 +138,10 @@ WORKER_ERROR = "WORKER_ERROR"
 # Core-NATS hints of cancelled commands, one subject per shard (natsio.cancel_subject).
 CANCEL_HINTS_SUBJECT = natsio.cancel_filter()
 STREAMS_WAIT_SEC = 120.0
-_LOST_CLAIM = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
-_LOST_LEASE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
+# What the api answers (translated) about a claim that is not ours to take, and a lease
+# that is no longer ours (FAILED_PRECONDITION, NOT_FOUND, ABORTED).
+_LOST_CLAIM = (Conflict, NotFound)
+_LOST_LEASE = (Conflict, NotFound, LeaseLost)
 
 
 @dataclass(frozen=True)
@@ -250,7 +266,7 @@ class WorkerService(Service):
         # claims, lease renewals and credentials on the api's worker port; sub-playbooks on its client port
         self.api_channel = self.channel(self.core.api_target)
         self.worker_api_channel = self.channel(self.core.worker_api_target or self.core.api_target)
-        self.api = worker_pb2_grpc.WorkerServiceStub(self.worker_api_channel)
+        self.api = grpcclient.translating(worker_pb2_grpc.WorkerServiceStub(self.worker_api_channel))
         if self.credentials is None:
             self.credentials = Credentials(api_fetch(self.api, self.worker_id))
         for handler in logging.getLogger().handlers:
@@ -436,7 +452,7 @@ class WorkerService(Service):
                             exc)
                 await _settle(msg.nak(delay=NOT_QUALIFIED_NAK_SEC))
                 return
-            except (grpc.RpcError, NoetlError) as exc:
+            except NoetlError as exc:
                 # The api unreachable or confused. The claim may have committed with only its
                 # answer lost (a replica dying mid-call): claiming again from this worker gets
                 # it back, so retry here (the channel routes to a live replica) before letting
@@ -473,15 +489,14 @@ class WorkerService(Service):
     async def _claim_batch(self, claims: Sequence[worker_pb2.ClaimCommandRequest],
                            ) -> list[messages_pb2.Command | BaseException]:
         """Claim a batch (Coalescer flush): one ``ClaimCommands`` call, or ``ClaimCommand``
-        for a lone claim. Per claim: the command, ``ClaimLost``, or the call's RpcError."""
+        for a lone claim. Per claim: the command, ``ClaimLost``, ``NotQualifiedClaim``, or
+        the call's error."""
         assert self.api is not None
         if len(claims) > 1 and self._batch_claims:
             try:
                 resp = await self.api.ClaimCommands(worker_pb2.ClaimCommandsRequest(
                     worker_id=self.worker_id, claims=claims, placement=self.placement), timeout=CLAIM_TIMEOUT_SEC)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
+            except Unimplemented:
                 logger.info("the api does not serve ClaimCommands; claiming one command per call")
                 self._batch_claims = False
             else:
@@ -509,13 +524,10 @@ class WorkerService(Service):
         assert self.api is not None
         try:
             resp = await self.api.ClaimCommand(claim, timeout=CLAIM_TIMEOUT_SEC)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            if code in _LOST_CLAIM:
-                raise ClaimLost(f"{exc.code()}: {exc.details() if hasattr(exc, 'details') else ''}") from exc
-            if code == grpc.StatusCode.PERMISSION_DENIED:  # errors.NotQualified
-                raise NotQualifiedClaim(exc.details() if hasattr(exc, "details") else "") from exc
-            raise
+        except _LOST_CLAIM as exc:
+            raise ClaimLost(f"{type(exc).__name__}: {exc}") from exc
+        except PermissionDenied as exc:  # errors.NotQualified
+            raise NotQualifiedClaim(str(exc)) from exc
         return resp.command
 
     # ------------------------------------------------------------ commands
@@ -589,12 +601,11 @@ class WorkerService(Service):
                 resp = await self.api.RenewLease(worker_pb2.RenewLeaseRequest(
                     command_id=command.command_id, worker_id=self.worker_id, attempt=command.attempt),
                     timeout=interval)
-            except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
-                if code in _LOST_LEASE:
-                    run.stop(f"lease lost ({code})")
-                    return
-                logger.warning("renewing the lease of %s failed (%s)", command.command_id, code)
+            except _LOST_LEASE as exc:
+                run.stop(f"lease lost ({type(exc).__name__}: {exc})")
+                return
+            except NoetlError as exc:
+                logger.warning("renewing the lease of %s failed (%s)", command.command_id, exc)
                 continue
             if resp.stop:
                 run.stop(resp.stop_reason, cancelled=resp.stop_reason == StopReason.CANCELLED)
@@ -611,12 +622,11 @@ class WorkerService(Service):
             resp = await self.api.RenewLease(worker_pb2.RenewLeaseRequest(
                 command_id=command.command_id, worker_id=self.worker_id, attempt=command.attempt,
                 progress_json=encode_json({"row": row, "counts": counts}).decode()), timeout=CLAIM_TIMEOUT_SEC)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            if code in _LOST_LEASE:
-                run.stop(f"lease lost ({code})")
-                raise asyncio.CancelledError(run.stop_reason) from None
-            raise Unavailable(f"recording the claimed row failed ({code})") from exc
+        except _LOST_LEASE as exc:
+            run.stop(f"lease lost ({type(exc).__name__}: {exc})")
+            raise asyncio.CancelledError(run.stop_reason) from None
+        except NoetlError as exc:
+            raise Unavailable(f"recording the claimed row failed ({exc})") from exc
         if resp.stop:
             run.stop(resp.stop_reason, cancelled=resp.stop_reason == StopReason.CANCELLED)
             raise asyncio.CancelledError(run.stop_reason)

@@ -23,9 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
-from noetl_common import grpcutil
+from noetl_common import grpcclient
 from noetl_common.errors import Conflict, NoetlError, NotFound, PermissionDenied
 from noetl_common.redact import Redactor, dsn_passwords
 from noetl_common.retry import retry_transient
@@ -69,10 +67,11 @@ Fetch = Callable[[Holder, str], Awaitable[StoredCredential]]
 
 
 def api_fetch(stub: Any, worker_id: str, *, retry_sec: float = CREDENTIAL_RETRY_SEC) -> Fetch:
-    """A Fetch over ``WorkerService.GetCredential`` (``stub``) for this worker: outages
-    (UNAVAILABLE, DEADLINE_EXCEEDED) retried for ``retry_sec``, then Unavailable;
-    PERMISSION_DENIED -> CredentialDenied; other codes -> the project's errors (NotFound,
-    Conflict, ...)."""
+    """A Fetch over ``WorkerService.GetCredential`` (``stub``; its errors translated,
+    ``grpcclient.translating``) for this worker: outages (Unavailable) retried for
+    ``retry_sec``, then raised; PERMISSION_DENIED -> CredentialDenied; other codes -> the
+    project's errors (NotFound, Conflict, ...)."""
+    api = grpcclient.translating(stub)
 
     async def fetch(holder: Holder, name: str) -> StoredCredential:
         request = worker_pb2.GetCredentialRequest(command_id=holder.command_id, attempt=holder.attempt,
@@ -80,20 +79,12 @@ def api_fetch(stub: Any, worker_id: str, *, retry_sec: float = CREDENTIAL_RETRY_
 
         async def call() -> Any:
             try:
-                return await stub.GetCredential(request, timeout=CREDENTIAL_CALL_TIMEOUT_SEC)
-            except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise  # transient: retried
-                if code == grpc.StatusCode.PERMISSION_DENIED:
-                    raise CredentialDenied(exc.details() or f"credential {name!r} not permitted") from None
-                raise grpcutil.translate(exc) from None
+                return await api.GetCredential(request, timeout=CREDENTIAL_CALL_TIMEOUT_SEC)
+            except PermissionDenied as exc:
+                raise CredentialDenied(str(exc) or f"credential {name!r} not permitted") from None
 
-        try:
-            resp = await retry_transient(f"reading credential {name!r}", call, deadline_sec=retry_sec,
-                                         initial=0.1, cap=5.0)
-        except grpc.RpcError as exc:  # still unreachable when the wait ran out
-            raise grpcutil.translate(exc) from None
+        resp = await retry_transient(f"reading credential {name!r}", call, deadline_sec=retry_sec,
+                                     initial=0.1, cap=5.0)
         data = json.loads(resp.data_json or "{}")
         return StoredCredential(resp.name or name, resp.kind, data if isinstance(data, dict) else {})
 

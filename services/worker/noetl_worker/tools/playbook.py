@@ -5,7 +5,9 @@
     SubmitExecution(ref=(path, version), payload=input, parent_execution_id,
                     idempotency_key=CallInfo.key)   -> the child's execution id; the key is
                     the same on every attempt of the command, so a re-issued command
-                    re-attaches to the child instead of starting another one
+                    re-attaches to the child instead of starting another one (without a
+                    CallInfo: a fresh key per run). Repeated on a transient failure or an
+                    overloaded api (``retry.retry_keyed``: only because it has a key)
     WatchExecution(child) until terminal            (polling GetExecution, with capped
                     backoff, whenever the stream fails or ends early)
     COMPLETED          -> ok: the value of the chosen step (GetExecution(include_results))
@@ -14,6 +16,9 @@
 Which step's result is the task's value: ``return_step`` when given (an error when that
 step did not complete in the child); otherwise the step named ``end`` when it completed
 with a value, else the step that completed last (by ``ended_at``) with a value, else None.
+
+Every call goes through a ``grpcclient.translating`` stub: failures are the project's
+errors (NotFound, InvalidInput, Unavailable, Unimplemented, ...), never ``grpc.RpcError``.
 
 Timeout: the task timeout bounds submit + follow; when it passes, the child is cancelled
 and the task fails with TIMEOUT. Stop: when the api cancelled this command
@@ -28,12 +33,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import grpc
-
-from noetl_common.errors import ToolError
+from noetl_common import grpcclient
+from noetl_common.errors import InvalidInput, NoetlError, NotFound, Overloaded, ToolError, Unimplemented
+from noetl_common.retry import is_transient, retry_keyed
 from noetl_proto.v1 import common_pb2, execution_pb2, execution_pb2_grpc
 from noetl_store import encode_json
 
@@ -52,9 +58,12 @@ COMPLETED = common_pb2.EXECUTION_STATUS_COMPLETED
 FAILED = common_pb2.EXECUTION_STATUS_FAILED
 CANCELLED = common_pb2.EXECUTION_STATUS_CANCELLED
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
-_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
-                        grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+
+
+def _submit_again(exc: BaseException) -> bool:
+    """A keyed submission worth repeating: a transient failure (``retry.is_transient``),
+    or the api's backpressure (Overloaded: RESOURCE_EXHAUSTED, "retry later")."""
+    return is_transient(exc) or isinstance(exc, Overloaded)
 
 
 def _parent_claim(call: CallInfo | None) -> execution_pb2.ParentClaim | None:
@@ -64,14 +73,6 @@ def _parent_claim(call: CallInfo | None) -> execution_pb2.ParentClaim | None:
         return None
     return execution_pb2.ParentClaim(command_id=call.command_id, attempt=call.attempt, worker_id=call.worker_id,
                                      claim_token=call.claim_token)
-
-
-def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
-    return exc.code() if hasattr(exc, "code") else None
-
-
-def _details(exc: grpc.RpcError) -> str:
-    return (exc.details() if hasattr(exc, "details") else "") or str(_code(exc))
 
 
 def _status_name(status: common_pb2.ExecutionStatus.ValueType) -> str:
@@ -113,7 +114,7 @@ class PlaybookTool:
     def __init__(self, api: execution_pb2_grpc.ExecutionServiceStub, *, poll_sec: float = POLL_SEC,
                  poll_cap_sec: float = POLL_CAP_SEC, rpc_timeout_sec: float = RPC_TIMEOUT_SEC,
                  sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
-        self.api = api
+        self.api = grpcclient.translating(api)
         self.poll_sec = poll_sec
         self.poll_cap_sec = poll_cap_sec
         self.rpc_timeout = rpc_timeout_sec
@@ -178,29 +179,23 @@ class PlaybookTool:
         # The child cannot usefully outlive the task that waits for it: same timeout.
         request = execution_pb2.SubmitExecutionRequest(
             ref=execution_pb2.PlaybookRef(path=path, version=version), payload_json=payload,
-            idempotency_key=call.key if call is not None else "",
+            idempotency_key=call.key if call is not None else f"playbook-tool-{uuid.uuid4()}",
             parent_execution_id=call.execution_id if call is not None else 0,
             timeout_seconds=timeout_sec or 0.0, parent_claim=_parent_claim(call))
-        delay = self.poll_sec
-        for attempt in range(1, SUBMIT_ATTEMPTS + 1):
-            try:
-                response = await self.api.SubmitExecution(request, timeout=self.rpc_timeout)
-            except grpc.RpcError as exc:
-                code = _code(exc)
-                if code in _TRANSIENT and attempt < SUBMIT_ATTEMPTS:
-                    logger.warning("submitting sub-playbook %s failed (%s); retrying in %.1fs", path, code, delay)
-                    await self._sleep(delay)
-                    delay = min(delay * 2, self.poll_cap_sec)
-                    continue
-                if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
-                    raise ToolError(f"sub-playbook {path!r} was rejected: {_details(exc)}", code=INVALID_TASK,
-                                    kind=str(code.name if code else "")) from exc
-                raise ToolError(f"cannot submit sub-playbook {path!r}: {_details(exc)}", code=TOOL_ERROR,
-                                kind=str(code.name if code else ""), retryable=True) from exc
-            logger.info("sub-playbook %s is execution %s%s", path, response.execution_id,
-                        " (re-attached)" if response.deduplicated else "")
-            return int(response.execution_id)
-        raise AssertionError("unreachable")  # pragma: no cover
+        try:
+            response = await retry_keyed(
+                f"submitting sub-playbook {path!r}", request,
+                lambda: self.api.SubmitExecution(request, timeout=self.rpc_timeout),
+                attempts=SUBMIT_ATTEMPTS, initial=self.poll_sec, cap=self.poll_cap_sec, transient=_submit_again)
+        except (NotFound, InvalidInput) as exc:
+            raise ToolError(f"sub-playbook {path!r} was rejected: {exc}", code=INVALID_TASK,
+                            kind=type(exc).__name__) from exc
+        except NoetlError as exc:
+            raise ToolError(f"cannot submit sub-playbook {path!r}: {exc}", code=TOOL_ERROR,
+                            kind=type(exc).__name__, retryable=True) from exc
+        logger.info("sub-playbook %s is execution %s%s", path, response.execution_id,
+                    " (re-attached)" if response.deduplicated else "")
+        return int(response.execution_id)
 
     async def _follow(self, child: int) -> execution_pb2.Execution:
         """Wait for the child to reach a terminal state: the watch stream, polling
@@ -225,12 +220,11 @@ class PlaybookTool:
             async for response in stream:
                 if response.execution.status in TERMINAL:
                     return response.execution, True
-        except grpc.RpcError as exc:
-            code = _code(exc)
-            if code == grpc.StatusCode.NOT_FOUND:
-                raise ToolError(f"child execution {child} not found: {_details(exc)}", code=TOOL_ERROR) from exc
-            logger.debug("watching child execution %s failed (%s); polling", child, code)
-            return None, code != grpc.StatusCode.UNIMPLEMENTED
+        except NotFound as exc:
+            raise ToolError(f"child execution {child} not found: {exc}", code=TOOL_ERROR) from exc
+        except NoetlError as exc:
+            logger.debug("watching child execution %s failed (%s: %s); polling", child, type(exc).__name__, exc)
+            return None, not isinstance(exc, Unimplemented)
         finally:
             stream.cancel()
         return None, True
@@ -240,11 +234,10 @@ class PlaybookTool:
             response = await self.api.GetExecution(
                 execution_pb2.GetExecutionRequest(execution_id=child, include_results=include_results),
                 timeout=self.rpc_timeout)
-        except grpc.RpcError as exc:
-            code = _code(exc)
-            if code == grpc.StatusCode.NOT_FOUND:
-                raise ToolError(f"child execution {child} not found: {_details(exc)}", code=TOOL_ERROR) from exc
-            logger.warning("reading child execution %s failed (%s)", child, code)
+        except NotFound as exc:
+            raise ToolError(f"child execution {child} not found: {exc}", code=TOOL_ERROR) from exc
+        except NoetlError as exc:
+            logger.warning("reading child execution %s failed (%s: %s)", child, type(exc).__name__, exc)
             return None
         return response.execution
 
@@ -263,8 +256,8 @@ class PlaybookTool:
                 execution_pb2.CancelExecutionRequest(execution_id=child, reason=reason,
                                                      parent_claim=_parent_claim(call)), timeout=self.rpc_timeout)
             logger.info("cancelled child execution %s (%s): accepted=%s", child, reason, response.accepted)
-        except grpc.RpcError as exc:
-            logger.warning("cancelling child execution %s failed (%s): %s", child, _code(exc), _details(exc))
+        except NoetlError as exc:
+            logger.warning("cancelling child execution %s failed (%s): %s", child, type(exc).__name__, exc)
 
     async def _cancel_detached(self, child: int, reason: str, call: CallInfo | None = None) -> None:
         """Cancel the child from a task that is itself being cancelled: the call runs in
