@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from noetl_common import pools
 from noetl_common.vocab import CommandStatus
@@ -32,8 +32,16 @@ async def queued_commands(conn: Conn, shard: int) -> list[dict[str, Any]]:
     return list(await cur.fetchall())
 
 
-async def insert_commands(conn: Conn, shard: int,
-                          commands: Iterable[tuple[int, int, NewCommand, Placement]]) -> None:
+class QueuedCommand(NamedTuple):
+    """A new command of an execution, with where it runs."""
+
+    execution_id: int
+    catalog_id: int
+    command: NewCommand
+    placement: Placement
+
+
+async def insert_commands(conn: Conn, shard: int, commands: Iterable[QueuedCommand]) -> None:
     """Insert the batch's new commands, queued, with their placement (one statement)."""
     rows = [(c.command_id, eid, shard, catalog_id, c.step, c.kind, c.attempt, json.dumps(c.context),
              float(c.timeout_sec), p.pool, json.dumps(p.requires) if p.requires else None, p.priority)

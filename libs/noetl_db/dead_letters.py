@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
+
+from noetl_common.vocab import DeadLetterStatus
 
 from ._conn import Conn, columns
 
@@ -28,13 +30,22 @@ async def insert_dead_letters(conn: Conn, shard: int,
         columns(data, 10))
 
 
-async def record_redrives(conn: Conn, outcomes: Sequence[tuple[int, str | None, str | None, str]]) -> None:
-    """Record what the batch did with redrive requests ((dead_letter_id, new command id or
-    None, refusal or None, requested_by)); ``requests.applied_redrives`` deletes them."""
+class RedriveOutcome(NamedTuple):
+    """What a batch did with a redrive request: the command it re-issued, or why not."""
+
+    dead_letter_id: int
+    command_id: str | None
+    refusal: str | None
+    requested_by: str
+
+
+async def record_redrives(conn: Conn, outcomes: Sequence[RedriveOutcome]) -> None:
+    """Record what the batch did with redrive requests; ``requests.applied_redrives``
+    deletes them."""
     if not outcomes:
         return
     await conn.execute(
-        "UPDATE noetl.dead_letter d SET status = CASE WHEN o.c IS NULL THEN d.status ELSE 'redriven' END,"
+        f"UPDATE noetl.dead_letter d SET status = CASE WHEN o.c IS NULL THEN d.status ELSE '{DeadLetterStatus.REDRIVEN}' END,"
         " redrive_command_id = COALESCE(o.c, d.redrive_command_id),"
         " redriven_at = CASE WHEN o.c IS NULL THEN d.redriven_at ELSE now() END,"
         " redriven_by = CASE WHEN o.c IS NULL THEN d.redriven_by ELSE o.who END, refusal = o.why"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
+from typing import NamedTuple
 
 from noetl_common.vocab import EngineStatus
 from noetl_flow import ExecState
@@ -29,8 +30,13 @@ async def overdue(conn: Conn, shard: int, limit: int) -> list[int]:
     return [r["execution_id"] for r in await cur.fetchall()]
 
 
-async def save_states(conn: Conn, shard: int,
-                      states: Iterable[tuple[ExecState, int, datetime | None]]) -> None:
+class StateRow(NamedTuple):
+    state: ExecState
+    last_shard_seq: int
+    deadline: datetime | None
+
+
+async def save_states(conn: Conn, shard: int, states: Iterable[StateRow]) -> None:
     """Upsert the compact engine state of every touched execution (one statement)."""
     rows = [(s.execution_id, shard, s.status, json.dumps(s.to_json()), deadline, seq)
             for s, seq, deadline in states]

@@ -5,9 +5,23 @@ that could not be processed)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import NamedTuple
 
 from ._conn import Conn, columns
+
+
+class EventRow(NamedTuple):
+    """One event to append (``result`` and ``meta`` as JSON text)."""
+
+    execution_id: int
+    shard_id: int
+    shard_seq: int
+    event_type: str
+    step: str | None
+    command_id: str | None
+    result: str | None
+    meta: str
+
 
 # Sweeps skip executions with a quarantined input: their input could not be processed,
 # and sweeping them again would only quarantine the same failure every tick.
@@ -21,7 +35,7 @@ async def quarantine(conn: Conn, shard: int, execution_id: int, kind: str,
         " VALUES (%s, %s, %s, %s, %s, %s, %s)", (shard, execution_id, kind, stream_seq, attempts, error[:4000], data))
 
 
-async def append_events(conn: Conn, rows: Sequence[tuple[Any, ...]]) -> None:
+async def append_events(conn: Conn, rows: Sequence[EventRow]) -> None:
     """Append the batch's events (execution_id, shard_id, shard_seq, type, step, command_id,
     result, meta) in ONE statement (pipeline-friendly, unlike COPY)."""
     if not rows:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from noetl_common.vocab import ResultStatus
 
@@ -25,8 +25,23 @@ async def store_loop_items(conn: Conn, execution_id: int, instance: str,
             (execution_id, instance, start, [json.dumps(item, default=str) for item in chunk]))
 
 
-async def store_loop_results(conn: Conn,
-                             rows: Iterable[tuple[int, str, int, str, int | None]]) -> None:
+class IterationKey(NamedTuple):
+    execution_id: int
+    instance: str
+    idx: int
+
+
+class IterationResult(NamedTuple):
+    """An accepted iteration result: its status (``ResultStatus``) and reference."""
+
+    execution_id: int
+    instance: str
+    idx: int
+    status: str
+    ref_id: int | None
+
+
+async def store_loop_results(conn: Conn, rows: Iterable[IterationResult]) -> None:
     rows = list(rows)
     if not rows:
         return
@@ -68,7 +83,7 @@ async def copy_loop(conn: Conn, source: int, source_instance: str, execution_id:
         f" AND status = '{ResultStatus.OK}' ON CONFLICT DO NOTHING", (execution_id, instance, source, source_instance))
 
 
-async def clear_loop_results(conn: Conn, rows: Sequence[tuple[int, str, int]]) -> None:
+async def clear_loop_results(conn: Conn, rows: Sequence[IterationKey]) -> None:
     """Take back failed iteration results a redrive re-issues ((execution, instance, index))."""
     if rows:
         await conn.execute(

@@ -144,11 +144,17 @@ class Db:
         """The shard's log is gap-free and unique in ``shard_seq`` (1..n), agrees with the
         engine's ``event_seq``, and its lease epochs never go back: no write of an older
         owner landed after a newer owner's."""
-        rows = self.all("SELECT shard_seq, (meta->>'lease_epoch')::bigint AS lease_epoch, event_type, execution_id,"
-                        " created_at FROM noetl.event WHERE shard_id = %s ORDER BY shard_seq", (shard,))
+        # one statement, one snapshot: a batch committing between two reads (a checkpoint
+        # barrier, any time) would move event_seq past the events read first
+        rows = self.all("SELECT e.shard_seq, (e.meta->>'lease_epoch')::bigint AS lease_epoch, e.event_type,"
+                        " e.execution_id, e.created_at, l.event_seq AS lease_event_seq"
+                        " FROM noetl.shard_lease l LEFT JOIN noetl.event e ON e.shard_id = l.shard_id"
+                        " WHERE l.role = 'api' AND l.shard_id = %s ORDER BY e.shard_seq", (shard,))
+        event_seq = rows[0]["lease_event_seq"] if rows else 0
+        rows = [r for r in rows if r["shard_seq"] is not None]
         seqs = [r["shard_seq"] for r in rows]
         assert seqs == list(range(1, len(seqs) + 1)), f"shard {shard}: shard_seq not gap-free/unique: {seqs}"
-        assert self.lease("api", shard)["event_seq"] == len(seqs), f"shard {shard}: event_seq != last shard_seq"
+        assert event_seq == len(seqs), f"shard {shard}: event_seq {event_seq} != last shard_seq {len(seqs)}"
         epochs = [r["lease_epoch"] for r in rows]
         assert None not in epochs, f"shard {shard}: an event without meta.lease_epoch"
         backwards = [(a["shard_seq"], a["lease_epoch"], b["lease_epoch"]) for a, b in itertools.pairwise(rows)

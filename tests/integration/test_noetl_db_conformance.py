@@ -787,6 +787,33 @@ async def test_update_commands_folds_several_updates_of_one_command_in_order(db:
                    c3: {"status": "cancelled", "attempt": 5, "worker_id": None}}
 
 
+@covers("commands.expired_claims", "commands.stale_queued", "commands.unschedulable")
+async def test_the_reapers_reads_find_expired_claims_stale_and_unschedulable_commands(db: Pool,
+                                                                                      catalog_id: int) -> None:
+    shard, eid = new_shard(), new_eid()
+    pool = unique("nowhere")[:30].replace(":", "-")
+    held, expired, fresh, stale = [await add_command(db, catalog_id, shard, eid, step=s) for s in "hefs"]
+    lonely = await add_command(db, catalog_id, shard, eid, step="l", placed=Placed(pool, None, "normal"))
+    await sql(db, "UPDATE noetl.command SET status = 'claimed', worker_id = 'w', lease_until = now() + interval '1 h'"
+                  " WHERE command_id = %s", (held,))
+    await sql(db, "UPDATE noetl.command SET status = 'claimed', worker_id = 'w', lease_until = now() - interval '1 s'"
+                  " WHERE command_id = %s", (expired,))
+    await sql(db, "UPDATE noetl.command SET updated_at = now() - interval '1 h' WHERE command_id = ANY(%s)",
+              ([stale, lonely],))
+    async with autocommit(db) as conn:
+        # within a lease of the database's start nothing is judged (a restart stops renewals)
+        started = await conn.execute("SELECT extract(epoch FROM now() - pg_postmaster_start_time()) AS up")
+        up = float((await started.fetchone() or {})["up"])
+        assert [r["command_id"] for r in await commands.expired_claims(conn, shard, 0.001)] == [expired]
+        assert await commands.expired_claims(conn, shard, up + 3600) == []
+        found = await commands.stale_queued(conn, shard, 60)
+        assert {r["command_id"] for r in found} == {stale, lonely}
+        assert {r["command_id"] for r in await commands.stale_queued(conn, shard, 7200)} == set()
+        assert fresh not in {r["command_id"] for r in found}
+        waiting = await commands.unschedulable(conn, shard)
+    assert waiting.get(pool) == 1  # no live worker serves that pool
+
+
 async def claim(pool: Pool, wanted: list[tuple[str, int]], worker: str, *, pools: list[str] | None = None,
                 labels: dict[str, str] | None = None, tools: list[str] | None = None,
                 need_payload: list[int] | None = None) -> dict[str, dict[str, Any]]:

@@ -42,6 +42,11 @@ from noetl_db import events as events_db
 from noetl_db import leases
 from noetl_db import loops as loops_db
 from noetl_db import requests as requests_db
+from noetl_db.commands import QueuedCommand
+from noetl_db.dead_letters import RedriveOutcome
+from noetl_db.engine_state import StateRow
+from noetl_db.events import EventRow
+from noetl_db.loops import IterationKey, IterationResult
 from noetl_dsl import merged_workload
 from noetl_flow import (
     CallResultInput,
@@ -443,15 +448,15 @@ class ShardEngine:
         reset = self._reset_to is not None
         if self._reset_to is not None:
             last_stream_seq = max(last_stream_seq, self._reset_to)
-        events: list[tuple[Any, ...]] = []
+        events: list[EventRow] = []
         touched: dict[int, tuple[ExecState, int]] = {}
-        new_commands: list[tuple[int, int, Any, Placed]] = []
+        new_commands: list[QueuedCommand] = []
         updates: list[Any] = []
         publish: list[tuple[str, int, int, str, Placed]] = []
-        loop_results: list[tuple[int, str, int, str, int | None]] = []
+        loop_results: list[IterationResult] = []
         dead_letters: list[tuple[int, Any]] = []
-        redrives: list[tuple[int, str | None, str | None, str]] = []
-        cleared: list[tuple[int, str, int]] = []
+        redrives: list[RedriveOutcome] = []
+        cleared: list[IterationKey] = []
         # one redrive input per execution and batch (a nudge and a sweep may both bring it)
         inputs = [i for n, i in enumerate(inputs) if i.kind != "redrive"
                   or not any(j.kind == "redrive" and j.execution_id == i.execution_id for j in inputs[:n])]
@@ -481,13 +486,13 @@ class ShardEngine:
                     if epoch > barrier_epoch:  # exactly once per epoch; stale or repeated barriers are dropped
                         seq += 1
                         barrier_epoch, barrier_seq = epoch, seq
-                        events.append((barrier_execution_id(epoch, self.shard), self.shard, seq,
+                        events.append(EventRow(barrier_execution_id(epoch, self.shard), self.shard, seq,
                                        EventType.CHECKPOINT_COMMITTED, None, None, None,
                                        json.dumps({"checkpoint_epoch": epoch, "epoch_id": epoch,
                                                    "lease_epoch": self.epoch})))
                     continue
                 t = await self.d.traces.fold(inp, self.shard, self._apply(inp, states, requests, conn, loop_results))
-                redrives.extend((dl, cid, why, inp.requested_by.get(dl, "")) for dl, cid, why in inp.refused)
+                redrives.extend(RedriveOutcome(dl, cid, why, inp.requested_by.get(dl, "")) for dl, cid, why in inp.refused)
                 if t is None:
                     continue
                 eid = t.state.execution_id
@@ -499,14 +504,15 @@ class ShardEngine:
                 for _instance, step_name, envelope in t.loop_refs:  # before the events are serialised
                     envelope["reference"]["ref_id"] = await noetl_store.loop_reference(
                         conn, eid, step_name, envelope["reference"]["uri"], envelope["context"])
-                loop_results.extend((eid, *r) for r in t.loop_results)
+                loop_results.extend(IterationResult(eid, *r) for r in t.loop_results)
                 dead_letters.extend((eid, d) for d in t.dead_letters)
-                cleared.extend((eid, *c) for c in t.loop_results_cleared)
-                redrives.extend((dl, cid, why, inp.requested_by.get(dl, "")) for dl, cid, why in t.redrive_outcomes)
+                cleared.extend(IterationKey(eid, *c) for c in t.loop_results_cleared)
+                redrives.extend(RedriveOutcome(dl, cid, why, inp.requested_by.get(dl, ""))
+                                for dl, cid, why in t.redrive_outcomes)
                 for ev in t.events:
                     seq += 1
                     meta = {**ev.meta, "epoch_id": barrier_epoch, "lease_epoch": self.epoch}
-                    events.append((eid, self.shard, seq, ev.event_type, ev.step, ev.command_id,
+                    events.append(EventRow(eid, self.shard, seq, ev.event_type, ev.step, ev.command_id,
                                    json.dumps(ev.result) if ev.result is not None else None,
                                    json.dumps(meta)))
                 touched[eid] = (t.state, seq)
@@ -515,7 +521,7 @@ class ShardEngine:
                     submitted = self.d.priorities.get(eid) or None
                     for c in t.commands:
                         placed = place(placements, c.step, submitted)
-                        new_commands.append((eid, t.state.catalog_id, c, placed))
+                        new_commands.append(QueuedCommand(eid, t.state.catalog_id, c, placed))
                         publish.append((c.command_id, eid, c.attempt, c.kind, placed))
                     for cid, attempt, kind in t.republish:
                         pending = t.state.pending.get(cid)
@@ -534,13 +540,14 @@ class ShardEngine:
                 await self.d.concurrency.refresh(conn)  # at most once a second: whom to nudge
             # every write of the batch, then the COMMIT, in one round trip
             await events_db.append_events(conn, events)
-            await engine_state_db.save_states(conn, self.shard, [(s, last, _deadline(s)) for s, last in touched.values()])
+            await engine_state_db.save_states(conn, self.shard,
+                                              [StateRow(s, last, _deadline(s)) for s, last in touched.values()])
             await commands_db.insert_commands(conn, self.shard, new_commands)
             await loops_db.clear_loop_results(conn, cleared)
             await loops_db.store_loop_results(conn, loop_results)
             await dead_letters_db.insert_dead_letters(conn, self.shard, dead_letters)
             await dead_letters_db.record_redrives(conn, redrives)
-            await requests_db.applied_redrives(conn, [r[0] for r in redrives])
+            await requests_db.applied_redrives(conn, [r.dead_letter_id for r in redrives])
             await commands_db.update_commands(conn, updates)
             await requests_db.applied_cancels(conn, sorted({i.execution_id for i in inputs if i.kind == "cancel"}))
             await requests_db.cascade_cancels(conn, ended)
@@ -578,7 +585,7 @@ class ShardEngine:
             await self._nudge_waiters()
         if events:
             self.d.traces.committed(events)
-            if dead := sum(1 for e in events if e[3] == EventType.COMMAND_DEAD_LETTERED):
+            if dead := sum(1 for e in events if e.event_type == EventType.COMMAND_DEAD_LETTERED):
                 DEAD_LETTERS.labels(str(self.shard)).inc(dead)
             BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
             await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
@@ -592,7 +599,7 @@ class ShardEngine:
         BATCH_SECONDS.observe(time.perf_counter() - started)
 
     async def _apply(self, inp: _Input, states: dict[int, ExecState], requests: dict[int, dict[str, Any]],
-                     conn: Any, batch_loop_results: list[tuple[int, str, int, str, int | None]]
+                     conn: Any, batch_loop_results: list[IterationResult]
                      ) -> Transition | None:
         eid = inp.execution_id
         if inp.kind != "abort":
@@ -707,7 +714,7 @@ class ShardEngine:
         return flow.on_redrive(state, items, deadline_ms)
 
     async def _values(self, refs: dict[str, dict[str, Any] | None], conn: Any, eid: int,
-                      batch_loop_results: list[tuple[int, str, int, str, int | None]]) -> dict[str, Any]:
+                      batch_loop_results: list[IterationResult]) -> dict[str, Any]:
         plain = {name: ref for name, ref in refs.items() if not (ref and "loop" in ref)}
         ids = {name: int(ref["ref_id"]) for name, ref in plain.items() if ref and ref.get("ref_id")}
         found = await self.d.results.get_many(list(ids.values())) if ids else {}
@@ -718,7 +725,7 @@ class ShardEngine:
         return values
 
     async def _loop_value(self, conn: Any, eid: int, need: dict[str, Any],
-                          batch_loop_results: list[tuple[int, str, int, str, int | None]]) -> dict[str, Any]:
+                          batch_loop_results: list[IterationResult]) -> dict[str, Any]:
         """The value of a loop finishing in this batch: every stored iteration result (the
         batch's own, not yet written, are flushed first) plus the finishing one."""
         loop = need["loop"]
