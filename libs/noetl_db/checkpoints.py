@@ -7,6 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from noetl_store import TRACE_COLUMNS
+from noetl_store._lineage import (
+    MAX_CHAIN_DEPTH,  # the trace's own bound: a manifest's chain equals GetTrace's
+)
 
 from ._conn import Conn, one
 
@@ -29,7 +32,6 @@ async def seal(conn: Conn, shard: int, epoch: int, last_shard_seq: int) -> None:
                        " ON CONFLICT DO NOTHING", (shard, epoch, last_shard_seq))
 
 
-MAX_CHAIN_DEPTH = 10_000
 
 
 MANIFEST = """

@@ -247,7 +247,9 @@ async def assign(conn: Conn, role: str, shard: int, owner: int, epoch: int) -> N
     """Hand a shard to ``owner`` at ``epoch`` outright, without a lease deadline (benchmarks
     driving one role's code without a shard-manager)."""
     await conn.execute(
+        # a century ahead, not 'infinity': Python's datetime cannot hold that (a reader of
+        # every lease, such as the shard-manager's Describe, would fail on the row)
         "INSERT INTO noetl.shard_lease (role, shard_id, owner_runtime_id, epoch, leased_until)"
-        " VALUES (%s, %s, %s, %s, 'infinity') ON CONFLICT (role, shard_id) DO UPDATE SET"
-        " owner_runtime_id = EXCLUDED.owner_runtime_id, epoch = EXCLUDED.epoch, leased_until = 'infinity'",
+        " VALUES (%s, %s, %s, %s, now() + interval '100 years') ON CONFLICT (role, shard_id) DO UPDATE SET"
+        " owner_runtime_id = EXCLUDED.owner_runtime_id, epoch = EXCLUDED.epoch, leased_until = EXCLUDED.leased_until",
         (role, shard, owner, epoch))
