@@ -239,7 +239,7 @@ async def put_lease(pool: Pool, role: str, shard: int, owner: int | None, epoch:
 async def lease(pool: Pool, role: str, shard: int) -> dict[str, Any] | None:
     return await sql1(pool,
         "SELECT owner_runtime_id, epoch, stream_seq, event_seq, sweep_from, barrier_epoch, barrier_seq, updated_at,"
-        " leased_until::text AS until, leased_until = 'infinity' AS forever,"
+        " leased_until::text AS until, leased_until > now() + interval '99 years' AS forever,"
         " CASE WHEN isfinite(leased_until) THEN extract(epoch FROM leased_until - now())::float8 END AS left_sec"
         " FROM noetl.shard_lease WHERE role = %s AND shard_id = %s", (role, shard))
 
