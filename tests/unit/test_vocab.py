@@ -118,3 +118,21 @@ def test_no_status_or_event_type_is_spelled_outside_the_vocabulary() -> None:
             if "noetl_proto" not in path.parts and path != VOCAB:
                 found += spelled_out(path)
     assert not found, "written out (use noetl_common.vocab):\n" + "\n".join(found)
+
+
+def test_the_nats_subjects_keep_their_formats() -> None:
+    # subjects are in every deployed NATS account's permissions (natsperms) and consumers'
+    # filters: a rename needs both changed in step
+    from noetl_common import natsio
+
+    assert natsio.events_subject(3, natsio.KIND_CALL) == "noetl.events.3.call"
+    assert natsio.events_filter(3) == "noetl.events.3.>"
+    assert natsio.commands_subject("gpu", "high", 3) == "noetl.commands.gpu.high.3"
+    assert natsio.commands_filter("gpu", "high") == "noetl.commands.gpu.high.*"
+    assert natsio.progress_subject(42) == "noetl.progress.42"
+    assert natsio.projector_subject(3) == "noetl.projector.3"
+    assert natsio.checkpointer_subject(3) == "noetl.checkpointer.3"
+    assert natsio.cancel_subject(3) == "noetl.cancel.3"
+    assert natsio.cancel_filter() == "noetl.cancel.*"
+    assert [natsio.KIND_CALL, natsio.KIND_SUBMIT, natsio.KIND_CANCEL, natsio.KIND_REDRIVE, natsio.KIND_EXPIRED,
+            natsio.KIND_BARRIER] == ["call", "submit", "cancel", "redrive", "expired", "barrier"]
