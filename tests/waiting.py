@@ -16,7 +16,8 @@ then it counts as "not yet" and, if it is the last thing seen, is named in the f
 ``assert ready, f"... {state}"``.
 
 A fixed sleep in a test is for time that is part of what the test means (a lease must
-expire, a stack stays idle for N s); such a sleep carries a comment saying so. Anything
+expire, a stack stays idle for N s); such a sleep carries a comment saying why it
+is not a wait (``# a sleep, not a wait: ...``), so ``grep -rn "sleep(" tests`` explains itself. Anything
 that waits for something to happen waits here, with a generous ``timeout``: a deadline
 only costs time when the test is failing anyway.
 """

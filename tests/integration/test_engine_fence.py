@@ -67,7 +67,7 @@ async def engine_batch(conn: Conn, shard: int, epoch: int, events: int, delay: f
         seqs = list(range(seq + 1, seq + events + 1))
         await event_log.append_events(conn, [(eid, shard, s, "test.fence", None, None, None, json.dumps({"w": 1}))
                                        for s in seqs])
-        await asyncio.sleep(delay)  # commits late: a slow batch, a GC pause
+        await asyncio.sleep(delay)  # a sleep, not a wait: commits late (a slow batch, a GC pause)
         await leases.finish_engine_batch(conn, "api", shard, seqs[-1], 0, 0, 0)
     return seqs
 

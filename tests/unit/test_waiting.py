@@ -32,7 +32,7 @@ async def test_until_awaits_an_async_condition_and_a_lambda_returning_a_coroutin
     values = iter([0, "", {"n": 1}])
 
     async def probe() -> object:
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # not a wait: a condition that really suspends
         return next(values)
 
     assert await until(probe, timeout=5, what="a row", interval=0.001) == {"n": 1}
