@@ -10,7 +10,6 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from waiting import until_sync
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / ".tools"
@@ -262,19 +262,13 @@ def prometheus_server(workdir: Path, scrape_targets: Sequence[tuple[str, Mapping
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     prom = Prometheus(f"http://127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
+        def ready() -> bool:
+            if proc.poll() is not None:  # not a "not yet": fails at once
                 raise AssertionError(f"prometheus exited {proc.returncode}:\n{(workdir / 'prometheus.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{prom.url}/-/ready", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("prometheus not ready after 120 s")
-            time.sleep(0.5)
+            with urllib.request.urlopen(f"{prom.url}/-/ready", timeout=5) as resp:
+                return bool(resp.status == 200)
+
+        until_sync(ready, timeout=120, what="prometheus ready", interval=0.5, ignoring=OSError)
         yield prom
     finally:
         proc.terminate()
@@ -284,19 +278,6 @@ def prometheus_server(workdir: Path, scrape_targets: Sequence[tuple[str, Mapping
             proc.kill()
             proc.wait(10)
         log.close()
-
-
-def wait_for(condition: Any, timeout: float, interval: float = 1.0, what: str = "condition") -> Any:
-    """Poll ``condition()`` until it returns a truthy value or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        last = condition()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
-        time.sleep(interval)
 
 
 def env_flag(name: str) -> bool:

@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from deploytools import (
     tool,
     values_of,
 )
+from waiting import until_sync
 
 from noetl_common import dbroles, natsio, natsperms, pools
 
@@ -335,14 +335,15 @@ def _lite_nats(docs: list[dict[str, Any]], tmp_path: Path) -> Iterator[int]:
     proc = subprocess.Popen([_nats_server(), "-c", str(confdir / "nats.conf"), "-p", str(port), "-m", str(monitor)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            with contextlib.suppress(OSError):
-                import socket
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, "nats-server did not start"
-            time.sleep(0.2)
+        import socket
+
+        def listening() -> bool:
+            if proc.poll() is not None:  # not a "not yet": fails at once
+                raise AssertionError(f"nats-server exited {proc.returncode}")
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+
+        until_sync(listening, timeout=20, what="nats-server listening", interval=0.2, ignoring=OSError)
         yield port
     finally:
         proc.terminate()

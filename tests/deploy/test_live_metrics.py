@@ -46,9 +46,9 @@ from deploytools import (
     prometheus_server,
     rules_file,
     values_of,
-    wait_for,
     without_thresholds,
 )
+from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_cli.client import Api
@@ -104,15 +104,17 @@ def chart_env(rendered: str) -> dict[str, str]:
 
 def submit(api: Api, text: str, payload: dict[str, Any] | None = None, *, retry_sec: float = 120) -> int:
     """Submit, waiting out admission control (RESOURCE_EXHAUSTED) up to ``retry_sec``."""
-    deadline = time.monotonic() + retry_sec
-    while True:
+    def admitted() -> int | None:
         try:
             return int(api.executions.SubmitExecution(execution_pb2.SubmitExecutionRequest(
                 playbook_yaml=text, payload_json=json.dumps(payload or {})), timeout=30).execution_id)
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:  # type: ignore[attr-defined]
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
                 raise
-            time.sleep(0.5)
+            return None  # refused by admission control: not yet
+
+    return until_sync(admitted, timeout=retry_sec, what="the submission admitted (RESOURCE_EXHAUSTED until then)",
+                      interval=0.5)
 
 
 def wait_terminal(api: Api, execution_id: int, timeout: float = 180) -> str:
@@ -121,7 +123,7 @@ def wait_terminal(api: Api, execution_id: int, timeout: float = 180) -> str:
             execution_id=execution_id, include_results=True), timeout=30).execution
         return common_pb2.ExecutionStatus.Name(ex.status) if ex.status in TERMINAL else ""
 
-    return str(wait_for(done, timeout, interval=0.2, what=f"execution {execution_id}"))
+    return str(until_sync(done, timeout=timeout, what=f"execution {execution_id} to end", interval=0.2))
 
 
 def provoke_rejections(api: Api, text: str, attempts: int = 6) -> int:
@@ -254,7 +256,7 @@ def test_every_process_is_scraped(live: Live) -> None:
         up = {t["labels"]["pod"] for t in live.prom.targets() if t["health"] == "up"}
         return up if up == expected else set()
 
-    wait_for(all_up, 120, what=f"every target up: {sorted(expected)}")
+    until_sync(all_up, timeout=120, what=f"every target up: {sorted(expected)}", interval=1.0)
 
 
 def _has_data(result: list[dict[str, Any]]) -> bool:
@@ -267,6 +269,7 @@ def _query_all(prom: Prometheus, exprs: dict[str, str]) -> dict[str, str]:
     pending = dict(exprs)
     why: dict[str, str] = {}
     deadline = time.monotonic() + QUERY_DEADLINE_SEC
+    # not waiting.until_sync: this poll reports every expression that failed, not the first
     while pending:
         for name, expr in list(pending.items()):
             try:
@@ -282,7 +285,7 @@ def _query_all(prom: Prometheus, exprs: dict[str, str]) -> dict[str, str]:
                 why[name] = "no data" if not result else f"only NaN: {result[:2]}"
         if not pending or time.monotonic() > deadline:
             break
-        time.sleep(3)
+        time.sleep(3)  # the poll's interval: scrapes come every few seconds
     return {name: f"{why[name]}\n      {exprs[name]}" for name in why}
 
 
@@ -328,7 +331,7 @@ def test_alert_rules_evaluate_cleanly_on_live_data(live: Live, rendered: dict[st
         return rules if {r["name"] for r in rules} == names and all(r.get("lastEvaluation", "").startswith("2")
                                                                     and r["health"] != "unknown" for r in rules) else []
 
-    rules = wait_for(evaluated, 120, what="every rule evaluated")
+    rules = until_sync(evaluated, timeout=120, what="every rule evaluated", interval=1.0)
     bad = [(r["name"], r["health"], r.get("lastError")) for r in rules if r["health"] != "ok"]
     assert not bad, bad
     # A healthy stack under light load fires none of the alerts that wait (`for` > 0); those

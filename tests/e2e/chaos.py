@@ -1,6 +1,6 @@
-"""Helpers for the failover tests: a module-scoped stack with fast leases, polling with
-deadlines, shard ownership lookups, and the invariants every failover must keep
-(gap-free ``shard_seq``, one accepted result per command, read model == a fresh fold)."""
+"""Helpers for the failover tests: a module-scoped stack with fast leases, shard ownership
+lookups, and the invariants every failover must keep (gap-free ``shard_seq``, one
+accepted result per command, read model == a fresh fold). Waiting: tests/waiting.py."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import os
 import re
 import shutil
 import tempfile
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 from harness import CREDENTIALS, Runner, start_stack
 from nats.js.errors import NotFoundError
 from psycopg.rows import dict_row
+from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_cli.client import Api
@@ -30,8 +30,6 @@ from noetl_cli.supervise import ServiceProcess, target_of
 from noetl_common import natsio
 from noetl_flow.projection import ExecutionView, fold
 from noetl_proto.v1 import catalog_pb2
-
-T = TypeVar("T")
 
 # Fast leases: a dead member is declared dead after 3 s, members heartbeat every second.
 CHAOS_ENV = {
@@ -77,18 +75,6 @@ def stack_for(prefix: str, scale: dict[str, int], env: dict[str, str] | None = N
         if keep:  # the role logs survive the stack for a post-mortem
             shutil.copytree(state.log_dir, Path(keep) / home.name, dirs_exist_ok=True)
         shutil.rmtree(home, ignore_errors=True)
-
-
-def wait_for(cond: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``cond`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {value!r})")
-        time.sleep(interval)
 
 
 class Db:
@@ -188,12 +174,16 @@ class Db:
 
     def wait_projected(self, timeout: float = 30.0) -> None:
         """Until every shard's projection watermark equals the engine's last ``shard_seq``."""
-        def behind() -> list[dict[str, Any]]:
-            return self.all("SELECT l.shard_id, l.event_seq, COALESCE(p.last_shard_seq, 0) AS projected"
-                            " FROM noetl.shard_lease l LEFT JOIN noetl.projection_checkpoint p"
-                            " ON p.shard_id = l.shard_id WHERE l.role = 'api'"
-                            " AND l.event_seq <> COALESCE(p.last_shard_seq, 0)")
-        wait_for(lambda: not behind(), timeout, "every shard projected up to its last event")
+        def projected() -> bool:
+            behind = self.all("SELECT l.shard_id, l.event_seq, COALESCE(p.last_shard_seq, 0) AS projected"
+                              " FROM noetl.shard_lease l LEFT JOIN noetl.projection_checkpoint p"
+                              " ON p.shard_id = l.shard_id WHERE l.role = 'api'"
+                              " AND l.event_seq <> COALESCE(p.last_shard_seq, 0)")
+            assert not behind, f"shards behind: {behind}"
+            return True
+
+        until_sync(projected, timeout=timeout, what="every shard projected up to its last event",
+                   ignoring=AssertionError)
 
     def assert_projection_is_a_fold(self, execution_id: int) -> None:
         """``noetl.execution`` / ``noetl.execution_step`` equal a fresh fold of the log."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import conformance_data
 import grpc
 import psycopg
+from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_cli.client import Api
@@ -71,22 +71,19 @@ class Runner:
                                     timeout=30)
 
     def wait(self, execution_id: int, timeout: float = 60.0) -> Outcome:
-        deadline = time.monotonic() + timeout
-        while True:
+        def ended() -> Outcome:
             ex = self.api.executions.GetExecution(
                 execution_pb2.GetExecutionRequest(execution_id=execution_id, include_results=True), timeout=10
             ).execution
-            if ex.status in TERMINAL:
-                steps = {s.name: {"status": common_pb2.StepStatus.Name(s.status).removeprefix("STEP_STATUS_"),
-                                  "result": json.loads(s.result_json) if s.result_json else None,
-                                  "error": s.error, "visits": s.visits, "attempts": s.attempts}
-                         for s in ex.steps}
-                return Outcome(execution_id, common_pb2.ExecutionStatus.Name(ex.status).removeprefix(
-                    "EXECUTION_STATUS_"), ex.error, steps)
-            if time.monotonic() > deadline:
-                raise AssertionError(f"execution {execution_id} not terminal after {timeout}s: "
-                                     f"{common_pb2.ExecutionStatus.Name(ex.status)} {list(ex.steps)}")
-            time.sleep(0.05)
+            assert ex.status in TERMINAL, f"{common_pb2.ExecutionStatus.Name(ex.status)} {[s.name for s in ex.steps]}"
+            steps = {s.name: {"status": common_pb2.StepStatus.Name(s.status).removeprefix("STEP_STATUS_"),
+                              "result": json.loads(s.result_json) if s.result_json else None,
+                              "error": s.error, "visits": s.visits, "attempts": s.attempts}
+                     for s in ex.steps}
+            return Outcome(execution_id, common_pb2.ExecutionStatus.Name(ex.status).removeprefix(
+                "EXECUTION_STATUS_"), ex.error, steps)
+
+        return until_sync(ended, timeout=timeout, what=f"execution {execution_id} to end", ignoring=AssertionError)
 
     def run(self, playbook: str | Path, payload: dict[str, Any] | None = None, timeout: float = 60.0) -> Outcome:
         text = Path(playbook).read_text() if isinstance(playbook, Path) else playbook
@@ -154,18 +151,6 @@ def register_playbook(runner: Runner, playbook: Path) -> Any:
 def cancel(runner: Runner, execution_id: int, reason: str = "cancelled by test") -> bool:
     return bool(runner.api.executions.CancelExecution(execution_pb2.CancelExecutionRequest(
         execution_id=execution_id, reason=reason), timeout=10).accepted)
-
-
-def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll `predicate()` until it returns something truthy (returned), or fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
-        time.sleep(interval)
 
 
 def event_counts(runner: Runner, execution_id: int, step: str | None = None) -> dict[str, int]:

@@ -135,7 +135,7 @@ def _probe(state: ApiState, query: dict[str, str]) -> tuple[int, dict[str, Any]]
         active_at_start = state.active
     started_at = time.time()
     try:
-        time.sleep(delay)
+        time.sleep(delay)  # a slow upstream (not a wait): delay_seconds is what the test asks for
     finally:
         with state.lock:
             state.active -= 1

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from harness import Runner, start_stack
+from waiting import until_sync
 
 from noetl_cli import devstack
 
@@ -39,15 +40,17 @@ def small() -> Iterator[Runner]:
 def test_saturated_submit_is_refused_with_a_retry_hint(small: Runner) -> None:
     first = small.submit(SLEEPER)
     second = small.submit(SLEEPER)
-    deadline = time.monotonic() + 10
-    refused: grpc.RpcError | None = None
-    while refused is None and time.monotonic() < deadline:
+
+    def one_refused() -> grpc.RpcError | None:
         try:
             small.submit(SLEEPER)
-            time.sleep(0.2)  # the admission view refreshes every second
         except grpc.RpcError as exc:
-            refused = exc
-    assert refused is not None, "a third concurrent execution was admitted past the limit of 2"
+            return exc
+        return None
+
+    # the admission view refreshes every second: submissions are admitted until it does
+    refused = until_sync(one_refused, timeout=10, interval=0.2,
+                         what="a submission refused (no third concurrent execution past the limit of 2)")
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
     assert "saturated" in refused.details() and "retry after" in refused.details()  # type: ignore[attr-defined]
     metadata = dict(refused.initial_metadata() or ())  # type: ignore[attr-defined]
@@ -55,13 +58,13 @@ def test_saturated_submit_is_refused_with_a_retry_hint(small: Runner) -> None:
     assert small.wait(first.execution_id, 30).status == "COMPLETED"
     assert small.wait(second.execution_id, 30).status == "COMPLETED"
     # capacity is back: a new submission is admitted once the view refreshes
-    deadline = time.monotonic() + 10
-    while True:
+
+    def admitted() -> Any:
         try:
-            sub = small.submit(SLEEPER.replace("sleep(3)", "sleep(0)"))
-            break
+            return small.submit(SLEEPER.replace("sleep(3)", "sleep(0)"))
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-            assert time.monotonic() < deadline, "still refused after the load drained"
-            time.sleep(0.2)
+            return None
+
+    sub = until_sync(admitted, timeout=10, what="a submission admitted after the load drained", interval=0.2)
     assert small.wait(sub.execution_id, 30).status == "COMPLETED"

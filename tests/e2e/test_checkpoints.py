@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 from harness import Runner
+from waiting import until_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -21,15 +22,15 @@ def test_barrier_is_appended_once_per_epoch_and_sealed(runner: Runner) -> None:
     out = runner.run(PLAYBOOK)
     events = runner.events(out.execution_id)
     shard, last = events[0].shard_id, events[-1].shard_seq
-    deadline = time.monotonic() + 20
-    while True:
+
+    def sealed_past_last() -> tuple[int, int]:
         sealed = runner.sql("SELECT epoch, last_shard_seq FROM noetl.checkpoint WHERE shard_id = %s"
                             " ORDER BY epoch DESC LIMIT 1", (shard,))
-        if sealed and sealed[0][1] >= last:
-            break
-        assert time.monotonic() < deadline, f"shard {shard} not sealed past {last}: {sealed}"
-        time.sleep(0.1)
-    epoch, sealed_seq = sealed[0]
+        assert sealed and sealed[0][1] >= last, f"last sealed: {sealed}"
+        return sealed[0]
+
+    epoch, sealed_seq = until_sync(sealed_past_last, timeout=20, what=f"shard {shard} sealed past {last}",
+                                   interval=0.1, ignoring=AssertionError)
     barrier = runner.sql("SELECT shard_seq, meta FROM noetl.event WHERE shard_id = %s"
                          " AND event_type = 'checkpoint.committed' AND (meta->>'checkpoint_epoch')::bigint = %s",
                          (shard, epoch))
@@ -48,18 +49,19 @@ def test_idle_shards_are_not_barriered_again(runner: Runner) -> None:
     """Once a shard is sealed up to its last event, no new barrier is requested."""
     out = runner.run(PLAYBOOK)
     shard = runner.events(out.execution_id)[0].shard_id
-    deadline = time.monotonic() + 20
-    while True:
+
+    def sealed_to_the_end() -> bool:
         row = runner.sql("SELECT l.event_seq, (SELECT max(last_shard_seq) FROM noetl.checkpoint c"
                          " WHERE c.shard_id = l.shard_id) FROM noetl.shard_lease l WHERE role = 'api'"
                          " AND shard_id = %s", (shard,))[0]
-        if row[1] is not None and row[1] == row[0]:
-            break
-        assert time.monotonic() < deadline, row
-        time.sleep(0.1)
+        assert row[1] is not None and row[1] == row[0], f"(event_seq, sealed): {row}"
+        return True
+
+    until_sync(sealed_to_the_end, timeout=20, what=f"shard {shard} sealed up to its last event", interval=0.1,
+               ignoring=AssertionError)
     count = runner.sql("SELECT count(*) FROM noetl.event WHERE shard_id = %s"
                        " AND event_type = 'checkpoint.committed'", (shard,))[0][0]
-    time.sleep(2.5)  # a few checkpoint intervals: nothing new may be appended on an idle shard
+    time.sleep(2.5)  # a sleep, not a wait: a few checkpoint intervals in which an idle shard gets nothing new
     again = runner.sql("SELECT count(*) FROM noetl.event WHERE shard_id = %s"
                        " AND event_type = 'checkpoint.committed'", (shard,))[0][0]
     assert again == count
@@ -86,23 +88,21 @@ def test_checkpoint_age_is_the_oldest_unsealed_events_age(runner: Runner) -> Non
     0 when all are sealed, and a shard that sat idle reports how old its new work is, never
     its idle time (nor more than the log says the oldest event waited)."""
     idle = 6.0
-    deadline = time.monotonic() + 30
-    while runner.sql(UNSEALED)[0][0]:
-        assert time.monotonic() < deadline, "shards still unsealed"
-        time.sleep(0.1)
-    time.sleep(idle)  # every shard idle and sealed
+    until_sync(lambda: not runner.sql(UNSEALED)[0][0], timeout=30, what="every shard sealed", interval=0.1)
+    time.sleep(idle)  # a sleep, not a wait: every shard stays idle and sealed for `idle` s (the test's point)
     eid = runner.submit(PLAYBOOK).execution_id
     shard = int(runner.sql("SELECT shard_id FROM noetl.execution_request WHERE execution_id = %s", (eid,))[0][0])
     seen: list[float] = []
-    deadline = time.monotonic() + 30
-    while True:
+
+    def sealed_at_age_0() -> bool:
         age = _age_ms(runner, shard)
-        assert age is not None, f"no checkpoint age exported for shard {shard}"
+        if age is None:  # not a "not yet": fails at once
+            pytest.fail(f"no checkpoint age exported for shard {shard}")
         seen.append(age)
-        if not runner.sql(UNSEALED)[0][0] and age == 0.0:
-            break
-        assert time.monotonic() < deadline, f"shard {shard} not sealed: ages {seen[-5:]}"
-        time.sleep(0.05)
+        assert not runner.sql(UNSEALED)[0][0] and age == 0.0, f"ages {seen[-5:]}"
+        return True
+
+    until_sync(sealed_at_age_0, timeout=30, what=f"shard {shard} sealed", ignoring=AssertionError)
     assert runner.wait(eid, 30).status == "COMPLETED"
     # how long the oldest event of the execution's epoch waited, from the log
     waited = runner.sql(

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import Runner, rpc_code, start_stack, wait_until
+from harness import Runner, rpc_code, start_stack
+from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_common.db import make_pool, partition_name
@@ -107,7 +108,7 @@ def test_trace_is_the_same_before_and_after_compaction(retention_stack: Runner) 
         get_trace(runner, 12345, "pipe")
     assert rpc_code(unknown.value) == grpc.StatusCode.NOT_FOUND
 
-    wait_until(lambda: manifest_exists(runner, out.execution_id), 90, "the execution to be compacted")
+    until_sync(lambda: manifest_exists(runner, out.execution_id), timeout=90, what="the execution to be compacted")
     assert runner.sql("SELECT count(*) FROM noetl.event WHERE execution_id = %s", (out.execution_id,))[0][0] == 0
     assert runner.events(out.execution_id) == []
     after = get_trace(runner, out.execution_id, "pipe")
@@ -160,7 +161,7 @@ def test_a_compacted_execution_reruns_from_what_retention_keeps(retention_stack:
     out = runner.run(RERUN, {"dir": str(tmp_path)}, timeout=60)
     assert out.status == "FAILED" and "marker missing" in out.error
     token = out.result("first")["token"]
-    wait_until(lambda: manifest_exists(runner, out.execution_id), 90, "the execution to be compacted")
+    until_sync(lambda: manifest_exists(runner, out.execution_id), timeout=90, what="the execution to be compacted")
     assert runner.events(out.execution_id) == []
     (tmp_path / "marker").write_text("fixed")
     resp = runner.api.executions.RerunExecution(execution_pb2.RerunExecutionRequest(
@@ -189,8 +190,8 @@ def test_an_emptied_old_partition_is_dropped(retention_stack: Runner) -> None:
 
     ids = asyncio.run(write())
     assert runner.sql("SELECT count(*) FROM noetl.event WHERE execution_id = ANY(%s)", (ids,))[0][0] == 24
-    wait_until(lambda: not runner.sql("SELECT 1 FROM pg_class WHERE relname = %s", (name,)), 90,
-               f"partition {name} to be dropped")
+    until_sync(lambda: not runner.sql("SELECT 1 FROM pg_class WHERE relname = %s", (name,)), timeout=90,
+               what=f"partition {name} to be dropped")
     assert all(manifest_exists(runner, i) for i in ids)
     trace = get_trace(runner, ids[0], "step_2")
     assert trace.from_manifest and len(trace.entries) == 2

@@ -7,7 +7,8 @@ whose step waits on a running child cancels the child too."""
 from __future__ import annotations
 
 import pytest
-from harness import INSERTED_ONE, Runner, cancel, conformance, register_playbook, wait_until
+from harness import INSERTED_ONE, Runner, cancel, conformance, register_playbook
+from waiting import until_sync
 
 from noetl_proto.v1 import catalog_pb2, execution_pb2
 
@@ -158,7 +159,7 @@ def test_cancelling_the_parent_cancels_the_running_child(runner: Runner) -> None
                           " WHERE c.parent_execution_id = %s", (parent,))
         return int(rows[0][0]) if rows else None
 
-    child = wait_until(child_running, 60, "the child's step to be running")
+    child = until_sync(child_running, timeout=60, what="the child's step to be running")
     assert cancel(runner, parent)
     out = runner.wait(parent, timeout=60)
     assert out.status == "CANCELLED", out

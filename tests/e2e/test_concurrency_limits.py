@@ -9,7 +9,8 @@ import time
 
 import grpc
 import pytest
-from harness import Outcome, Runner, cancel, wait_until
+from harness import Outcome, Runner, cancel
+from waiting import until_sync
 
 from noetl_cli.client import Api
 from noetl_proto.v1 import catalog_pb2, common_pb2, concurrency_pb2, execution_pb2
@@ -73,10 +74,13 @@ def test_at_most_n_run_the_rest_wait_in_order_and_say_why(runner: Runner) -> Non
     out = runner.cli("limit", "set", path, "--max", "2", "--json")
     assert out.returncode == 0, out.stderr
     limit_id = json.loads(out.stdout)["limit_id"]
-    time.sleep(1.2)  # the engine reads the limits at most once a second: let it see this one
+    # a sleep, not a wait: the engine reads the limits at most once a second and shows no
+    # sign of having read them; let it see this one
+    time.sleep(1.2)
     ids = [submit(runner, path) for _ in range(10)]  # the acceptance: 10 submitted, at most 2 running
 
-    reason = wait_until(lambda: get(runner, ids[-1]).waiting, 30, "the last execution waiting for the limit")
+    reason = until_sync(lambda: get(runner, ids[-1]).waiting,
+                        timeout=30, what="the last execution waiting for the limit")
     assert f"concurrency limit {limit_id} ({path})" in reason and "of 2 running" in reason, reason
     assert get(runner, ids[-1]).status == common_pb2.EXECUTION_STATUS_PENDING
     shown = runner.cli("status", str(ids[-1]))  # it waits >= 1.2 s: two rounds of 0.6 s ahead of it
@@ -104,7 +108,7 @@ def test_one_queue_per_key_and_cancel_and_delete_free_the_queue(runner: Runner) 
     register(runner, path)
     resp = runner.api.concurrency.SetLimit(concurrency_pb2.SetLimitRequest(
         playbook_path=path, key_template="{{ workload.customer }}", max_running=1), timeout=10)
-    time.sleep(1.2)
+    time.sleep(1.2)  # a sleep, not a wait: the engine reads the limits at most once a second
     a = [submit(runner, path, {"customer": "acme", "pause": 0.8}) for _ in range(2)]
     b = [submit(runner, path, {"customer": "beta", "pause": 0.8}) for _ in range(2)]
     outcomes = finish_all(runner, a + b)
@@ -117,14 +121,15 @@ def test_one_queue_per_key_and_cancel_and_delete_free_the_queue(runner: Runner) 
     runner.api.concurrency.SetLimit(concurrency_pb2.SetLimitRequest(
         playbook_path=path, key_template="{{ workload.customer }}", max_running=1), timeout=10)
     first = submit(runner, path, {"customer": "acme", "pause": 2.0})
-    wait_until(lambda: get(runner, first).status == common_pb2.EXECUTION_STATUS_RUNNING, 30, "the first running")
+    until_sync(lambda: get(runner, first).status == common_pb2.EXECUTION_STATUS_RUNNING,
+               timeout=30, what="the first running")
     queued = submit(runner, path, {"customer": "acme", "pause": 0.1})
-    wait_until(lambda: get(runner, queued).waiting, 30, "the second waiting")
+    until_sync(lambda: get(runner, queued).waiting, timeout=30, what="the second waiting")
     assert cancel(runner, queued)
     assert runner.wait(queued, 30).status == "CANCELLED"
     # deleting the limit starts the rest (no slot needed any more)
     third = submit(runner, path, {"customer": "acme", "pause": 0.1})
-    wait_until(lambda: get(runner, third).waiting, 30, "the third waiting")
+    until_sync(lambda: get(runner, third).waiting, timeout=30, what="the third waiting")
     runner.api.concurrency.DeleteLimit(concurrency_pb2.DeleteLimitRequest(limit_id=resp.limit.limit_id), timeout=10)
     assert runner.wait(third, 30).status == "COMPLETED"
     assert get(runner, first).status != common_pb2.EXECUTION_STATUS_FAILED

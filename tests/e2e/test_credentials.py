@@ -26,9 +26,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from chaos import stack_for, wait_for
+from chaos import stack_for
 from harness import REPO, Runner
 from psycopg import sql as pgsql
+from waiting import until_sync
 
 from noetl_common.redact import MASK
 from noetl_common.tracing import read_jsonl
@@ -234,7 +235,7 @@ def test_a_run_with_credentials_leaves_no_secret_behind(runner: Runner, echo: Ec
                 and s["attributes"].get("noetl.execution_id") == eid]
         return spans if len(runs) >= 7 else []
 
-    spans = wait_for(worker_spans, 30, "the tool.run spans of every task")
+    spans = until_sync(worker_spans, timeout=30, what="the tool.run spans of every task")
     span_text = json.dumps(spans)
     assert found_in(span_text) == [] and MASK in span_text  # error statuses carry the masked messages
     logs = {p.instance: Path(p.log).read_text(errors="replace") for p in runner.state.processes()}

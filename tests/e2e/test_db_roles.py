@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import psycopg
 import pytest
-from chaos import Db, wait_for
+from chaos import Db
 from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict
+from waiting import until_sync
 
 from noetl_cli import devstack, stackpg
 from noetl_common import dbroles
@@ -29,7 +30,7 @@ def test_each_role_runs_as_its_own_database_user(stack: devstack.StackState, db:
             found.setdefault(row["app"], set()).add(row["usr"])
         return found
 
-    wait_for(lambda: set(sessions()) == set(apps), 30, "a session of every role")
+    until_sync(lambda: set(sessions()) == set(apps), timeout=30, what="a session of every role")
     assert sessions() == {app: {user} for app, user in apps.items()}
     for role in dbroles.ROLES:
         dsn = conninfo_to_dict(stack.role_dsn(role))

@@ -17,7 +17,8 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import Runner, execute, metric_sum, wait_until
+from harness import Runner, execute, metric_sum
+from waiting import until_sync
 
 from noetl_cli.client import Api
 from noetl_proto.v1 import common_pb2, deadletter_pb2, deadletter_pb2_grpc, execution_pb2
@@ -117,7 +118,8 @@ def test_a_failed_command_is_listed_and_a_redrive_after_the_fix_completes_the_ex
     proc = runner.cli("dlq", "redrive", str(dl["dead_letter_id"]), "--wait", "--timeout", "60")
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "redrive committed" in proc.stdout and f"execution {out.execution_id}: COMPLETED" in proc.stdout
-    wait_until(lambda: status(runner, out.execution_id) == "COMPLETED", 30, "the read model to say COMPLETED")
+    until_sync(lambda: status(runner, out.execution_id) == "COMPLETED",
+               timeout=30, what="the read model to say COMPLETED")
     done = runner.wait(out.execution_id)
     assert done.result("start") == {"fixed": True} and done.result("end") == {"after": True}
     assert not done.error
@@ -154,7 +156,8 @@ def test_failed_loop_iterations_are_redriven_and_the_loop_completes_with_every_r
     proc = runner.cli("dlq", "redrive", *ids, "--wait", "--timeout", "120")
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert f"execution {out.execution_id}: COMPLETED" in proc.stdout
-    wait_until(lambda: status(runner, out.execution_id) == "COMPLETED", 30, "the read model to say COMPLETED")
+    until_sync(lambda: status(runner, out.execution_id) == "COMPLETED",
+               timeout=30, what="the read model to say COMPLETED")
     each = runner.wait(out.execution_id).result("each")
     assert each["results"] == [n * 10 for n in range(50)]
     assert each["stats"] == {"total": 50, "success": 50, "failed": 0}
@@ -199,7 +202,8 @@ def test_a_redrive_whose_nudge_was_lost_is_applied_by_the_sweep(runner: Runner) 
     fix.touch()
     execute(runner, "INSERT INTO noetl.redrive_request (dead_letter_id, execution_id, shard_id, requested_by)"
             " VALUES (%s, %s, %s, 'test')", (dl["dead_letter_id"], dl["execution_id"], dl["shard_id"]))
-    wait_until(lambda: status(runner, out.execution_id) == "COMPLETED", 60, "the swept redrive to complete it")
+    until_sync(lambda: status(runner, out.execution_id) == "COMPLETED",
+               timeout=60, what="the swept redrive to complete it")
     [after] = dlq(runner, "list", "--execution", str(out.execution_id), "--json")
     assert (after["status"], after["redriven_by"]) == ("redriven", "test")
     assert not runner.sql("SELECT 1 FROM noetl.redrive_request WHERE dead_letter_id = %s", (dl["dead_letter_id"],))

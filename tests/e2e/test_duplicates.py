@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos import HEADER, Db, StreamMsg, stack_for, stream_messages, stream_publish, wait_for
+from chaos import HEADER, Db, StreamMsg, stack_for, stream_messages, stream_publish
 from harness import Runner
+from waiting import until_sync
 
 from noetl_common import natsio
 from noetl_proto.v1 import messages_pb2
@@ -80,14 +81,16 @@ def test_a_duplicate_result_is_recorded_and_never_routed_twice(runner: Runner, d
     start_cmd, last_cmd = f"{eid}:start:1", f"{eid}:last:1"
 
     # the engine accepted start's result and routed it: slow is running
-    wait_for(lambda: events_of(db, eid, "step.enter", f"{eid}:slow:1"), 30, "the step after start to be entered")
+    until_sync(lambda: events_of(db, eid, "step.enter", f"{eid}:slow:1"),
+               timeout=30, what="the step after start to be entered")
     [accepted] = events_of(db, eid, "call.done", start_cmd)
     [original] = results_of(runner, shard, start_cmd)  # the worker published it once
     assert messages_pb2.EngineInput.FromString(original.data).call_result.attempt == 1
 
     # the same result again while the execution runs
     replay(runner, original, "dup-running")
-    [dup] = wait_for(lambda: events_of(db, eid, "call.duplicate", start_cmd), 30, "the duplicate to be recorded")
+    [dup] = until_sync(lambda: events_of(db, eid, "call.duplicate", start_cmd),
+                       timeout=30, what="the duplicate to be recorded")
     assert dup["meta"]["reason"] == "not pending" and dup["meta"]["attempt"] == 1
     assert dup["result"] == accepted["result"] and dup["shard_seq"] > accepted["shard_seq"]
     assert len(results_of(runner, shard, start_cmd)) == 2  # it really reached the engine's stream
@@ -110,7 +113,8 @@ def test_a_duplicate_result_is_recorded_and_never_routed_twice(runner: Runner, d
     # and once more after the execution completed: recorded, still nothing routed
     [last_result] = results_of(runner, shard, last_cmd)
     replay(runner, last_result, "dup-terminal")
-    [late] = wait_for(lambda: events_of(db, eid, "call.duplicate", last_cmd), 30, "the late duplicate to be recorded")
+    [late] = until_sync(lambda: events_of(db, eid, "call.duplicate", last_cmd),
+                        timeout=30, what="the late duplicate to be recorded")
     assert late["meta"]["reason"] == "terminal"
     counts = db.assert_routed_once(eid)
     assert counts["step.enter"] == 3 and counts["call.done"] == 3 and counts["call.duplicate"] == 2, counts

@@ -30,9 +30,9 @@ from chaos import (
     samples,
     scrape,
     stack_for,
-    wait_for,
 )
 from harness import Runner
+from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_cli.supervise import ServiceProcess
@@ -63,7 +63,7 @@ def wait_balanced(db: Db, state: devstack.StackState, role: str) -> None:
         return (set(held) == live and sum(held.values()) == SHARDS
                 and max(held.values()) - min(held.values()) <= 1)
 
-    wait_for(balanced, 30, f"{role} shards balanced over {sorted(live)}")
+    until_sync(balanced, timeout=30, what=f"{role} shards balanced over {sorted(live)}")
 
 
 def entered(db: Db, execution_id: int) -> int:
@@ -95,7 +95,7 @@ def test_sigkill_of_the_engine_owner_hands_the_shard_over(runner: Runner, db: Db
     wait_balanced(db, state, "api")
     eid = runner.submit(SIX).execution_id
     shard = db.shard_of(eid)
-    wait_for(lambda: entered(db, eid) >= 2, 30, "the second step to be entered")
+    until_sync(lambda: entered(db, eid) >= 2, timeout=30, what="the second step to be entered")
     before = owner(db, "api", shard)
     victim = process_of(state, before.instance)
     assert victim.role == "api" and victim.alive()
@@ -103,8 +103,9 @@ def test_sigkill_of_the_engine_owner_hands_the_shard_over(runner: Runner, db: Db
     t0 = time.monotonic()
     killed_at = db.now()
     state.kill("api", victim.index)
-    after = wait_for(lambda: moved(db, "api", shard, before), 15, f"a new owner of shard {shard}")
-    first = wait_for(lambda: new_epoch_event(db, shard, before.epoch), 15, "the new owner's first batch")
+    after = until_sync(lambda: moved(db, "api", shard, before), timeout=15, what=f"a new owner of shard {shard}")
+    first = until_sync(lambda: new_epoch_event(db, shard, before.epoch),
+                       timeout=15, what="the new owner's first batch")
     observed = time.monotonic() - t0
     takeover = (first["created_at"] - killed_at).total_seconds()
     TIMINGS["api takeover (kill -> first batch)"] = takeover
@@ -142,7 +143,7 @@ def test_sigstopped_engine_owner_is_fenced_out(runner: Runner, db: Db) -> None:
     wait_balanced(db, state, "api")
     first = runner.submit(SIX).execution_id
     shard = db.shard_of(first)
-    wait_for(lambda: entered(db, first) >= 2, 30, "the second step to be entered")
+    until_sync(lambda: entered(db, first) >= 2, timeout=30, what="the second step to be entered")
     before = owner(db, "api", shard)
     zombie = process_of(state, before.instance)
     live = api_without(state, zombie)
@@ -153,18 +154,20 @@ def test_sigstopped_engine_owner_is_fenced_out(runner: Runner, db: Db) -> None:
         zombie.kill(signal.SIGSTOP)
         try:
             more = [others.submit(SIX).execution_id for _ in range(4)]
-            after = wait_for(lambda: moved(db, "api", shard, before), 15, f"a new owner of shard {shard}")
-            wait_for(lambda: new_epoch_event(db, shard, before.epoch), 15, "the new owner's first batch")
+            after = until_sync(lambda: moved(db, "api", shard, before),
+                               timeout=15, what=f"a new owner of shard {shard}")
+            until_sync(lambda: new_epoch_event(db, shard, before.epoch),
+                       timeout=15, what="the new owner's first batch")
             TIMINGS["api takeover from a frozen owner (stop -> first batch)"] = time.monotonic() - t0
             assert after.instance != zombie.instance
             # the new owner makes progress on the execution while the zombie is frozen
             progressed = entered(db, first)
-            wait_for(lambda: entered(db, first) > progressed or finished(db, first), 20,
-                     "progress under the new owner")
+            until_sync(lambda: entered(db, first) > progressed or finished(db, first), timeout=20,
+                       what="progress under the new owner")
         finally:
             zombie.kill(signal.SIGCONT)
-        wait_for(lambda: lease_lost_logged(zombie, shard, before.epoch), 15,
-                 f"{zombie.instance} to notice it lost shard {shard}")
+        until_sync(lambda: lease_lost_logged(zombie, shard, before.epoch), timeout=15,
+                   what=f"{zombie.instance} to notice it lost shard {shard}")
         for eid in [first, *more]:
             out = others.wait(eid, 90)
             assert out.status == "COMPLETED", (eid, out.error)
@@ -175,9 +178,9 @@ def test_sigstopped_engine_owner_is_fenced_out(runner: Runner, db: Db) -> None:
         cut = next(r["shard_seq"] for r in rows if r["lease_epoch"] > before.epoch)
         assert all(r["lease_epoch"] > before.epoch for r in rows if r["shard_seq"] >= cut)
         # the zombie rejoined as a new member and serves again (its shards are rebalanced to it)
-        wait_for(lambda: db.value("SELECT count(*) FROM noetl.runtime WHERE instance = %s AND status = 'alive'"
-                                  " AND runtime_id <> %s", (zombie.instance, before.runtime_id)), 15,
-                 f"{zombie.instance} to rejoin")
+        until_sync(lambda: db.value("SELECT count(*) FROM noetl.runtime WHERE instance = %s AND status = 'alive'"
+                                    " AND runtime_id <> %s", (zombie.instance, before.runtime_id)), timeout=15,
+                   what=f"{zombie.instance} to rejoin")
         wait_balanced(db, state, "api")
         # and its engines work: an execution on each shard it now owns completes
         mine = [r["shard_id"] for r in db.all(
@@ -185,12 +188,16 @@ def test_sigstopped_engine_owner_is_fenced_out(runner: Runner, db: Db) -> None:
             " WHERE l.role = 'api' AND r.instance = %s", (zombie.instance,))]
         assert mine
         probes: dict[int, int] = {}
-        deadline = time.monotonic() + 30
-        while set(probes) != set(mine) and time.monotonic() < deadline:
+
+        def a_probe_on_each() -> bool:
             eid = runner.submit(chain("probe", 1, 0)).execution_id
             probes.setdefault(db.shard_of(eid), eid)
+            assert set(mine) <= set(probes), f"none yet on shards {sorted(set(mine) - set(probes))}"
+            return True
+
+        until_sync(a_probe_on_each, timeout=30, what=f"a probe on each of {zombie.instance}'s shards {mine}",
+                   interval=0, ignoring=AssertionError)
         for s in mine:
-            assert s in probes, f"no probe landed on shard {s}"
             assert runner.wait(probes[s], 30).status == "COMPLETED"
         db.wait_projected()
         for eid in [first, *more]:
@@ -204,22 +211,23 @@ def test_sigstopped_projector_is_fenced_out(runner: Runner, db: Db) -> None:
     wait_balanced(db, state, "projector")
     eid = runner.submit(SIX).execution_id
     shard = db.shard_of(eid)
-    wait_for(lambda: entered(db, eid) >= 2, 30, "the second step to be entered")
+    until_sync(lambda: entered(db, eid) >= 2, timeout=30, what="the second step to be entered")
     before = owner(db, "projector", shard)
     zombie = process_of(state, before.instance)
     zombie.kill(signal.SIGSTOP)
     try:
         more = [runner.submit(SIX).execution_id for _ in range(4)]
-        after = wait_for(lambda: moved(db, "projector", shard, before), 15, f"a new projector for shard {shard}")
+        after = until_sync(lambda: moved(db, "projector", shard, before),
+                           timeout=15, what=f"a new projector for shard {shard}")
         assert after.instance != zombie.instance
         # the new owner projects the shard while the old one is frozen
         mark = int(db.value("SELECT event_seq FROM noetl.shard_lease WHERE role = 'api' AND shard_id = %s", (shard,)))
-        wait_for(lambda: db.value("SELECT last_shard_seq FROM noetl.projection_checkpoint WHERE shard_id = %s",
-                                  (shard,)) >= mark, 15, "projection by the new owner")
+        until_sync(lambda: db.value("SELECT last_shard_seq FROM noetl.projection_checkpoint WHERE shard_id = %s",
+                                    (shard,)) >= mark, timeout=15, what="projection by the new owner")
     finally:
         zombie.kill(signal.SIGCONT)
-    wait_for(lambda: lease_lost_logged(zombie, shard, before.epoch), 15,
-             f"{zombie.instance} to notice it lost shard {shard}")
+    until_sync(lambda: lease_lost_logged(zombie, shard, before.epoch), timeout=15,
+               what=f"{zombie.instance} to notice it lost shard {shard}")
     for e in [eid, *more]:
         assert runner.wait(e, 90).status == "COMPLETED"
     wait_balanced(db, state, "projector")
@@ -243,8 +251,9 @@ def test_meta_control_metrics_are_exported(runner: Runner, db: Db) -> None:
         texts = {p.instance: scrape(p) for p in state.processes() if p.alive()}
         return texts if all(samples(texts[p.instance], "noetl_shard_owner") for p in sharded) else None
 
-    texts = wait_for(every_member_exports_its_shards, 15, "every sharded member to export noetl_shard_owner",
-                     interval=0.5)
+    texts = until_sync(every_member_exports_its_shards,
+                       timeout=15, what="every sharded member to export noetl_shard_owner",
+                       interval=0.5)
     for role in ("api", "projector", "checkpointer", "compactor", "reaper"):
         for p in state.processes(role):
             text = texts[p.instance]

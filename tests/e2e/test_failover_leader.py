@@ -8,8 +8,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from chaos import Db, chain, leader_other_than, owner, process_of, stack_for, wait_for
+from chaos import Db, chain, leader_other_than, owner, process_of, stack_for
 from harness import Runner
+from waiting import until_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -26,16 +27,18 @@ def runner() -> Iterator[Runner]:
 
 def test_standby_shard_manager_takes_over_and_keeps_assigning(runner: Runner, db: Db) -> None:
     state = runner.state
-    leader = wait_for(lambda: leader_other_than(db, ""), 20, "a leader")
+    leader = until_sync(lambda: leader_other_than(db, ""), timeout=20, what="a leader")
     victim = process_of(state, leader["holder_instance"])
     standby = next(p for p in state.processes("shard-manager") if p is not victim)
     running = runner.submit(SIX).execution_id
-    wait_for(lambda: db.value("SELECT count(*) FROM noetl.event WHERE execution_id = %s"
-                              " AND event_type = 'step.enter'", (running,)), 20, "the execution to start")
+    until_sync(lambda: db.value("SELECT count(*) FROM noetl.event WHERE execution_id = %s"
+                                " AND event_type = 'step.enter'", (running,)),
+               timeout=20, what="the execution to start")
 
     t0 = time.monotonic()
     state.kill("shard-manager", victim.index)
-    new = wait_for(lambda: leader_other_than(db, victim.instance), 15, "the standby to take the leader lease")
+    new = until_sync(lambda: leader_other_than(db, victim.instance),
+                     timeout=15, what="the standby to take the leader lease")
     failover = time.monotonic() - t0
     print(f"\nshard-manager leader {victim.instance}@{leader['epoch']} -> {new['holder_instance']}@{new['epoch']}"
           f" in {failover:.2f}s")
@@ -50,8 +53,9 @@ def test_standby_shard_manager_takes_over_and_keeps_assigning(runner: Runner, db
     # an api crash is handled by the new leader: its shards go to the surviving api
     probe = runner.submit(SIX).execution_id
     shard = db.shard_of(probe)
-    wait_for(lambda: db.value("SELECT count(*) FROM noetl.event WHERE execution_id = %s"
-                              " AND event_type = 'step.enter'", (probe,)) >= 2, 20, "the probe to be mid-run")
+    until_sync(lambda: db.value("SELECT count(*) FROM noetl.event WHERE execution_id = %s"
+                                " AND event_type = 'step.enter'", (probe,)) >= 2,
+               timeout=20, what="the probe to be mid-run")
     before = owner(db, "api", shard)
     dead_api = process_of(state, before.instance)
     held = [r["shard_id"] for r in db.all("SELECT shard_id FROM noetl.shard_lease WHERE role = 'api'"
@@ -62,7 +66,7 @@ def test_standby_shard_manager_takes_over_and_keeps_assigning(runner: Runner, db
     def reassigned() -> bool:
         return all(owner(db, "api", s).instance == survivor.instance for s in held)
 
-    wait_for(reassigned, 15, f"{dead_api.instance}'s shards {held} to move to {survivor.instance}")
+    until_sync(reassigned, timeout=15, what=f"{dead_api.instance}'s shards {held} to move to {survivor.instance}")
     assert owner(db, "api", shard).epoch > before.epoch
     assert "declared dead" in open(standby.log).read()
     assert runner.wait(probe, 60).status == "COMPLETED"

@@ -9,8 +9,9 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from chaos import Db, chain, samples, scrape, stack_for, wait_for
+from chaos import Db, chain, samples, scrape, stack_for
 from harness import Runner
+from waiting import until_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -71,9 +72,9 @@ def owned_only_by(db: Db, instance: str) -> dict[int, tuple[str, int]] | None:
 
 def test_projector_scale_out_and_in_during_a_run(runner: Runner, db: Db) -> None:
     state = runner.state
-    wait_for(lambda: owned_only_by(db, "projector-0"), 20, "projector-0 to own every shard")
+    until_sync(lambda: owned_only_by(db, "projector-0"), timeout=20, what="projector-0 to own every shard")
     with Load(runner) as load:
-        wait_for(lambda: load.submitted() >= 8, 60, "executions to run")
+        until_sync(lambda: load.submitted() >= 8, timeout=60, what="executions to run")
         start = projector_leases(db)
 
         extra = state.add_replica("projector")
@@ -83,20 +84,22 @@ def test_projector_scale_out_and_in_during_a_run(runner: Runner, db: Db) -> None
             held = [s for s, (o, _) in now.items() if o == extra.instance]
             return now if len(held) == SHARDS // 2 else None
 
-        scaled_out = wait_for(split, 20, f"{extra.instance} to take half of the shards")
+        scaled_out = until_sync(split, timeout=20, what=f"{extra.instance} to take half of the shards")
         moved = [s for s, (o, _) in scaled_out.items() if o == extra.instance]
         assert all(scaled_out[s][1] > start[s][1] for s in moved), "a shard moved without an epoch bump"
         # the new replica actually projects its shards while the load runs
-        wait_for(lambda: sum(1 for s in samples(scrape(extra), "noetl_projected_events_total")
-                             if int(s.get("shard", -1)) in moved) > 0, 30, f"{extra.instance} to project")
+        until_sync(lambda: sum(1 for s in samples(scrape(extra), "noetl_projected_events_total")
+                               if int(s.get("shard", -1)) in moved) > 0,
+                   timeout=30, what=f"{extra.instance} to project")
         mark = load.submitted()
-        wait_for(lambda: load.submitted() >= mark + 8, 60, "more executions while two projectors run")
+        until_sync(lambda: load.submitted() >= mark + 8, timeout=60, what="more executions while two projectors run")
 
         state.stop("projector", extra.index)
-        scaled_in = wait_for(lambda: owned_only_by(db, "projector-0"), 20, "projector-0 to own every shard again")
+        scaled_in = until_sync(lambda: owned_only_by(db, "projector-0"),
+                               timeout=20, what="projector-0 to own every shard again")
         assert all(scaled_in[s][1] > scaled_out[s][1] for s in moved), "a shard moved back without an epoch bump"
         mark = load.submitted()
-        wait_for(lambda: load.submitted() >= mark + 8, 60, "more executions after the scale-in")
+        until_sync(lambda: load.submitted() >= mark + 8, timeout=60, what="more executions after the scale-in")
     assert not load.errors, load.errors[:3]
     ids = list(load.ids)
     for eid in ids:

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos import HEADER, Db, process_of, stack_for, stream_messages, wait_for
+from chaos import HEADER, Db, process_of, stack_for, stream_messages
 from harness import Runner, metric_sum
+from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_common import natsio
@@ -80,17 +81,17 @@ def test_worker_killed_mid_task_is_reissued_after_its_lease(runner: Runner, db: 
         "        time.sleep(4)\n"
         "        result = 'slept'\n")
     eid = runner.submit(text).execution_id
-    first = wait_for(lambda: claimed(db, eid), 20, "the command to be claimed")
+    first = until_sync(lambda: claimed(db, eid), timeout=20, what="the command to be claimed")
     assert first["attempt"] == 1
-    wait_for(lambda: any(marks.iterdir()), 20, "the task to start running")  # mid-task now
+    until_sync(lambda: any(marks.iterdir()), timeout=20, what="the task to start running")  # mid-task now
     victim = process_of(state, first["worker_id"])
     assert victim.role == "worker"
     state.kill("worker", victim.index)
-    wait_for(lambda: not victim.alive(), 10, f"{victim.instance} to die")
+    until_sync(lambda: not victim.alive(), timeout=10, what=f"{victim.instance} to die")
     killed = time.monotonic()
-    reissued = wait_for(lambda: db.one(
+    reissued = until_sync(lambda: db.one(
         "SELECT meta FROM noetl.event WHERE execution_id = %s AND event_type = 'command.reissued'", (eid,)),
-        COMMAND_LEASE_SEC + 10, "the command to be re-issued")
+        timeout=COMMAND_LEASE_SEC + 10, what="the command to be re-issued")
     print(f"\nre-issued {time.monotonic() - killed:.2f}s after the worker died (claim lease {COMMAND_LEASE_SEC}s)")
     assert reissued["meta"]["attempt"] == 2 and "lease expired" in reissued["meta"]["reason"]
     state.restart("worker", victim.index)
@@ -138,7 +139,7 @@ def test_task_that_kills_its_worker_is_dead_lettered(runner: Runner, db: Db) -> 
     db.wait_projected()
     db.assert_projection_is_a_fold(eid)
     # the workers are back and serve
-    wait_for(lambda: all(p.alive() for p in state.processes("worker")), 30, "every worker up again")
+    until_sync(lambda: all(p.alive() for p in state.processes("worker")), timeout=30, what="every worker up again")
     ok = runner.run(HEADER.format(name="after") + "workflow:\n  - step: start\n    tool: {kind: python, code: 'result = 7'}\n")
     assert ok.status == "COMPLETED" and ok.result("start") == 7
 
@@ -160,21 +161,24 @@ def test_a_long_task_is_never_reaped(runner: Runner, db: Db) -> None:
     eid = runner.submit(text).execution_id
     shard = db.shard_of(eid)
     command = f"{eid}:start:1"
-    first = wait_for(lambda: claimed(db, eid), 20, "the command to be claimed")
+    first = until_sync(lambda: claimed(db, eid), timeout=20, what="the command to be claimed")
     assert first["command_id"] == command and first["attempt"] == 1
     reaper = db.lease("reaper", shard)
     assert reaper["owner_runtime_id"] and reaper["status"] == "alive", f"no live reaper owns shard {shard}"
 
     # while it runs, one claim (same worker, attempt 1) whose lease keeps moving forward
     samples: list[dict[str, Any]] = []
-    while True:
+
+    def sampled_to_the_end() -> bool:
         row = db.one("SELECT status, attempt, worker_id, lease_until FROM noetl.command WHERE command_id = %s",
                      (command,))
         assert row is not None
         if row["status"] != "claimed":
-            break
+            return True
         samples.append(row)
-        time.sleep(0.25)
+        return False
+
+    until_sync(sampled_to_the_end, timeout=LONG_TASK_SEC + 120, what="the long task to end its claim", interval=0.25)
     assert {(s["attempt"], s["worker_id"]) for s in samples} == {(1, first["worker_id"])}, samples
     renewals = sorted({s["lease_until"] for s in samples})
     assert len(renewals) >= 3, f"the claim lease was not renewed while the task ran: {renewals}"

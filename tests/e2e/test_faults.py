@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos import HEADER, Db, moved, owner, process_of, scrape, stack_for, wait_for
+from chaos import HEADER, Db, moved, owner, process_of, scrape, stack_for
 from faultproxy import FaultProxy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness import Runner
+from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_cli.supervise import open_channel
@@ -116,7 +117,7 @@ def start_loop(runner: Runner, db: Db, at_least: int) -> tuple[int, list[int]]:
     """Submit the 5,000-item loop and return once ``at_least`` iterations are accepted."""
     items = [(i * 7919) % N for i in range(N)]
     eid = runner.submit(LOOP, {"items": items}, timeout=600).execution_id
-    wait_for(lambda: accepted(db, eid) >= at_least, 180, f"{at_least} accepted iterations")
+    until_sync(lambda: accepted(db, eid) >= at_least, timeout=180, what=f"{at_least} accepted iterations")
     assert accepted(db, eid) < N, "the loop finished before the fault"
     return eid, [x * 3 + i for i, x in enumerate(items)]
 
@@ -147,10 +148,15 @@ def every_shard_progresses(runner: Runner, timeout: float = 120) -> None:
     engine. Submits canaries until every shard got one."""
     by_shard: dict[int, int] = {}
     deadline = time.monotonic() + timeout
-    while len(by_shard) < SHARDS:
-        assert time.monotonic() < deadline, f"no canary reached shards {sorted(set(range(SHARDS)) - set(by_shard))}"
+
+    def one_on_every_shard() -> bool:
         sub = runner.submit(CANARY)
         by_shard.setdefault(sub.shard_id, sub.execution_id)
+        assert len(by_shard) == SHARDS, f"none yet on shards {sorted(set(range(SHARDS)) - set(by_shard))}"
+        return True
+
+    until_sync(one_on_every_shard, timeout=timeout, what="a canary on every shard", interval=0,
+               ignoring=AssertionError)
     for shard, eid in sorted(by_shard.items()):
         out = runner.wait(eid, max(10.0, deadline - time.monotonic()))
         assert out.status == "COMPLETED" and out.result("start") == 7, (shard, out.status, out.error)
@@ -159,14 +165,15 @@ def every_shard_progresses(runner: Runner, timeout: float = 120) -> None:
 def progress_resumes(db: Db, eid: int, since: float, what: str) -> None:
     """Wait until iterations are accepted again; record how long after ``since`` it took."""
     before = accepted(db, eid)
-    wait_for(lambda: accepted(db, eid) > before or accepted(db, eid) == N, 120, "iterations accepted again")
+    until_sync(lambda: accepted(db, eid) > before or accepted(db, eid) == N,
+               timeout=120, what="iterations accepted again")
     TIMINGS[what] = round(time.monotonic() - since, 2)
 
 
 def wait_serving(state: devstack.StackState, timeout: float = 60) -> None:
     def all_serving() -> bool:
         return all(p.health() == "SERVING" for p in state.processes())
-    wait_for(all_serving, timeout, "every role SERVING again")
+    until_sync(all_serving, timeout=timeout, what="every role SERVING again")
 
 
 def liveness(address: str, ca_file: str) -> str:
@@ -186,13 +193,14 @@ def health_of(state: devstack.StackState, role: str) -> set[str]:
 def restart_postgres(state: devstack.StackState) -> None:
     state.stop_postgres("fast")
     # the roles notice and say so: NOT_SERVING while Postgres is gone
-    wait_for(lambda: "NOT_SERVING" in health_of(state, "api"), 30, "the api NOT_SERVING while Postgres is down")
+    until_sync(lambda: "NOT_SERVING" in health_of(state, "api"),
+               timeout=30, what="the api NOT_SERVING while Postgres is down")
     state.start_postgres()
 
 
 def kill_postgres(state: devstack.StackState) -> None:
     state.kill_postgres()
-    time.sleep(1.0)  # the fault: a second with no database at all
+    time.sleep(1.0)  # a sleep, not a wait: the fault is a second with no database at all
     state.start_postgres()
 
 
@@ -219,12 +227,12 @@ def test_nats_sigkilled_under_a_running_loop(runner: Runner, db: Db) -> None:
     state = runner.state
     eid, expected = start_loop(runner, db, 500)
     state.kill_nats()
-    time.sleep(1.0)  # the fault: a second with no NATS
+    time.sleep(1.0)  # a sleep, not a wait: the fault is a second with no NATS
     before = accepted(db, eid)
     state.start_nats()
     back = time.monotonic()
     # progress resumes soon after NATS is back: iterations are accepted again
-    wait_for(lambda: accepted(db, eid) > before + 10, 30, "iterations accepted after the NATS restart")
+    until_sync(lambda: accepted(db, eid) > before + 10, timeout=30, what="iterations accepted after the NATS restart")
     resumed = time.monotonic() - back
     TIMINGS["nats restart: progress resumed (s after the server accepted clients)"] = round(resumed, 2)
     assert resumed <= 3.0, f"progress resumed {resumed:.1f}s after NATS came back"
@@ -240,7 +248,8 @@ def test_postgres_unreachable_for_20_seconds(runner: Runner, db: Db, proxy: Faul
     eid, expected = start_loop(runner, db, 500)
     proxy.set_mode("refuse")
     try:
-        wait_for(lambda: health_of(state, "api") == {"NOT_SERVING"}, 30, "every api NOT_SERVING while unreachable")
+        until_sync(lambda: health_of(state, "api") == {"NOT_SERVING"},
+                   timeout=30, what="every api NOT_SERVING while unreachable")
         # not ready, but alive: a liveness probe must not get them restarted
         assert {liveness(p.grpc, state.ca_file) for p in state.processes()} == {"SERVING"}
         # a client is told what is wrong at once, not after a timeout
@@ -248,7 +257,7 @@ def test_postgres_unreachable_for_20_seconds(runner: Runner, db: Db, proxy: Faul
         with pytest.raises(Exception, match="postgres unavailable"):
             runner.api.executions.GetExecution(execution_pb2.GetExecutionRequest(execution_id=eid), timeout=10)
         assert time.monotonic() - started < 5
-        time.sleep(20)  # the fault: twenty seconds without the database
+        time.sleep(20)  # a sleep, not a wait: the fault is twenty seconds without the database
     finally:
         proxy.set_mode("pass")
     progress_resumes(db, eid, time.monotonic(), "postgres unreachable 20 s: progress resumed (s after it was back)")
@@ -268,10 +277,12 @@ def test_an_engine_loop_killed_by_an_injected_exception_resumes(runner: Runner, 
     restarts_before = restart_count(scrape(api), "engine")
     with open(faults_file, "a") as fh:
         fh.write(f"engine.loop {shard}\n")
-    wait_for(lambda: f"engine.loop {shard}" not in faults_file.read_text(), 30, "the armed fault to fire")
+    until_sync(lambda: f"engine.loop {shard}" not in faults_file.read_text(),
+               timeout=30, what="the armed fault to fire")
     fired = time.monotonic()
     at_fire = accepted(db, eid)
-    wait_for(lambda: accepted(db, eid) > at_fire + 10, LEASE_SEC * 3, "iterations accepted after the crash")
+    until_sync(lambda: accepted(db, eid) > at_fire + 10,
+               timeout=LEASE_SEC * 3, what="iterations accepted after the crash")
     TIMINGS["engine loop crash: progress resumed (s)"] = round(time.monotonic() - fired, 2)
     assert time.monotonic() - fired <= LEASE_SEC + 2, "the engine loop did not resume within a lease period"
     assert restart_count(scrape(api), "engine") == restarts_before + 1, "the crash was not counted as a restart"
@@ -312,7 +323,8 @@ def test_an_api_replica_frozen_for_two_minutes(runner: Runner, db: Db) -> None:
     the other replica's shards never stall meanwhile (calls to the frozen replica fail
     over); after SIGCONT nothing the zombie commits is accepted."""
     state = runner.state
-    wait_for(lambda: all(p.health() == "SERVING" for p in state.processes("api")), 60, "both api replicas SERVING")
+    until_sync(lambda: all(p.health() == "SERVING" for p in state.processes("api")),
+               timeout=60, what="both api replicas SERVING")
     eid, expected = start_loop(runner, db, 500)
     shard = db.shard_of(eid)
     before = owner(db, "api", shard)
@@ -326,16 +338,17 @@ def test_an_api_replica_frozen_for_two_minutes(runner: Runner, db: Db) -> None:
         runner.api.executions.CancelExecution(execution_pb2.CancelExecutionRequest(
             execution_id=sub.execution_id, reason="on the replica about to freeze"), timeout=10)
     other = sub.execution_id
-    wait_for(lambda: accepted(db, other) >= 20, 60, "the slow loop running")
+    until_sync(lambda: accepted(db, other) >= 20, timeout=60, what="the slow loop running")
 
     frozen.kill(signal.SIGSTOP)
     frozen_at = time.monotonic()
     try:
         # the frozen replica's shard moves and the loop goes on there
-        wait_for(lambda: moved(db, "api", shard, before), LEASE_SEC + 10, f"a new owner of shard {shard}")
+        until_sync(lambda: moved(db, "api", shard, before),
+                   timeout=LEASE_SEC + 10, what=f"a new owner of shard {shard}")
         TIMINGS["api SIGSTOP: shard moved (s)"] = round(time.monotonic() - frozen_at, 2)
         at_move = accepted(db, eid)
-        wait_for(lambda: accepted(db, eid) > at_move, 30, "the loop progressing on its new owner")
+        until_sync(lambda: accepted(db, eid) > at_move, timeout=30, what="the loop progressing on its new owner")
         resumed = time.monotonic() - frozen_at
         TIMINGS["api SIGSTOP: loop resumed on the other replica (s)"] = round(resumed, 2)
         assert resumed <= LEASE_SEC + 5, (f"resumed {resumed:.1f}s after the freeze (lease {LEASE_SEC}s + 5s):"
@@ -344,7 +357,7 @@ def test_an_api_replica_frozen_for_two_minutes(runner: Runner, db: Db) -> None:
         stalls = []
         window_start, last = time.monotonic(), accepted(db, other)
         while time.monotonic() - frozen_at < 45 and last < len(slow_items):
-            time.sleep(5)
+            time.sleep(5)  # a sleep, not a wait: one 5 s window in which the slow loop must progress
             now_count = accepted(db, other)
             if now_count == last:
                 stalls.append(round(time.monotonic() - frozen_at, 1))
@@ -354,12 +367,12 @@ def test_an_api_replica_frozen_for_two_minutes(runner: Runner, db: Db) -> None:
         TIMINGS["api SIGSTOP: window starts checked"] = round(time.monotonic() - window_start, 1)
         remaining = FREEZE_SEC - (time.monotonic() - frozen_at)
         if remaining > 0:
-            time.sleep(remaining)  # the fault: the replica stays frozen for its two minutes
+            time.sleep(remaining)  # a sleep, not a wait: the fault is the replica frozen for two minutes
         thawed_at = db.now()
     finally:
         frozen.kill(signal.SIGCONT)
     # the zombie wakes up with a batch it may have had in flight: nothing of it is accepted
-    wait_for(lambda: frozen.health() == "SERVING", 60, "the thawed replica SERVING again (rejoined)")
+    until_sync(lambda: frozen.health() == "SERVING", timeout=60, what="the thawed replica SERVING again (rejoined)")
     assert lease_epochs_after(db, shard, before.epoch, thawed_at) == 0, "the zombie committed after waking"
     db.assert_shard_log_intact(shard)
     out = runner.wait(other, 300)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from chaos import HEADER, Db, stack_for, wait_for
+from chaos import HEADER, Db, stack_for
 from harness import Runner
+from waiting import until_sync
 
 from noetl_proto.v1 import execution_pb2
 
@@ -267,4 +268,5 @@ def test_zz_every_role_stayed_within_its_memory_bound(runner: Runner) -> None:
             if mib > MEMORY_BOUND_MIB.get(name.rsplit("-", 1)[0], MEMORY_BOUND_OTHERS_MIB)}
     print(f"peak resident memory per role (MiB): {peaks}")
     assert not over, f"roles above their memory bound: {over} (all: {peaks})"
-    wait_for(lambda: all(p.health() == "SERVING" for p in runner.state.processes()), 30, "every role SERVING")
+    until_sync(lambda: all(p.health() == "SERVING" for p in runner.state.processes()),
+               timeout=30, what="every role SERVING")

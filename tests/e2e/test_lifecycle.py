@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from harness import Runner
+from waiting import until_sync
 
 from noetl_proto.v1 import catalog_pb2, execution_pb2
 
@@ -65,11 +66,8 @@ def test_step_timeout_stops_the_task(runner: Runner) -> None:
 def test_cancel_stops_a_running_execution(runner: Runner) -> None:
     text = playbook("cancel", "workflow:\n  - step: start\n    tool: {kind: python, code: \"import time\\ntime.sleep(60)\"}\n")
     sub = runner.submit(text)
-    deadline = time.monotonic() + 20
-    while runner.sql("SELECT count(*) FROM noetl.command WHERE execution_id = %s AND status = 'claimed'",
-                     (sub.execution_id,))[0][0] == 0:
-        assert time.monotonic() < deadline, "command never claimed"
-        time.sleep(0.05)
+    until_sync(lambda: runner.sql("SELECT count(*) FROM noetl.command WHERE execution_id = %s AND status = 'claimed'",
+                                  (sub.execution_id,))[0][0], timeout=20, what="the command claimed")
     resp = runner.api.executions.CancelExecution(execution_pb2.CancelExecutionRequest(
         execution_id=sub.execution_id, reason="test"), timeout=10)
     assert resp.accepted

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import Runner, wait_until
+from harness import Runner
+from waiting import until_sync
 
 from noetl_proto.v1 import common_pb2, execution_pb2
 
@@ -64,7 +65,7 @@ def test_a_running_loop_reports_its_iterations(runner: Runner) -> None:
             return 0 < step.loop.done < 200
         return False
 
-    wait_until(midway, 60, "the loop's progress while it runs")
+    until_sync(midway, timeout=60, what="the loop's progress while it runs")
     out = runner.wait(eid, timeout=120)
     assert out.status == "COMPLETED", out.error
     step = loop_of(runner, eid)

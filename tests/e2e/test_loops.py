@@ -29,11 +29,11 @@ from harness import (
     execute,
     meta,
     put_credential,
-    wait_until,
     worker_busy,
     worker_log,
 )
 from paginated_server import DATA, TestApi, serve
+from waiting import until_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -561,8 +561,8 @@ workflow:
 def test_cancel_during_a_parallel_loop_stops_dispatch(runner: Runner) -> None:
     sub = runner.submit(SLOW)
     eid = sub.execution_id
-    wait_until(lambda: runner.sql("SELECT count(*) FROM noetl.loop_result WHERE execution_id = %s",
-                                  (eid,))[0][0] >= 16, 60, "16 finished iterations")
+    until_sync(lambda: runner.sql("SELECT count(*) FROM noetl.loop_result WHERE execution_id = %s",
+                                  (eid,))[0][0] >= 16, timeout=60, what="16 finished iterations")
     asked = time.monotonic()
     assert cancel(runner, eid)
     out = runner.wait(eid, timeout=30)
@@ -578,7 +578,7 @@ def test_cancel_during_a_parallel_loop_stops_dispatch(runner: Runner) -> None:
     # the worker logged stopping it.
     running = [r[0] for r in runner.sql("SELECT command_id FROM noetl.command WHERE execution_id = %s"
                                         " AND status = 'cancelled' AND claimed_at IS NOT NULL", (eid,))]
-    wait_until(lambda: worker_busy(runner.state) == 0, 30, "the worker to be idle")
+    until_sync(lambda: worker_busy(runner.state) == 0, timeout=30, what="the worker to be idle")
 
     def settled() -> bool:
         dups = {e.command_id for e in runner.events(eid) if e.event_type == "call.duplicate"}
@@ -587,7 +587,7 @@ def test_cancel_during_a_parallel_loop_stops_dispatch(runner: Runner) -> None:
         MEASURED["running at cancel: finished late / stopped"] = (len(dups), len(stopped))
         return set(running) <= dups | stopped
 
-    wait_until(settled, 30, "running iterations to finish or stop")
+    until_sync(settled, timeout=30, what="running iterations to finish or stop")
     after = command_counts(runner, eid)
     assert after == at_terminal, "commands were issued after the cancel"
     assert sum(after.values()) < 200
@@ -605,18 +605,19 @@ def test_cancel_stops_running_iterations(runner: Runner, tmp_path: Path) -> None
     sub = runner.submit(SLOW.replace("max_in_flight: 8", "max_in_flight: 4"),
                         {"n": 20, "seconds": 60, "dir": str(tmp_path)})
     eid = sub.execution_id
-    wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 4, 30, "4 running iterations")
-    wait_until(lambda: all(p.read_text() for p in tmp_path.glob("*.pid")), 5, "pids written")
+    until_sync(lambda: len(list(tmp_path.glob("*.pid"))) == 4, timeout=30, what="4 running iterations")
+    until_sync(lambda: all(p.read_text() for p in tmp_path.glob("*.pid")), timeout=5, what="pids written")
     pids = {p.stem: int(p.read_text()) for p in tmp_path.glob("*.pid")}
     assert all(_alive(pid) for pid in pids.values())
     asked = time.monotonic()
     assert cancel(runner, eid)
     assert runner.wait(eid, timeout=30).status == "CANCELLED"
-    wait_until(lambda: not any(_alive(pid) for pid in pids.values()), 20, "the iterations' processes to exit")
+    until_sync(lambda: not any(_alive(pid) for pid in pids.values()),
+               timeout=20, what="the iterations' processes to exit")
     stop_latency = time.monotonic() - asked
     MEASURED["cancel -> running iterations killed s (lease renewal, no push)"] = round(stop_latency, 2)
     assert stop_latency < 10
-    wait_until(lambda: worker_busy(runner.state) == 0, 10, "the worker to be idle")
+    until_sync(lambda: worker_busy(runner.state) == 0, timeout=10, what="the worker to be idle")
     counts = event_counts(runner, eid)
     assert "call.done" not in counts and "call.duplicate" not in counts, counts
     log = worker_log(runner.state)

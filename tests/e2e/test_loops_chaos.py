@@ -21,8 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from chaos import HEADER, Db, moved, owner, process_of, stack_for, wait_for
+from chaos import HEADER, Db, moved, owner, process_of, stack_for
 from harness import Runner, execute, put_credential
+from waiting import until_sync
 
 from noetl_cli import devstack
 
@@ -52,7 +53,7 @@ def wait_api_balanced(db: Db, state: devstack.StackState) -> None:
         return (set(held) == live and sum(held.values()) == SHARDS
                 and max(held.values()) - min(held.values()) <= 1)
 
-    wait_for(balanced, 30, f"api shards balanced over {sorted(live)}")
+    until_sync(balanced, timeout=30, what=f"api shards balanced over {sorted(live)}")
 
 
 def every_worker_up(state: devstack.StackState) -> None:
@@ -79,13 +80,15 @@ def kill_busiest_worker(db: Db, state: devstack.StackState, execution_id: int) -
     """SIGKILL the worker holding the most claimed commands of the execution; returns it
     and the commands it held when it died (read a moment after its death: a claim it had
     in flight may still commit in the api; after that nothing changes them)."""
-    held = wait_for(lambda: claimed_by(db, execution_id), 30, "a claimed command of the execution")
+    held = until_sync(lambda: claimed_by(db, execution_id), timeout=30, what="a claimed command of the execution")
     instance = max(held, key=lambda w: len(held[w]))
     victim = process_of(state, instance)
     assert victim.role == "worker" and victim.alive()
     state.kill("worker", victim.index)
-    wait_for(lambda: not victim.alive(), 10, f"{victim.instance} to die")
-    time.sleep(1.0)  # well under the command lease (5 s): nothing has expired yet
+    until_sync(lambda: not victim.alive(), timeout=10, what=f"{victim.instance} to die")
+    # a sleep, not a wait: a claim in flight has no signal; a moment, well under the command
+    # lease (5 s), so nothing has expired yet
+    time.sleep(1.0)
     return victim, claimed_by(db, execution_id).get(instance, [])
 
 
@@ -133,7 +136,7 @@ def test_parallel_loop_survives_sigkill_of_a_worker_and_the_shard_owner(runner: 
     shard = db.shard_of(eid)
 
     # 1) a worker, after ~250 accepted iterations
-    wait_for(lambda: accepted(db, eid) >= 250, 120, "250 accepted iterations")
+    until_sync(lambda: accepted(db, eid) >= 250, timeout=120, what="250 accepted iterations")
     worker, held = kill_busiest_worker(db, state, eid)
     at_worker_kill = accepted(db, eid)
     TIMINGS["fan: accepted iterations when the worker was killed"] = at_worker_kill
@@ -141,7 +144,7 @@ def test_parallel_loop_survives_sigkill_of_a_worker_and_the_shard_owner(runner: 
     assert at_worker_kill < N and loop_done_count(db, eid, "fan:1") == 0, "the loop ended before the kill"
 
     # 2) the api replica owning the execution's shard, after ~500 accepted iterations
-    wait_for(lambda: accepted(db, eid) >= 500, 120, "500 accepted iterations")
+    until_sync(lambda: accepted(db, eid) >= 500, timeout=120, what="500 accepted iterations")
     before = owner(db, "api", shard)
     api = process_of(state, before.instance)
     assert api.role == "api" and api.alive()
@@ -150,7 +153,7 @@ def test_parallel_loop_survives_sigkill_of_a_worker_and_the_shard_owner(runner: 
     at_owner_kill = accepted(db, eid)
     TIMINGS["fan: accepted iterations when the shard owner was killed"] = at_owner_kill
     assert at_owner_kill < N and loop_done_count(db, eid, "fan:1") == 0, "the loop ended before the owner kill"
-    after = wait_for(lambda: moved(db, "api", shard, before), 30, f"a new owner of shard {shard}")
+    after = until_sync(lambda: moved(db, "api", shard, before), timeout=30, what=f"a new owner of shard {shard}")
     assert after.instance != api.instance
     TIMINGS["fan: shard takeover observed (s after the kill)"] = round(time.monotonic() - killed_at, 2)
 
@@ -270,7 +273,8 @@ def test_cursor_loop_lands_every_row_once(runner: Runner, db: Db, scenario: str)
 
     held: list[dict[str, Any]] = []
     if scenario == "worker_killed":
-        wait_for(lambda: db.value(f"SELECT count(*) FROM {sink}") >= 1500, 180, "1,500 rows in the sink")
+        until_sync(lambda: db.value(f"SELECT count(*) FROM {sink}") >= 1500,
+                   timeout=180, what="1,500 rows in the sink")
         victim, held = kill_busiest_worker(db, state, eid)
         at_kill = int(db.value(f"SELECT count(*) FROM {sink}"))
         TIMINGS[f"cursor {scenario}: sink rows when {victim.instance} was killed"] = at_kill

@@ -12,7 +12,6 @@ import asyncio
 import json
 import socket
 import ssl
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 from harness import Runner
 from nats.aio.client import Client as NATS
 from nats.js.api import StreamConfig
+from waiting import until
 
 from noetl_cli import stacknats
 from noetl_common import natsio, natsperms, pools
@@ -47,13 +47,6 @@ async def raw_client(runner: Runner, user: str, errors: list[str], **kw: Any) ->
     return await nats.connect(runner.state.nats_user_url(user), name=f"test-{user}", allow_reconnect=False,
                               connect_timeout=5, tls=natsio.tls_context(runner.state.ca_file), error_cb=on_error,
                               inbox_prefix=natsio.inbox_prefix(user), **kw)
-
-
-async def wait_until(cond: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def violation(errors: list[str], kind: str, subject: str) -> Callable[[], bool]:
@@ -143,10 +136,10 @@ def test_the_worker_credential_cannot_publish_a_command(runner: Runner) -> None:
             for kind in (natsio.KIND_SUBMIT, natsio.KIND_CANCEL, natsio.KIND_EXPIRED, natsio.KIND_BARRIER):
                 await worker.publish(natsio.events_subject(PROBE_SHARD, kind), b"forged")
             await worker.flush()
-            await wait_until(violation(errors, "publish", command), 10, "the command's permissions violation")
+            await until(violation(errors, "publish", command), timeout=10, what="the command's permissions violation")
             for kind in (natsio.KIND_SUBMIT, natsio.KIND_CANCEL, natsio.KIND_EXPIRED, natsio.KIND_BARRIER):
-                await wait_until(violation(errors, "publish", natsio.events_subject(PROBE_SHARD, kind)), 10,
-                                 f"the {kind} event's permissions violation")
+                await until(violation(errors, "publish", natsio.events_subject(PROBE_SHARD, kind)), timeout=10,
+                            what=f"the {kind} event's permissions violation")
             await admin.flush()
             assert seen == [], f"the worker's forged messages were routed: {seen}"
             after = int((await admin.jetstream().stream_info(natsio.COMMANDS_STREAM)).state.last_seq)
@@ -182,13 +175,14 @@ def test_the_worker_credential_cannot_manage_streams_or_read_other_roles_subject
             for subject, attempt in attempts:
                 with pytest.raises(nats.errors.TimeoutError):
                     await attempt()
-                await wait_until(violation(errors, "publish", subject), 10, f"the violation on {subject}")
+                await until(violation(errors, "publish", subject), timeout=10, what=f"the violation on {subject}")
             # Subscriptions outside its own: events, other roles' replies and hints.
             for subject in ("noetl.events.>", "noetl.commands.>", "_INBOX.api.>", "_INBOX.>",
                             natsio.progress_subject(1), natsio.projector_subject(0)):
                 await worker.subscribe(subject)
                 await worker.flush()
-                await wait_until(violation(errors, "subscription", subject), 10, f"the violation on {subject}")
+                await until(violation(errors, "subscription", subject),
+                            timeout=10, what=f"the violation on {subject}")
             # Nothing changed: both streams are there, the workers' consumer too.
             ajs = admin.jetstream()
             for name in (natsio.EVENTS_STREAM, natsio.COMMANDS_STREAM):

@@ -23,7 +23,8 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import Runner, cancel, rpc_code, wait_until
+from harness import Runner, cancel, rpc_code
+from waiting import until_sync
 
 from noetl_proto.v1 import common_pb2, execution_pb2
 
@@ -242,7 +243,8 @@ def test_refusals_name_why(runner: Runner, tmp_path: Path) -> None:
     assert "completed: nothing failed to rerun from" in err.details()
 
     slow = runner.submit(SLOW).execution_id
-    wait_until(lambda: execution(runner, slow).status == common_pb2.EXECUTION_STATUS_RUNNING, 30, "slow running")
+    until_sync(lambda: execution(runner, slow).status == common_pb2.EXECUTION_STATUS_RUNNING,
+               timeout=30, what="slow running")
     err = refused(lambda: rerun(runner, slow))
     assert rpc_code(err) == grpc.StatusCode.FAILED_PRECONDITION and "is still running" in err.details()
     assert cancel(runner, slow)

@@ -127,7 +127,7 @@ class Purger:
                     self.purges += 1
                 except Exception:
                     pass
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # a sleep, not a wait: the fault is a purge every 10 ms
         finally:
             await nc.close()
 

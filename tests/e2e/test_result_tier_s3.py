@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Runner, start_stack, wait_until, worker_busy
+from harness import Runner, start_stack, worker_busy
+from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_cli.localstack import S3Server, start_s3
@@ -150,7 +151,7 @@ def test_an_s3_outage_while_persisting_is_reference_not_available(s3_stack: Runn
     """Last in the module: it takes the S3 server down, for longer than the worker waits
     out an outage (NOETL_WORKER_INFRA_RETRY_SEC=8): only then is the result given up on."""
     sub = s3_stack.submit(SLOW)
-    wait_until(lambda: worker_busy(s3_stack.state) >= 1, 30, "the slow step to be running")
+    until_sync(lambda: worker_busy(s3_stack.state) >= 1, timeout=30, what="the slow step to be running")
     s3.kill()
     out = s3_stack.wait(sub.execution_id, timeout=60)
     assert out.status == "FAILED"

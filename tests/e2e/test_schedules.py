@@ -26,8 +26,9 @@ from typing import Any
 
 import grpc
 import pytest
-from chaos import Db, moved, owner, process_of, stack_for, wait_for
+from chaos import Db, moved, owner, process_of, stack_for
 from harness import Runner, metric_sum, register_playbook
+from waiting import until_sync
 
 from noetl_cli.apichannel import Api
 from noetl_proto.v1 import schedule_pb2
@@ -96,33 +97,34 @@ def test_one_execution_per_tick_across_sigkills_of_the_scheduling_role(runner: R
     once = add(runner, "every-second-once", "once")
     assert len(every["next_runs"]) == 3
     a, b = every["schedule_id"], once["schedule_id"]
-    wait_for(lambda: submitted(db, a) >= 3 and submitted(db, b) >= 3, 30, "the first ticks submitted")
+    until_sync(lambda: submitted(db, a) >= 3 and submitted(db, b) >= 3, timeout=30, what="the first ticks submitted")
 
     # 1. the reaper replica owning the `all` schedule's shard dies; the other takes it over
     before = owner(db, "reaper", every["shard_id"])
     victim = process_of(state, before.instance)
     victim.kill()
     killed_at = db.now()
-    after = wait_for(lambda: moved(db, "reaper", every["shard_id"], before), 30, "the reaper shard taken over")
-    wait_for(lambda: fired_after(db, a, killed_at, 3), 30, "ticks fired by the new owner")
+    after = until_sync(lambda: moved(db, "reaper", every["shard_id"], before),
+                       timeout=30, what="the reaper shard taken over")
+    until_sync(lambda: fired_after(db, a, killed_at, 3), timeout=30, what="ticks fired by the new owner")
     state.restart("reaper", victim.index)
 
     # 2. every reaper dies: nothing fires until they are back
     for index in (0, 1):
         state.kill("reaper", index)
     down_at = db.now()
-    wait_for(lambda: db.now() - down_at > 4 * SECOND, 30, "four ticks missed")
+    until_sync(lambda: db.now() - down_at > 4 * SECOND, timeout=30, what="four ticks missed")
     for index in (0, 1):
         state.restart("reaper", index)
     back_at = db.now()
-    wait_for(lambda: fired_after(db, a, back_at, 3) and fired_after(db, b, back_at, 2), 60,
-             "ticks fired after the restart")
+    until_sync(lambda: fired_after(db, a, back_at, 3) and fired_after(db, b, back_at, 2), timeout=60,
+               what="ticks fired after the restart")
 
     for name in ("every-second-all", "every-second-once"):
         assert runner.cli("schedule", "pause", name).returncode == 0
-    wait_for(lambda: not db.value("SELECT count(*) FROM noetl.schedule_tick WHERE schedule_id IN (%s, %s)"
-                                  " AND execution_id IS NULL AND error IS NULL", (a, b)), 30,
-             "every fired tick submitted")
+    until_sync(lambda: not db.value("SELECT count(*) FROM noetl.schedule_tick WHERE schedule_id IN (%s, %s)"
+                                    " AND execution_id IS NULL AND error IS NULL", (a, b)), timeout=30,
+               what="every fired tick submitted")
 
     # all: the 1 s grid from the first tick to the last, once each, one execution each
     got = ticks(db, a)
@@ -165,8 +167,9 @@ def test_a_tick_the_api_refuses_is_recorded_and_not_retried(runner: Runner, db: 
     proc = runner.cli("schedule", "add", "refused", "--path", "tests/schedules/needs", "--every", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     sid = json.loads(proc.stdout)["schedule_id"]
-    wait_for(lambda: int(db.value("SELECT count(*) FROM noetl.schedule_tick WHERE schedule_id = %s"
-                                  " AND error IS NOT NULL", (sid,))) >= 2, 30, "refused ticks recorded")
+    until_sync(lambda: int(db.value("SELECT count(*) FROM noetl.schedule_tick WHERE schedule_id = %s"
+                                    " AND error IS NOT NULL", (sid,))) >= 2,
+               timeout=30, what="refused ticks recorded")
     refused = db.all("SELECT execution_id, error FROM noetl.schedule_tick WHERE schedule_id = %s"
                      " AND error IS NOT NULL", (sid,))
     assert all(r["execution_id"] is None and r["error"].startswith("INVALID_ARGUMENT: ") and "needed" in r["error"]

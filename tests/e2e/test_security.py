@@ -14,8 +14,9 @@ from typing import Any
 
 import grpc
 import pytest
-from chaos import Db, wait_for
+from chaos import Db
 from harness import Runner
+from waiting import until_sync
 
 from noetl_cli.supervise import open_channel
 from noetl_common import auth, natsio
@@ -163,8 +164,9 @@ workflow:
 
 def test_a_result_without_its_claim_token_is_not_accepted(runner: Runner, db: Db) -> None:
     eid = runner.submit(SLOW).execution_id
-    row = wait_for(lambda: db.one("SELECT command_id, shard_id, attempt, worker_id FROM noetl.command"
-                                  " WHERE execution_id = %s AND status = 'claimed'", (eid,)), 30, "the claim")
+    row = until_sync(lambda: db.one("SELECT command_id, shard_id, attempt, worker_id FROM noetl.command"
+                                    " WHERE execution_id = %s AND status = 'claimed'", (eid,)),
+                     timeout=30, what="the claim")
     forged = messages_pb2.CallResult(
         command_id=row["command_id"], execution_id=eid, step="start", attempt=row["attempt"],
         worker_id=row["worker_id"], claim_token="0" * 40,

@@ -11,12 +11,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psycopg
 import pytest
 from harness import REPO
+from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_cli.localstack import pid_alive
@@ -109,9 +109,7 @@ def test_cli_dev_up_scale_status_kill_an_api_down_leaves_nothing() -> None:
 
         victim = apis[1]
         os.kill(victim["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while pid_alive(victim["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until_sync(lambda: not pid_alive(victim["pid"]), timeout=10, what=f"{victim['instance']} to die")
         again = subprocess.run([*cli, "dev", "status", "--json"], env=env, capture_output=True, text=True,
                                timeout=60, cwd=str(REPO))
         after = json.loads(again.stdout)
@@ -124,15 +122,15 @@ def test_cli_dev_up_scale_status_kill_an_api_down_leaves_nothing() -> None:
         # the dead replica's engine shards are taken over by the live ones
         live = {apis[0]["instance"], apis[2]["instance"]}
         with psycopg.connect(doc["postgres_dsn"], autocommit=True) as conn:
-            deadline = time.monotonic() + 30
-            while True:
+            def moved() -> bool:
                 owners = conn.execute(
                     "SELECT l.shard_id, r.instance FROM noetl.shard_lease l LEFT JOIN noetl.runtime r"
                     " ON r.runtime_id = l.owner_runtime_id AND r.status = 'alive' WHERE l.role = 'api'").fetchall()
-                if len(owners) == 16 and {o[1] for o in owners} == live:
-                    break
-                assert time.monotonic() < deadline, f"api shards not moved to {sorted(live)}: {owners}"
-                time.sleep(0.1)
+                assert len(owners) == 16 and {o[1] for o in owners} == live, owners
+                return True
+
+            until_sync(moved, timeout=30, what=f"api shards moved to {sorted(live)}", interval=0.1,
+                       ignoring=AssertionError)
         cluster = subprocess.run([*cli, "cluster", "--role", "api"], env=env, capture_output=True, text=True,
                                  timeout=60, cwd=str(REPO))
         assert cluster.returncode == 0, (cluster.stdout, cluster.stderr)

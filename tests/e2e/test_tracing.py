@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos import Db, chain, moved, owner, process_of, stack_for, wait_for
+from chaos import Db, chain, moved, owner, process_of, stack_for
 from harness import Runner
+from waiting import until_sync
 
 from noetl_common.tracing import read_jsonl
 from noetl_proto.v1 import execution_pb2
@@ -90,7 +91,7 @@ def trace_of(spans_dir: Path, execution_id: int, *, complete: str = "playbook.co
         end = [s for s in spans if s["name"] == complete and s["attributes"].get("noetl.execution_id") == execution_id]
         return Trace(spans, end[0]["trace_id"]) if end else None
 
-    return wait_for(ready, 30, f"the {complete} span of execution {execution_id}")
+    return until_sync(ready, timeout=30, what=f"the {complete} span of execution {execution_id}")
 
 
 def assert_one_trace_per_execution(spans_dir: Path, execution_id: int, trace: Trace) -> None:
@@ -176,13 +177,13 @@ def test_the_trace_survives_an_engine_takeover(runner: Runner, db: Db, spans_dir
     state = runner.state
     eid = runner.submit(chain("traced-takeover", 4, 0.7)).execution_id
     shard = db.shard_of(eid)
-    wait_for(lambda: db.value("SELECT count(*) FROM noetl.event WHERE execution_id = %s"
-                              " AND event_type = 'step.enter'", (eid,)) >= 2, 30, "the second step")
+    until_sync(lambda: db.value("SELECT count(*) FROM noetl.event WHERE execution_id = %s"
+                                " AND event_type = 'step.enter'", (eid,)) >= 2, timeout=30, what="the second step")
     before = owner(db, "api", shard)
     victim = process_of(state, before.instance)
     state.kill("api", victim.index)
     try:
-        after = wait_for(lambda: moved(db, "api", shard, before), 20, f"a new owner of shard {shard}")
+        after = until_sync(lambda: moved(db, "api", shard, before), timeout=20, what=f"a new owner of shard {shard}")
         out = runner.wait(eid, 60)
         assert out.status == "COMPLETED", out.error
         trace = trace_of(spans_dir, eid)

@@ -19,8 +19,9 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from chaos import HEADER, Db, stack_for, wait_for
+from chaos import HEADER, Db, stack_for
 from harness import Runner
+from waiting import until_sync
 
 from noetl_proto.v1 import execution_pb2
 
@@ -113,10 +114,11 @@ def test_a_gpu_step_with_no_gpu_worker_is_visible_and_runs_once_one_is_back(runn
     state.stop("worker", 1)  # the orderly way: it leaves the membership
     try:
         eid = runner.submit(GPU_ONLY).execution_id
-        waiting = wait_for(lambda: (s := step_state(runner, eid, "start")) is not None and s.waiting, 30,
-                           "the step to say why it waits")
+        waiting = until_sync(lambda: (s := step_state(runner, eid, "start")) is not None and s.waiting, timeout=30,
+                             what="the step to say why it waits")
         assert waiting == "no live worker in pool gpu (running python tasks)"
-        wait_for(lambda: unschedulable(runner, "gpu") >= 1, 30, "noetl_commands_unschedulable{pool=gpu}")
+        until_sync(lambda: unschedulable(runner, "gpu") >= 1,
+                   timeout=30, what="noetl_commands_unschedulable{pool=gpu}")
         status = runner.cli("status", str(eid))
         assert "waiting: no live worker in pool gpu" in status.stdout, status.stdout
         assert db.value("SELECT status FROM noetl.command WHERE execution_id = %s", (eid,)) == "queued"
@@ -125,7 +127,7 @@ def test_a_gpu_step_with_no_gpu_worker_is_visible_and_runs_once_one_is_back(runn
     out = runner.wait(eid, 60)
     assert out.status == "COMPLETED" and out.result("start") == "ran on gpu", out
     assert workers_of(db, eid, "start") == {GPU_WORKER}
-    wait_for(lambda: unschedulable(runner, "gpu") == 0, 30, "the gauge back to 0")
+    until_sync(lambda: unschedulable(runner, "gpu") == 0, timeout=30, what="the gauge back to 0")
 
 
 BACKLOG = HEADER.format(name="backlog") + """
@@ -149,10 +151,10 @@ def test_a_high_priority_command_is_taken_before_a_queued_low_priority_backlog(r
     low = submit(execution_pb2.SubmitExecutionRequest(playbook_yaml=BACKLOG, priority=execution_pb2.PRIORITY_LOW),
                  timeout=30).execution_id
     # the backlog is queued and the one slot of pool batch is working through it
-    wait_for(lambda: db.value("SELECT count(*) FROM noetl.command WHERE execution_id = %s AND status = 'queued'",
-                              (low,)) >= 150 and
-             db.value("SELECT count(*) FROM noetl.command WHERE execution_id = %s AND worker_id IS NOT NULL",
-                      (low,)) >= 1, 60, "200 low-priority commands queued and the first taken")
+    until_sync(lambda: db.value("SELECT count(*) FROM noetl.command WHERE execution_id = %s AND status = 'queued'",
+                                (low,)) >= 150 and
+               db.value("SELECT count(*) FROM noetl.command WHERE execution_id = %s AND worker_id IS NOT NULL",
+                        (low,)) >= 1, timeout=60, what="200 low-priority commands queued and the first taken")
     high = submit(execution_pb2.SubmitExecutionRequest(playbook_yaml=URGENT, priority=execution_pb2.PRIORITY_HIGH),
                   timeout=30).execution_id
     assert runner.wait(high, 60).status == "COMPLETED"

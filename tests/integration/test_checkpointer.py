@@ -17,15 +17,16 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from waiting import until
 
 from noetl_api.catalog import Catalog
 from noetl_api.engine.shard import EngineDeps, ShardEngine
@@ -44,8 +45,6 @@ from noetl_store import MemoryResultStore
 
 pytestmark = pytest.mark.integration
 
-T = TypeVar("T")
-
 EXECUTIONS = SnowflakeGenerator(node_id=1020)
 EPOCHS = SnowflakeGenerator(node_id=1019)  # checkpoint epochs are snowflakes of the checkpointer's node
 ENGINE_OWNER = 7_100_000_000 + random.randrange(1_000_000)  # fake members
@@ -54,16 +53,6 @@ CHECKPOINTER_OWNER = ENGINE_OWNER + 2
 ENGINE_EPOCH = 1
 PROJECTOR_EPOCH = 1
 EPOCH = 5  # the checkpointer's lease epoch
-
-
-async def eventually(probe: Callable[[], Awaitable[T]], what: str, limit: float = 15.0) -> T:
-    deadline = asyncio.get_running_loop().time() + limit
-    while True:
-        value = await probe()
-        if value:
-            return value
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what} (last: {value!r})"
-        await asyncio.sleep(0.02)
 
 
 @dataclass
@@ -190,7 +179,7 @@ class Cell:
             lease = await self.engine_lease()
             return int(lease["barrier_seq"]) if int(lease["barrier_epoch"]) == epoch else None
 
-        return await eventually(applied, f"the engine to append the barrier of epoch {epoch}")
+        return await until(applied, what=f"the engine to append the barrier of epoch {epoch}", timeout=15)
 
     async def cleanup(self) -> None:
         for worker, task in self.tasks:
@@ -336,12 +325,12 @@ async def test_run_loop_seals_every_growth_and_leaves_an_idle_shard_alone(cell: 
 
     for n in (3, 1, 4):
         grown_to = await cell.grow(n)
-        await eventually(fully_sealed, f"the shard sealed past shard_seq {grown_to}")
+        await until(fully_sealed, what=f"the shard sealed past shard_seq {grown_to}", timeout=15)
         assert (await cell.sealed())[-1][1] == grown_to + 1  # the barrier right after the growth
 
     # idle now: during many intervals nothing is requested, appended or sealed
     before = (await cell.last_request(), await cell.barriers(), await cell.sealed(), await cell.engine_lease())
-    await asyncio.sleep(1.0)  # 20 checkpoint intervals
+    await asyncio.sleep(1.0)  # a sleep, not a wait: 20 checkpoint intervals in which nothing may happen
     after = (await cell.last_request(), await cell.barriers(), await cell.sealed(), await cell.engine_lease())
     assert after == before
     assert not running.done()

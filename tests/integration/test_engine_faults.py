@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY
+from waiting import until
 
 from noetl_api.catalog import Catalog
 from noetl_api.engine.shard import EngineDeps, ShardEngine
@@ -41,7 +42,6 @@ from noetl_store import MemoryResultStore
 
 pytestmark = pytest.mark.integration
 
-T = TypeVar("T")
 IDS = SnowflakeGenerator(node_id=1018)
 OWNER = 6_100_000_000 + random.randrange(1_000_000)
 EPOCH = 3
@@ -53,16 +53,6 @@ workflow:
   - step: start
     tool: {kind: noop}
 """
-
-
-async def eventually(probe: Callable[[], Awaitable[T]], what: str, limit: float = 20.0) -> T:
-    deadline = asyncio.get_running_loop().time() + limit
-    while True:
-        value = await probe()
-        if value:
-            return value
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what} (last: {value!r})"
-        await asyncio.sleep(0.02)
 
 
 def metric(name: str, shard: int) -> float:
@@ -149,6 +139,16 @@ async def cell(pool: Pool, nc: NATS) -> AsyncIterator[Cell]:
         await c.cleanup()
 
 
+def fault_armed(point: str, key: object) -> bool:
+    """Whether this process (the engine's) now fails at ``point`` for ``key``: the file
+    is re-read at most every faults.READ_EVERY_SEC. Only for never-consumed (``*``) lines."""
+    try:
+        faults.check(point, key)
+    except faults.InjectedFault:
+        return True
+    return False
+
+
 @pytest.fixture
 def armed(tmp_path: Path) -> Iterator[Path]:
     """This process's fault points armed from a file of the test's."""
@@ -164,18 +164,19 @@ def armed(tmp_path: Path) -> Iterator[Path]:
 async def test_a_poison_input_is_quarantined_and_the_rest_of_the_shard_goes_on(cell: Cell, armed: Path) -> None:
     await cell.start_engine()
     poisoned = await cell.request()
-    await eventually(lambda: cell.status(poisoned), "the execution to start")
+    await until(lambda: cell.status(poisoned), what="the execution to start", timeout=20)
     before = metric("noetl_engine_quarantined_total", cell.shard)
     # from now on every input of `poisoned` makes the engine raise (a bug on its data)
     await asyncio.to_thread(armed.write_text, f"engine.input {poisoned} *\n")
-    await asyncio.sleep(faults.READ_EVERY_SEC * 2)
+    await until(lambda: fault_armed("engine.input", poisoned), timeout=10, what="the fault armed in this process")
     await cell.publish(natsio.KIND_CANCEL, messages_pb2.EngineInput(cancel=messages_pb2.CancelRequested(
         execution_id=poisoned, reason="test")).SerializeToString())
     healthy = await cell.request()  # in the same batch or the next: it starts all the same
     await cell.publish(natsio.KIND_CALL, b"\xff\x00 not a protobuf")
 
-    await eventually(lambda: _is(cell.rows("SELECT count(*) AS n FROM noetl.quarantine WHERE shard_id = %s",
-                                           (cell.shard,)), [{"n": 2}]), "the poison and the garbage quarantined", 30)
+    await until(lambda: _is(cell.rows("SELECT count(*) AS n FROM noetl.quarantine WHERE shard_id = %s",
+                                      (cell.shard,)), [{"n": 2}]), timeout=30,
+                what="the poison and the garbage quarantined")
     found = await cell.rows("SELECT * FROM noetl.quarantine WHERE shard_id = %s", (cell.shard,))
     kinds = {r["input_kind"]: r for r in found}
     assert set(kinds) == {"cancel", "undecodable"}, kinds
@@ -190,7 +191,7 @@ async def test_a_poison_input_is_quarantined_and_the_rest_of_the_shard_goes_on(c
                              (poisoned,))
     assert len(failed) == 1 and "ENGINE_INPUT_QUARANTINED" in failed[0]["result"]["error"]["message"]
     # the rest of the shard went on
-    await eventually(lambda: cell.status(healthy), "the healthy execution to start")
+    await until(lambda: cell.status(healthy), what="the healthy execution to start", timeout=20)
     assert metric("noetl_engine_quarantined_total", cell.shard) == before + 2
     listed = await Queries(cell.pool, MemoryResultStore()).quarantined(poisoned, 10)
     assert [r["input_kind"] for r in listed] == ["cancel"]
@@ -199,17 +200,17 @@ async def test_a_poison_input_is_quarantined_and_the_rest_of_the_shard_goes_on(c
 async def test_an_execution_whose_start_is_poisoned_reads_failed_and_is_not_swept_again(cell: Cell, armed: Path) -> None:
     doomed = IDS.next_id()
     await asyncio.to_thread(armed.write_text, f"engine.input {doomed} *\n")
-    await asyncio.sleep(faults.READ_EVERY_SEC * 2)
+    await until(lambda: fault_armed("engine.input", doomed), timeout=10, what="the fault armed in this process")
     await cell.start_engine()
     cell.executions.append(doomed)
     async with cell.pool.connection() as conn, conn.transaction():
         await conn.execute("INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
                            " timeout_sec) VALUES (%s, %s, %s, '{}', 600)", (doomed, cell.shard, cell.catalog_id))
     # no nudge: the sweep finds it, fails on it, quarantines it once, and then skips it
-    rows = await eventually(lambda: cell.rows("SELECT * FROM noetl.quarantine WHERE execution_id = %s", (doomed,)),
-                            "the start quarantined", 30)
+    rows = await until(lambda: cell.rows("SELECT * FROM noetl.quarantine WHERE execution_id = %s", (doomed,)),
+                       what="the start quarantined", timeout=30)
     assert rows[0]["input_kind"] == "submitted" and rows[0]["stream_seq"] is None
-    await asyncio.sleep(1.0)  # five sweeps later: still one record
+    await asyncio.sleep(1.0)  # a sleep, not a wait: five sweeps later there is still one record
     assert len(await cell.rows("SELECT 1 FROM noetl.quarantine WHERE execution_id = %s", (doomed,))) == 1
     row = await Queries(cell.pool, MemoryResultStore()).execution(doomed)
     assert row["status"] == "FAILED" and "ENGINE_INPUT_QUARANTINED" in row["error"]
@@ -225,7 +226,7 @@ async def test_engine_resumes_at_the_end_of_a_stream_that_went_back(cell: Cell) 
     before = metric("noetl_engine_stream_resets_total", cell.shard)
     await cell.start_engine()
     eid = await cell.request()  # lands at a position below the recorded one
-    await eventually(lambda: cell.status(eid), "the execution submitted after the reset to start")
+    await until(lambda: cell.status(eid), what="the execution submitted after the reset to start", timeout=20)
     assert metric("noetl_engine_stream_resets_total", cell.shard) == before + 1
     lease = (await cell.rows("SELECT stream_seq FROM noetl.shard_lease WHERE role = 'api' AND shard_id = %s",
                              (cell.shard,)))[0]
@@ -236,7 +237,7 @@ async def test_engine_resumes_at_the_end_of_a_stream_that_went_back(cell: Cell) 
 async def test_a_cancel_is_in_postgres_before_it_is_acknowledged(cell: Cell, nats_url: str) -> None:
     await cell.start_engine()
     eid = await cell.request()
-    await eventually(lambda: cell.status(eid), "the execution to start")
+    await until(lambda: cell.status(eid), what="the execution to start", timeout=20)
     # a NATS connection that is closed: the nudge cannot be published
     dead = await natsio.connect(nats_url, name="test-dead-nats")
     await dead.close()
@@ -245,7 +246,7 @@ async def test_a_cancel_is_in_postgres_before_it_is_acknowledged(cell: Cell, nat
                                           None)  # type: ignore[arg-type]
     assert resp.accepted
     # committed before the answer, applied by the engine's sweep, then gone
-    await eventually(lambda: _is(cell.status(eid), "cancelled"), "the sweep to apply the cancel")
+    await until(lambda: _is(cell.status(eid), "cancelled"), what="the sweep to apply the cancel", timeout=20)
     assert await cell.rows("SELECT 1 FROM noetl.cancel_request WHERE execution_id = %s", (eid,)) == []
     cancelled = await cell.rows("SELECT result FROM noetl.event WHERE execution_id = %s"
                                 " AND event_type = 'playbook.cancelled'", (eid,))

@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.rows import dict_row
+from waiting import until
 
 from noetl_common.errors import LeaseLost
 from noetl_common.ids import SnowflakeGenerator
@@ -66,7 +67,7 @@ async def engine_batch(conn: Conn, shard: int, epoch: int, events: int, delay: f
         seqs = list(range(seq + 1, seq + events + 1))
         await event_log.append_events(conn, [(eid, shard, s, "test.fence", None, None, None, json.dumps({"w": 1}))
                                        for s in seqs])
-        await asyncio.sleep(delay)  # commits late: a slow batch, a GC pause
+        await asyncio.sleep(delay)  # a sleep, not a wait: commits late (a slow batch, a GC pause)
         await leases.finish_engine_batch(conn, "api", shard, seqs[-1], 0, 0, 0)
     return seqs
 
@@ -87,7 +88,7 @@ async def watermark_reader(dsn: str, query: str, params: Callable[[int], tuple[A
                 watermark = seen[-1]
             if done:
                 break
-            await asyncio.sleep(random.uniform(0, 0.002))
+            await asyncio.sleep(random.uniform(0, 0.002))  # a jitter, not a wait: reads interleave with commits
     await task
     return seen
 
@@ -143,7 +144,7 @@ async def test_unfenced_sequence_ids_can_be_skipped(pg_dsn: str, unfenced: str) 
                 ids = [r["id"] for r in await cur.fetchall()]
                 async with conn.cursor() as c:
                     await c.executemany(f"INSERT INTO public.{table} (id) VALUES (%s)", [(i,) for i in ids])
-                await asyncio.sleep(random.uniform(0, 0.004))
+                await asyncio.sleep(random.uniform(0, 0.004))  # a jitter, not a wait: commits in any order
             written.extend(ids)
 
     skipped: set[int] = set()
@@ -197,22 +198,16 @@ async def test_takeover_waits_for_the_in_flight_batch_then_fences_the_old_owner_
         assert row is not None
         return row
 
-    async def until(cond: Callable[[], Awaitable[bool]], what: str) -> None:
-        for _ in range(500):
-            if await cond():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"timed out waiting for {what}")
-
     try:
         batch = asyncio.ensure_future(engine_batch(old, shard, 1, 3, 1.0))
         # the batch has fenced (its UPDATE gave it a transaction id and the row lock)
-        await until(lambda: _field(activity(old), "writing"), "the batch to fence")
+        await until(lambda: _field(activity(old), "writing"), timeout=10, what="the batch to fence", interval=0.01)
         # the shard-manager's epoch bump (membership.rebalance) waits on the row lock...
         bump = asyncio.ensure_future(leader.execute(
             "UPDATE noetl.shard_lease SET owner_runtime_id = %s, epoch = epoch + 1 WHERE role = 'api'"
             " AND shard_id = %s", (OWNER + 1, shard)))
-        await until(lambda: _equals(activity(leader), "wait_event_type", "Lock"), "the takeover to wait")
+        await until(lambda: _equals(activity(leader), "wait_event_type", "Lock"), timeout=10,
+                    what="the takeover to wait on the row lock", interval=0.01)
         assert not batch.done() and not bump.done()
         assert await batch == [1, 2, 3]  # the in-flight batch commits
         await asyncio.wait_for(bump, 5)  # then the takeover goes through

@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from waiting import until
 
 from noetl_common.db import Pool, make_pool
 from noetl_db import leases as lease_db
@@ -55,14 +56,20 @@ async def leases(pool: Pool, role: str) -> dict[int, dict[str, Any]]:
 async def settled(pool: Pool) -> None:
     """Nobody is declared dead within a lease of the database's start (a restart is
     everyone's missed heartbeat): wait until the test server is older than that."""
-    while True:
+    async def age() -> float | None:
         async with pool.connection() as conn:
             cur = await conn.execute("SELECT extract(epoch FROM now() - pg_postmaster_start_time()) AS age")
             row = await cur.fetchone()
             await conn.commit()
-        if row is not None and float(row["age"]) > LEASE_SEC:
-            return
-        await asyncio.sleep(0.1)
+        return None if row is None else float(row["age"])
+
+    async def old_enough() -> bool:
+        seen = await age()
+        assert seen is not None and seen > LEASE_SEC, f"postgres is {seen} s old"
+        return True
+
+    await until(old_enough, timeout=60, what=f"postgres older than {LEASE_SEC} s", interval=0.1,
+                ignoring=AssertionError)
 
 
 async def test_leader_is_not_stalled_by_a_member_frozen_in_a_fenced_transaction(

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from fakerole import command_for, write_fake_role
 from psycopg.conninfo import conninfo_to_dict
+from waiting import until_sync
 
 from noetl_cli import devstack, stackpg
 from noetl_cli.localstack import pid_alive
@@ -156,9 +157,7 @@ def test_kill_and_restart_one_replica(stack: devstack.StackState) -> None:
     worker = stack.process("worker", 1)
     old_pid, old_grpc, old_child = worker.pid, worker.grpc, ready_data(worker)["child"]
     stack.kill("worker", 1)
-    deadline = time.monotonic() + 10
-    while worker.alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    until_sync(lambda: not worker.alive(), timeout=10, what="worker-1 to die", interval=0.02)
     report = devstack.status(stack.home)
     assert report is not None and not report.healthy
     assert [e["health"] for e in report.services["worker"]] == ["SERVING", "DEAD"]
@@ -276,11 +275,9 @@ def test_cli_dev_up_foreground_stops_on_sigterm(tmp_path: Path, fake_role: Path)
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         state_file = home / "dev" / "state.json"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None:
-            if state_file.exists() and json.loads(state_file.read_text() or "{}").get("phase") == "up":
-                break
-            time.sleep(0.1)
+        until_sync(lambda: proc.poll() is not None or (
+            state_file.exists() and json.loads(state_file.read_text() or "{}").get("phase") == "up"),
+            timeout=90, what="`dev up` to record phase up (or to exit)", interval=0.1)
         assert proc.poll() is None, proc.communicate()
         pids = recorded_pids(home)
         proc.send_signal(signal.SIGTERM)

@@ -9,15 +9,14 @@ import asyncio
 import json
 import os
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import psycopg
 import pytest
 from fakerole import command_for, write_fake_role
 from psycopg.conninfo import conninfo_to_dict
+from waiting import until_sync
 
 from noetl_cli import devstack, stackpg
 from noetl_cli.home import state_path
@@ -27,19 +26,7 @@ from noetl_cli.ports import PortTaken
 
 pytestmark = pytest.mark.integration
 
-T = TypeVar("T")
 ROLE_DSN_SUFFIX = " application_name=noetl-role"
-
-
-def wait_for(cond: Callable[[], T], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +158,7 @@ def test_up_restarts_a_dead_replica_under_its_name_and_port(stack: devstack.Stac
     old_pid, old_grpc = worker.pid, worker.grpc
     others = {k: v for k, v in role_pids(stack).items() if k != "worker-1"}
     stack.kill("worker", 1)
-    wait_for(lambda: not worker.alive(), 10, "worker-1 to die")
+    until_sync(lambda: not worker.alive(), timeout=10, what="worker-1 to die")
     lines: list[str] = []
     healed = devstack.up(stack.home, progress=lines.append)
     assert healed.healed == ["worker-1"]
@@ -193,8 +180,8 @@ def test_heal_waits_for_every_role_to_answer_serving(stack: devstack.StackState,
     flag = health_dir / "projector-0"
     flag.write_text("NOT_SERVING")
     try:
-        wait_for(lambda: status_json(stack.home, capsys)[1]["services"]["projector"][0]["health"] == "NOT_SERVING",
-                 10, "projector-0 to report NOT_SERVING")
+        until_sync(lambda: status_json(stack.home, capsys)[1]["services"]["projector"][0]["health"] == "NOT_SERVING",
+                   timeout=10, what="projector-0 to report NOT_SERVING")
         assert main(["dev", "status", "--home", str(stack.home)]) == 1
         assert "NOT_SERVING" in capsys.readouterr().out
         with pytest.raises(devstack.StackError, match="projector-0 is not SERVING"):

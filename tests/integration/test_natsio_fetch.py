@@ -12,6 +12,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from waiting import until
 
 from noetl_common import natsio
 
@@ -35,25 +36,39 @@ async def subs(nc: NATS) -> AsyncIterator[tuple[JetStreamContext, list[JetStream
 
 async def _settled(js: JetStreamContext, durable: str, *, pending: int) -> None:
     """The consumer holds no delivered-but-unacked message and has ``pending`` to deliver."""
-    for _ in range(100):
+    async def settled() -> bool:
         info = await js.consumer_info(STREAM, durable)
-        if info.num_ack_pending == 0 and info.num_pending == pending:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{durable}: ack pending {info.num_ack_pending}, pending {info.num_pending}")
+        assert info.num_ack_pending == 0 and info.num_pending == pending, (
+            f"ack pending {info.num_ack_pending}, pending {info.num_pending}")
+        return True
+
+    await until(settled, timeout=5, what=f"{durable} settled with {pending} to deliver", interval=0.02,
+                ignoring=AssertionError)
+
+
+async def _requests_waiting(js: JetStreamContext, durable: str) -> int:
+    """Pull requests the server holds for the consumer (not yet answered or withdrawn)."""
+    return int((await js.consumer_info(STREAM, durable)).num_waiting)
 
 
 async def test_a_waiting_fetch_gets_the_first_message_stored_and_withdraws_the_rest(subs) -> None:  # type: ignore[no-untyped-def]
     js, (high, normal) = subs
     waiting = asyncio.ensure_future(natsio.fetch_first([high, normal], wait_sec=5.0))
-    await asyncio.sleep(0.2)
+    for durable in ("high", "normal"):
+        await until(lambda d=durable: _requests_waiting(js, d), timeout=5, what=f"the pull request on {durable}",
+                    interval=0.01)
     assert not waiting.done()
     started = time.monotonic()
     await js.publish("fetchfirst.normal", b"n1")
     msg = await asyncio.wait_for(waiting, 2.0)
     assert msg is not None and msg.data == b"n1" and time.monotonic() - started < 1.0
     await msg.ack()
-    await asyncio.sleep(0.2)  # the withdrawal (UNSUB, PING/PONG) runs beside the caller
+    # the withdrawal (UNSUB, PING/PONG) runs beside the caller; well inside the request's 5 s
+    # expiry, so only a withdrawal can end it
+    async def withdrawn() -> bool:
+        return await _requests_waiting(js, "high") == 0
+
+    await until(withdrawn, timeout=2, what="the high pull request withdrawn", interval=0.01)
     # the high request was withdrawn: a message stored now is not swallowed by it
     await js.publish("fetchfirst.high", b"h1")
     await _settled(js, "high", pending=1)
@@ -72,10 +87,8 @@ async def test_messages_that_arrive_together_one_is_taken_and_the_other_given_ba
     other, durable = (normal, "normal") if msg.data == b"h2" else (high, "high")
     # the other consumer delivered too (both requests were served at once): its message was
     # nak'ed back, so it is available now, not after the 30 s ack wait
-    deadline = time.monotonic() + 2.0
-    while (got := await natsio.fetch_now(other)) is None:
-        assert time.monotonic() < deadline, f"{durable}'s message was not given back"
-        await asyncio.sleep(0.02)
+    got = await until(lambda: natsio.fetch_now(other), timeout=2.0, what=f"{durable}'s message given back",
+                      interval=0.02)
     assert got.data != msg.data
     await got.ack()
     await _settled(js, durable, pending=0)

@@ -619,7 +619,7 @@ async def test_declare_dead_takes_silent_members_but_never_within_a_lease_of_the
         got = await leases.declare_dead(conn, await postmaster_age(db) + 60)
     assert silent not in {r["runtime_id"] for r in got}
     age = await postmaster_age(db)
-    if age < 2.5:
+    if age < 2.5:  # a sleep, not a wait: the server's age is the condition, this is what is left of it
         await asyncio.sleep(2.5 - age)
     async with autocommit(db) as conn:
         await leases.heartbeat(conn, fresh)

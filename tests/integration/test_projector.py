@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
+from waiting import until, until_set
 
 from noetl_common import natsio
 from noetl_common.db import Pool, make_pool
@@ -194,7 +195,7 @@ async def test_projects_executions_steps_and_watermark(history: History, nc: NAT
     sub = await nc.subscribe("noetl.progress.*", cb=on_hint)
     try:
         assert await sh.projector(nc).project_once() == 14
-        await asyncio.wait_for(all_hinted.wait(), timeout=10)  # one hint per touched execution
+        await until_set(all_hinted, timeout=10, what="one hint per touched execution")
     finally:
         await sub.unsubscribe()
     assert await sh.projector(nc).project_once() == 0
@@ -304,16 +305,18 @@ async def test_run_loop_survives_a_lost_database_connection(history: History, nc
         found = await sh.rows("SELECT status FROM noetl.execution WHERE execution_id = %s", (eid,))
         return found[0]["status"] if found else None
 
-    async def until(eid: int, status: str) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 15
-        while await status_of(eid) != status:
-            assert not running.done(), running.exception()
-            assert loop.time() < deadline, f"execution {eid} not {status}"
-            await asyncio.sleep(0.05)
+    async def projected(eid: int, status: str) -> None:
+        async def reached() -> bool:
+            if running.done():  # not ignored: the loop died, there is nothing to wait for
+                raise RuntimeError(f"the projector's loop ended: {running!r}")
+            seen = await status_of(eid)
+            assert seen == status, f"execution {eid} is {seen}"
+            return True
+
+        await until(reached, timeout=15, what=f"execution {eid} projected {status}", ignoring=AssertionError)
 
     try:
-        await until(history.done, "COMPLETED")
+        await projected(history.done, "COMPLETED")
         async with own_pool.connection() as conn:
             backend = conn.info.backend_pid
         async with pool.connection() as conn:
@@ -322,7 +325,7 @@ async def test_run_loop_survives_a_lost_database_connection(history: History, nc
         await sh.append((history.running, "call.done", "wait", ok(103), {"attempt": 1}),
                         (history.running, "playbook.completed", None, None, {}))
         await nc.publish(natsio.projector_subject(sh.shard), b"")
-        await until(history.running, "COMPLETED")
+        await projected(history.running, "COMPLETED")
     finally:
         projector.stop()
         await asyncio.wait_for(running, timeout=10)

@@ -27,7 +27,9 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError as NatsNotFound
 from psycopg.rows import dict_row
+from waiting import until
 
 from noetl_common.config import ResultStoreSettings
 from noetl_common.db import Pool, make_pool
@@ -350,10 +352,14 @@ async def test_kv_cache_serves_hits_and_a_purge_changes_nothing_but_latency(pool
 
     await js.delete_key_value(bucket)  # gone altogether: reads through, then re-creates the bucket
     assert await store.get_many(ids) == expected
-    await asyncio.sleep(2.1)  # the store re-opens a failed bucket at most every 2 s
-    assert await store.get_many(ids) == expected
-    kv = await js.key_value(bucket)
-    assert (await kv.get(str(ids[1]))).value == encode_json({"n": 1})
+
+    async def cached_again() -> bool:  # the store re-opens a failed bucket at most every 2 s
+        assert await store.get_many(ids) == expected
+        kv = await js.key_value(bucket)
+        return bool((await kv.get(str(ids[1]))).value == encode_json({"n": 1}))
+
+    await until(cached_again, timeout=10, what=f"bucket {bucket} re-created and caching again",
+                ignoring=NatsNotFound)
     await js.delete_key_value(bucket)
 
 

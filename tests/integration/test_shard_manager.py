@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
+from waiting import until
 
 from noetl_common.config import ShardSettings
 from noetl_common.db import Pool
@@ -89,19 +90,6 @@ def loads(state: dict[int, tuple[int | None, int]]) -> dict[int | None, int]:
     for owner, _ in state.values():
         out[owner] = out.get(owner, 0) + 1
     return out
-
-
-async def eventually(probe: Callable[[], Awaitable[Any]], limit: float = 10.0, every: float = 0.05) -> Any:
-    """Poll ``probe`` until it returns something truthy, failing after ``limit`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while True:
-        got = await probe()
-        if got:
-            return got
-        if loop.time() > deadline:
-            raise TimeoutError(f"condition not met within {limit}s")
-        await asyncio.sleep(every)
 
 
 # ---------------------------------------------------------------- the gRPC servicer
@@ -216,7 +204,7 @@ async def test_one_leader_and_takeover_after_the_lease(pool: Pool, rows: Rows) -
     loop = asyncio.get_running_loop()
     try:
         # a leader left over by an earlier test may hold the lease for up to its term
-        epoch_a = await eventually(lambda: first.try_lead(a, "a"), limit=40)
+        epoch_a = await until(lambda: first.try_lead(a, "a"), timeout=40, what="member a leading")
         renewed_at = loop.time()
         assert await second.try_lead(b, "b") is None
         assert await first.try_lead(a, "a") == epoch_a  # renewing keeps the term
@@ -224,7 +212,7 @@ async def test_one_leader_and_takeover_after_the_lease(pool: Pool, rows: Rows) -
         assert await second.try_lead(b, "b") is None
 
         # the leader stops renewing: the standby takes over once the lease ran out, not before
-        epoch_b = await eventually(lambda: second.try_lead(b, "b"), limit=10)
+        epoch_b = await until(lambda: second.try_lead(b, "b"), timeout=10, what="member b taking the lead over")
         assert epoch_b == epoch_a + 1
         assert loop.time() - renewed_at >= 0.9
         assert await first.try_lead(a, "a") is None
@@ -245,7 +233,7 @@ async def test_one_leader_and_takeover_after_the_lease(pool: Pool, rows: Rows) -
 async def wait_postmaster_older_than(pool: Pool, seconds: float) -> None:
     rows = await fetch(pool, "SELECT extract(epoch FROM now() - pg_postmaster_start_time()) AS age")
     age = float(rows[0]["age"])
-    if age < seconds:
+    if age < seconds:  # a sleep, not a wait: the server's age is the condition, this is what is left of it
         await asyncio.sleep(seconds - age)
 
 
@@ -335,9 +323,10 @@ async def test_epoch_bump_waits_for_an_in_flight_fenced_write(pool: Pool, rows: 
             assert await fenced(conn, role, shard, a, 1)  # a holds the row lock
             moving = asyncio.ensure_future(m.rebalance())
             # the leader's statement queues behind our row lock (signal, not a sleep)
-            await eventually(lambda: fetch(
+            await until(lambda: fetch(
                 pool, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND query LIKE %s", ("%noetl.shard_lease%",)))
+                " AND query LIKE %s", ("%noetl.shard_lease%",)), timeout=10,
+                what="the rebalance waiting on the shard_lease row lock")
             assert not moving.done()
         assert await moving == 2
         async with conn.transaction():  # the old owner's next write is fenced off

@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from credhelp import put_credentials, sealing_keyring
 from psycopg_pool import AsyncConnectionPool
+from waiting import until
 
 from noetl_api.catalog import Catalog
 from noetl_api.claims import Claimed, Claims
@@ -93,7 +94,8 @@ class Stack:
         svc = StandaloneWorker(core, ShardSettings(), CommandSettings(lease_sec=1.5),
                                WorkerSettings(concurrency=1, python_pool=1))
         running = asyncio.ensure_future(svc.run())
-        await wait_for(lambda: len(svc._slots) == 1 or running.done(), limit=30)
+        await until(lambda: len(svc._slots) == 1 or running.done(), timeout=30, what=f"{instance}'s slot",
+                    interval=0.02)
         assert not running.done()
         return svc, running
 
@@ -114,17 +116,6 @@ class Stack:
         async with await psycopg.AsyncConnection.connect(self.pg_dsn, autocommit=True) as conn:
             cur = await conn.execute(statement, params)
             return list(await cur.fetchall()) if cur.description else []
-
-
-async def wait_for(cond: Callable[[], bool], limit: float = 10) -> None:
-    """Poll a condition until it holds, failing after ``limit`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while loop.time() < deadline:
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise TimeoutError(f"condition not met within {limit}s")
 
 
 @pytest.fixture
@@ -220,13 +211,13 @@ async def test_a_killed_slot_resumes_with_the_row_it_had_claimed(stack: Stack, t
     # Attempt 1 runs rows 1 and 2, claims row 3 and hangs in it; its worker is stopped.
     first, running = await stack.start_worker(f"cursor-w1-{n}")
     await stack.notify(command_id, execution_id, 1)
-    await wait_for(lambda: (3, "pending") in stack.servicer.progress, limit=30)
-    for _ in range(500):  # the claim of row 3 commits; its gate task hangs
-        if await stack.sql(f"SELECT status FROM {table} WHERE id = 3") == [("claimed",)]:
-            break
-        await asyncio.sleep(0.02)
-    else:
-        raise AssertionError("the claim of row 3 never committed")
+    await until(lambda: (3, "pending") in stack.servicer.progress, timeout=30, what="row 3's progress",
+                interval=0.02)
+
+    async def row_3_claimed() -> bool:  # the claim of row 3 commits; its gate task hangs
+        return await stack.sql(f"SELECT status FROM {table} WHERE id = 3") == [("claimed",)]
+
+    await until(row_3_claimed, timeout=20, what="the claim of row 3 committed", interval=0.02)
     progress = await stack.sql("SELECT progress FROM noetl.command WHERE command_id = %s", (command_id,))
     # recorded before that commit, with the slot's counts before the row (rows 1 and 2)
     assert progress == [({"row": {"id": 3}, "counts": {"processed": 2, "succeeded": 2, "failed": 0}},)]
@@ -289,10 +280,11 @@ async def test_a_cancel_hint_stops_a_running_command(stack: Stack) -> None:
     worker, running = await stack.start_worker(f"cancel-w-{n}")
     try:
         await stack.notify(command_id, execution_id, 1, kind="python")
-        await wait_for(lambda: command_id in worker._runs, limit=20)
+        await until(lambda: command_id in worker._runs, timeout=20, what="the command running", interval=0.02)
         run = worker._runs[command_id]
         await stack.nc.publish(f"noetl.cancel.{SHARD}", json.dumps({"command_ids": ["other", command_id]}).encode())
-        await wait_for(lambda: command_id not in worker._runs, limit=5)  # well before the 60 s sleep or a renewal stop
+        # well before the 60 s sleep or a renewal stop
+        await until(lambda: command_id not in worker._runs, timeout=5, what="the command stopped", interval=0.02)
         assert run.stop_reason == "cancelled" and run.cancelled.is_set()
         await stack.nc.flush()
         assert all(m.call_result.command_id != command_id for m in drain(stack.results))
@@ -328,8 +320,9 @@ async def test_a_claim_whose_answer_was_lost_is_claimed_again_and_runs_once(stac
         await natsio.publish(stack.nc.jetstream(), natsio.commands_subject('default', 'normal', SHARD), messages_pb2.CommandNotice(
             command_id=command_id, execution_id=execution_id, shard_id=SHARD, attempt=1,
             kind="python").SerializeToString(), msg_id=f"{command_id}#1#r-test")
-        await wait_for(lambda: stack.servicer.claim_calls.count(command_id) == 3, limit=10)
-        await asyncio.sleep(0.3)
+        await until(lambda: stack.servicer.claim_calls.count(command_id) == 3, timeout=10,
+                    what="the duplicate notice claimed", interval=0.02)
+        await asyncio.sleep(0.3)  # a sleep, not a wait: time for a second run's result to wrongly show
         await stack.nc.flush()
         assert all(m.call_result.command_id != command_id for m in drain(stack.results))
     finally:

@@ -78,7 +78,7 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(GZIP_BOMB)
         elif url.path == "/slow":
-            time.sleep(float(query.get("s", "2")))
+            time.sleep(float(query.get("s", "2")))  # a slow server, not a wait: the client's timeout is tested
             self._send(200, b"{}", "application/json")
         else:
             self._send(404, b"not found", "text/plain")

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import nats
 import pytest
 from psycopg_pool import AsyncConnectionPool
+from waiting import until
 
 from noetl_common import natsio
 from noetl_common.config import CommandSettings, CoreSettings, LimitSettings, ShardSettings, WorkerSettings
@@ -127,17 +128,6 @@ class Harness:
                     return msg.call_result
 
 
-async def wait_for(cond: Callable[[], bool], limit: float = 10) -> None:
-    """Poll a condition until it holds, failing after ``limit`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while loop.time() < deadline:
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise TimeoutError(f"condition not met within {limit}s")
-
-
 @pytest.fixture
 async def harness(request: pytest.FixtureRequest, pg_dsn: str, nats_url: str) -> AsyncIterator[Harness]:
     """A running worker (no shard-manager) against the fake api; ``indirect`` params give
@@ -159,7 +149,8 @@ async def harness(request: pytest.FixtureRequest, pg_dsn: str, nats_url: str) ->
     nc = await nats.connect(nats_url)
     await natsio.ensure_streams(nc.jetstream())  # the api's part: workers wait for the streams
     running = asyncio.ensure_future(svc.run())
-    await wait_for(lambda: len(svc._slots) == 2 or running.done(), limit=30)
+    await until(lambda: len(svc._slots) == 2 or running.done(), timeout=30, what="the worker's two slots",
+                interval=0.02)
     assert not running.done()
 
     results: asyncio.Queue[Any] = asyncio.Queue()
@@ -195,8 +186,9 @@ async def test_duplicate_notice_is_dropped_after_failed_claim(harness: Harness) 
     before = harness.api.claims.count(command.command_id)
     await harness.notify(messages_pb2.Command(command_id=command.command_id, execution_id=command.execution_id,
                                               shard_id=command.shard_id, attempt=2, kind="python"))
-    await wait_for(lambda: harness.api.claims.count(command.command_id) == before + 1)
-    await asyncio.sleep(0.3)
+    await until(lambda: harness.api.claims.count(command.command_id) == before + 1, timeout=10,
+                what="the duplicate notice claimed", interval=0.02)
+    await asyncio.sleep(0.3)  # a sleep, not a wait: time for a wrong result or a redelivery to show
     assert harness.results.empty()
     assert harness.api.claims.count(command.command_id) == before + 1  # acked: not redelivered
 
@@ -224,12 +216,13 @@ async def test_stop_from_renew_lease_cancels_and_publishes_nothing(harness: Harn
     command = make_command("import time\ntime.sleep(30)\nresult = 'never'")
     harness.api.stop.add(command.command_id)
     await harness.submit(command)
-    await wait_for(lambda: command.command_id in harness.api.renewals)
+    await until(lambda: command.command_id in harness.api.renewals, timeout=10, what="a lease renewal",
+                interval=0.02)
     follow = make_command("result = 'after stop'")
     await harness.submit(follow)
     result = await harness.result_for(follow.command_id)
     assert envelope_from_proto(result.envelope)["context"] == {"value": "after stop"}
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # a sleep, not a wait: time for the stopped command's result to wrongly show
     assert harness.results.empty()
 
 
@@ -244,7 +237,8 @@ async def test_lease_is_renewed_while_running(harness: Harness) -> None:
 async def test_shutdown_lets_running_commands_finish(harness: Harness) -> None:
     command = make_command("import time\ntime.sleep(0.5)\nresult = 'finished'")
     await harness.submit(command)
-    await wait_for(lambda: command.command_id in harness.api.claimed)
+    await until(lambda: command.command_id in harness.api.claimed, timeout=10, what="the command claimed",
+                interval=0.02)
     harness.svc.request_stop()
     result = await harness.result_for(command.command_id)
     assert envelope_from_proto(result.envelope)["context"] == {"value": "finished"}

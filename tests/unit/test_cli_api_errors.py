@@ -84,7 +84,7 @@ class Failing(execution_pb2_grpc.ExecutionServiceServicer):
     def SubmitExecution(self, request: Any, context: Any) -> Any:
         self.calls += 1
         if self.delay:
-            time.sleep(self.delay)
+            time.sleep(self.delay)  # a slow server (not a wait): the client's deadline is the test's point
         context.abort(self.code, self.message)
 
     def GetExecution(self, request: Any, context: Any) -> Any:

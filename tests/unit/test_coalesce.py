@@ -17,7 +17,7 @@ async def test_concurrent_submissions_share_flushes_and_keep_order() -> None:
     async def flush(items: Sequence[int]) -> list[int | BaseException]:
         batches.append(list(items))
         flushing.set()
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # a slow flush (not a wait): the others queue while it is in flight
         return [i * 10 for i in items]
 
     c: Coalescer[int, int] = Coalescer(flush, max_batch=50)
@@ -48,7 +48,7 @@ async def test_max_batch_bounds_each_flush() -> None:
 
     async def flush(items: Sequence[int]) -> list[int | BaseException]:
         sizes.append(len(items))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # a flush that yields once (not a wait), as a real one does
         return list(items)
 
     c: Coalescer[int, int] = Coalescer(flush, max_batch=4)

@@ -8,6 +8,8 @@ import asyncio
 import socket
 from pathlib import Path
 
+from waiting import until
+
 from noetl_cli import stackcerts
 from noetl_cli.supervise import health_check
 from noetl_common.config import CoreSettings, ShardSettings, TlsSettings
@@ -33,10 +35,7 @@ async def test_health_alone_on_a_plaintext_port_beside_a_tls_server(tmp_path: Pa
                                                  key_file=str(certs["key"])))
     runner = asyncio.ensure_future(svc.run())
     try:
-        for _ in range(200):
-            if svc.grpc_address:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: svc.grpc_address, timeout=10, what="the probe's gRPC address", interval=0.02)
         ca = str(certs["ca"])
         checks = await asyncio.to_thread(lambda: (health_check(health, 3), health_check(svc.grpc_address, 3),
                                                   health_check(svc.grpc_address, 3, ca)))
@@ -61,10 +60,8 @@ async def test_a_replica_list_target_verifies_each_replica_by_its_address(tmp_pa
         svc.configure_security(svc.auth, tls)
         runners.append(asyncio.ensure_future(svc.run()))
     try:
-        for _ in range(200):
-            if all(svc.grpc_address for svc in probes):
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: all(svc.grpc_address for svc in probes), timeout=10,
+                    what="both probes' gRPC addresses", interval=0.02)
         target = "ipv4:" + ",".join(svc.grpc_address for svc in probes)
         channel = grpcutil.channel(target, tls=TlsSettings(ca_file=str(certs["ca"])))
         try:

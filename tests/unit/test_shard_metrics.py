@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from prometheus_client import REGISTRY, Gauge
+from waiting import until
 
 from noetl_api.admission import ACTIVE, QUEUED, Admission
 from noetl_common.config import CoreSettings, ShardSettings
@@ -40,8 +41,9 @@ class _Worker:
 async def test_a_lost_shard_drops_its_gauge_series() -> None:
     tasks = ShardTasks("unit-role", _Worker)
     await tasks.apply({1: 1, 2: 1}, set())
-    await asyncio.sleep(0)
-    assert sample("noetl_unit_test_lag_ms", shard="1") == 101 and sample("noetl_unit_test_lag_ms", shard="2") == 102
+    await until(lambda: sample("noetl_unit_test_lag_ms", shard="1") == 101
+                and sample("noetl_unit_test_lag_ms", shard="2") == 102, timeout=5,
+                what="both loops setting their gauge", interval=0.01)
     await tasks.apply({}, {1})
     assert sample("noetl_unit_test_lag_ms", shard="1") is None
     assert sample("noetl_unit_test_lag_ms", shard="2") == 102

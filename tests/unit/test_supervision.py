@@ -12,6 +12,7 @@ import grpc
 import psycopg
 import pytest
 from prometheus_client import REGISTRY
+from waiting import until
 
 from noetl_common import faults
 from noetl_common.errors import Conflict, InvalidInput, LeaseLost, NoetlError, NotFound, Unavailable
@@ -43,19 +44,13 @@ def restarts(role: str) -> float:
     return REGISTRY.get_sample_value("noetl_shard_loop_restarts_total", {"role": role}) or 0.0
 
 
-async def eventually(cond, limit: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + limit
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_crashed_loop_is_started_again_with_backoff_and_counted() -> None:
     Crashy.runs = {}
     tasks = ShardTasks("unit-crashy", Crashy, restart_backoff=(0.01, 0.05))
     before = restarts("unit-crashy")
     await tasks.apply({1: 1}, set())
-    await eventually(lambda: Crashy.runs.get(1) == 3 and tasks.shards == [1])
+    await until(lambda: Crashy.runs.get(1) == 3 and tasks.shards == [1], timeout=5,
+                what="shard 1's loop running after two crashes", interval=0.01)
     assert restarts("unit-crashy") == before + 2
     assert tasks.unhealthy(0.0) == []
     await tasks.stop_all()
@@ -67,12 +62,13 @@ async def test_a_loop_that_keeps_crashing_is_reported_unhealthy_and_a_lost_shard
     try:
         tasks = ShardTasks("unit-always", Crashy, restart_backoff=(0.01, 0.02))
         await tasks.apply({2: 1}, set())
-        await eventually(lambda: Crashy.runs.get(2, 0) >= 3)
-        await asyncio.sleep(0.05)
-        assert tasks.unhealthy(0.0) == [2]
+        await until(lambda: Crashy.runs.get(2, 0) >= 3, timeout=5, what="shard 2's loop crashing thrice",
+                    interval=0.01)
+        await until(lambda: tasks.unhealthy(0.0) == [2], timeout=5, what="shard 2 reported unhealthy",
+                    interval=0.01)
         await tasks.apply({}, {2})
         runs = Crashy.runs[2]
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # a sleep, not a wait: several restart backoffs in which no restart may happen
         assert Crashy.runs[2] == runs, "a lost shard's loop was started again"
         assert tasks.unhealthy(0.0) == []
     finally:
@@ -102,12 +98,14 @@ async def test_a_loop_that_ended_starts_again_once_the_lease_is_trusted() -> Non
     tasks = ShardTasks("unit-returns", Returns, still_held=lambda _s, _e: trusted["now"],
                        restart_backoff=(0.01, 0.02))
     await tasks.apply({3: 4}, set())
-    await eventually(lambda: Returns.runs == 1 and not tasks.shards)
-    await asyncio.sleep(0.05)
+    await until(lambda: Returns.runs == 1 and not tasks.shards, timeout=5, what="the first run to end",
+                interval=0.01)
+    await asyncio.sleep(0.05)  # a sleep, not a wait: restart backoffs in which no restart may happen
     assert Returns.runs == 1, "started again while the lease was not trusted"
     trusted["now"] = True
     tasks.ensure()  # the membership loop calls this after every renewal
-    await eventually(lambda: tasks.shards == [3] and Returns.runs == 2)
+    await until(lambda: tasks.shards == [3] and Returns.runs == 2, timeout=5,
+                what="shard 3's loop started again", interval=0.01)
     await tasks.stop_all()
 
 

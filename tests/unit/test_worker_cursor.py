@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from waiting import until_set
 
 from noetl_common.errors import Unavailable
 from noetl_proto.v1 import messages_pb2
@@ -283,7 +284,7 @@ async def test_stop_cancels_the_slot_and_rolls_back_the_claim() -> None:
 
     task = asyncio.ensure_future(run_cursor_slot(slot_command([ECHO]), MemoryResultStore(), tools_with(factory),
                                                  report=report))
-    await asyncio.wait_for(reporting.wait(), 5)
+    await until_set(reporting, timeout=5, what="the slot reporting its claimed row")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

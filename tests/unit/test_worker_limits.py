@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import until
 
 from noetl_common.errors import ConfigError
 from noetl_dsl.templates import RenderContext
@@ -158,10 +159,12 @@ async def test_a_child_killed_from_outside_mid_task_is_sandbox_exited(pool: Pyth
     started = tmp_path / "started"
     task = asyncio.ensure_future(pool.run(
         f"import pathlib, time\npathlib.Path({str(started)!r}).write_text('1')\ntime.sleep(30)", {}))
-    deadline = time.monotonic() + 10
-    while not started.exists():
-        assert time.monotonic() < deadline and not task.done()
-        await asyncio.sleep(0.01)
+
+    def begun() -> bool:
+        assert not task.done(), f"the task ended before it began: {task.result()}"
+        return started.exists()
+
+    await until(begun, timeout=10, what="the task to start in its child", interval=0.01)
     os.kill(child_pid(pool), signal.SIGKILL)
     out = await task
     assert out.error is not None and out.error.code == "SANDBOX_EXITED"

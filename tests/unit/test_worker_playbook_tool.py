@@ -14,6 +14,7 @@ import grpc
 import pytest
 from conformance_data import playbook
 from google.protobuf.timestamp_pb2 import Timestamp
+from waiting import until
 
 from noetl_api.catalog import parse
 from noetl_api.static_checks import playbook_refs
@@ -222,7 +223,7 @@ async def test_a_cancelled_command_cancels_its_child(api: tuple[FakeExecutions, 
     cancelled = asyncio.Event()
     task = asyncio.ensure_future(execute_command(command([SAVE_PROFILE], iter_scope=ALICE), MemoryResultStore(),
                                                  tools, cancelled=cancelled))
-    await wait_until(lambda: fake.watchers > 0)
+    await until(lambda: fake.watchers > 0, timeout=5, what="the tool watching its child", interval=0.02)
     cancelled.set()  # what the worker does on a "cancelled" stop, before cancelling the task
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -235,7 +236,7 @@ async def test_a_lost_lease_leaves_the_child_for_the_next_attempt(api: tuple[Fak
     fake, tools = api
     task = asyncio.ensure_future(execute_command(command([SAVE_PROFILE], iter_scope=ALICE), MemoryResultStore(),
                                                  tools, cancelled=asyncio.Event()))
-    await wait_until(lambda: fake.watchers > 0)
+    await until(lambda: fake.watchers > 0, timeout=5, what="the tool watching its child", interval=0.02)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -292,17 +293,6 @@ def test_default_result_is_end_else_the_last_step_to_complete() -> None:
     assert pick_result(execution_pb2.Execution(), None) is None
     with pytest.raises(ToolError, match=r"return_step 'd' .* did not complete \(failed\)"):
         pick_result(ex, "d")
-
-
-async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> None:
-    """Poll a condition until it holds, failing after ``limit`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while loop.time() < deadline:
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise TimeoutError(f"condition not met within {limit}s")
 
 
 # ---------------------------------------------------------------- submit-time check of literal paths

@@ -7,8 +7,10 @@ import asyncio
 import base64
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
+from waiting import until
 
 from noetl_worker.sandbox import compile_task, run_task
 from noetl_worker.tools import PythonPool, Tools
@@ -186,10 +188,12 @@ async def test_timeout_kills_the_child_and_the_pool_recovers() -> None:
         assert time.perf_counter() - start < 0.05  # warm: no interpreter start per task
 
 
-async def test_cancellation_kills_the_child() -> None:
+async def test_cancellation_kills_the_child(tmp_path: Path) -> None:
+    started = tmp_path / "started"
     async with PythonPool(1) as pool:
-        task = asyncio.ensure_future(pool.run("import time\ntime.sleep(30)", {}))
-        await asyncio.sleep(0.2)
+        task = asyncio.ensure_future(pool.run(
+            f"import pathlib, time\npathlib.Path({str(started)!r}).write_text('1')\ntime.sleep(30)", {}))
+        await until(started.exists, timeout=10, what="the task to start in its child", interval=0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -260,15 +264,18 @@ async def test_children_do_not_see_the_runtime_secrets(monkeypatch: pytest.Monke
         assert await value(pool, code) == {**dict.fromkeys(secrets), **visible}
 
 
-async def test_children_survive_sigterm_to_the_process_group() -> None:
+async def test_children_survive_sigterm_to_the_process_group(tmp_path: Path) -> None:
     """A graceful stop SIGTERMs the worker's group; running tasks must be allowed to finish."""
     import os
     import signal
 
+    started = tmp_path / "started"
     async with PythonPool(1) as pool:
         pid = next(iter(pool._children)).pid
-        task = asyncio.ensure_future(pool.run("import time\ntime.sleep(0.4)\nreturn 'done'", {}))
-        await asyncio.sleep(0.1)
+        task = asyncio.ensure_future(pool.run(
+            f"import pathlib, time\npathlib.Path({str(started)!r}).write_text('1')\ntime.sleep(0.4)\nreturn 'done'",
+            {}))
+        await until(started.exists, timeout=10, what="the task to start in its child", interval=0.01)
         os.kill(pid, signal.SIGTERM)
         os.kill(pid, signal.SIGINT)
         out = await task

@@ -4,13 +4,13 @@ errors, stdout, ctx updates, the worker's log, a python task's stderr)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from waiting import until
 
 from noetl_common.errors import NotFound
 from noetl_common.redact import MASK, ActiveSecrets, LogFilter, Redactor
@@ -83,10 +83,9 @@ async def test_keychain_values_are_used_and_masked_everywhere(tools: Tools, capl
         result = await execute_command(command(tool, {"api": {"name": "api", "credential": "{{ workload.which }}"}}),
                                        store, tools, secrets=credentials.for_command(
                                            Holder("9:use:1", 2, 9, "use"), redactor))
-        for _ in range(100):  # the stderr pump logs asynchronously
-            if any("stderr" in line for line in stderr_lines):
-                break
-            await asyncio.sleep(0.02)
+        # the stderr pump logs asynchronously
+        await until(lambda: any("stderr" in line for line in stderr_lines), timeout=5,
+                    what="the task's stderr line in the log", interval=0.02)
     finally:
         pump_log.removeHandler(collect)
         pump_log.setLevel(logging.NOTSET)
