@@ -26,7 +26,7 @@ async def unstarted(conn: Conn, shard: int, after_id: int, limit: int) -> list[i
     cur = await conn.execute(
         "SELECT r.execution_id FROM noetl.execution_request r WHERE r.shard_id = %s AND r.execution_id > %s"
         " AND NOT EXISTS (SELECT 1 FROM noetl.engine_state s WHERE s.execution_id = r.execution_id)"
-        # queued by a concurrency limit: the heads of the queues are swept (limits.startable)
+        # queued by a concurrency limit: the heads of the queues are swept (noetl_db.limits.heads)
         " AND NOT EXISTS (SELECT 1 FROM noetl.concurrency_wait w WHERE w.execution_id = r.execution_id)"
         " AND " + NOT_QUARANTINED.format(col="r.execution_id") + " ORDER BY r.execution_id LIMIT %s",
         (shard, after_id, limit),

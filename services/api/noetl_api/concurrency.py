@@ -85,7 +85,7 @@ class ConcurrencyServicer(concurrency_pb2_grpc.ConcurrencyServiceServicer):
                           context: grpc.aio.ServicerContext) -> concurrency_pb2.DeleteLimitResponse:
         async with autocommit(self._pool) as conn, conn.transaction():
             # its slots go; its queue stays until each waiter's shard sweeps it (a waiter
-            # whose limit is gone starts: engine/limits.py startable)
+            # whose limit is gone starts: noetl_db.limits.heads)
             if not await limits_db.delete_limit(conn, request.limit_id):
                 raise NotFound(f"concurrency limit {request.limit_id} not found")
         return concurrency_pb2.DeleteLimitResponse(deleted=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,19 +108,4 @@ class EngineLimits:
         return False
 
 
-async def release(conn: Any, ended: Sequence[int]) -> None:
-    """Free the slots (and queue places: a queued execution cancelled) of executions that
-    ended in the batch; run for every batch that ended one, limits or not."""
-    await limits_db.release(conn, ended)
-
-
-
-
-async def startable(conn: Any, *, shard: int | None = None, limit: int = 200) -> list[tuple[int, int]]:
-    """(execution_id, shard) of queued executions that may start now: the oldest of a
-    queue with a free slot, or queued by a limit that no longer exists; of ``shard``
-    only, or every shard's (the nudges after a batch freed slots)."""
-    return await limits_db.heads(conn, shard=shard, limit=limit)
-
-
-__all__ = ["QUEUED", "EngineLimits", "Limit", "release", "render_key", "startable"]
+__all__ = ["QUEUED", "EngineLimits", "Limit", "render_key"]

@@ -40,6 +40,7 @@ from noetl_db import dead_letters as dead_letters_db
 from noetl_db import engine_state as engine_state_db
 from noetl_db import events as events_db
 from noetl_db import leases
+from noetl_db import limits as limits_db
 from noetl_db import loops as loops_db
 from noetl_db import requests as requests_db
 from noetl_db.commands import QueuedCommand
@@ -337,7 +338,7 @@ class ShardEngine:
             async with self.d.pool.connection() as conn:
                 after = await leases.sweep_from(conn, ROLE, self.shard)
                 starts = await requests_db.unstarted(conn, self.shard, after, 200)
-                starts += [eid for eid, _ in await limits.startable(conn, shard=self.shard)]
+                starts += [eid for eid, _ in await limits_db.heads(conn, shard=self.shard, limit=200)]
                 late = await engine_state_db.overdue(conn, self.shard, 200)
                 cancels = await requests_db.pending_cancels(conn, self.shard, 200)
                 redrives = await requests_db.pending_redrive_executions(conn, self.shard, 200)
@@ -536,7 +537,7 @@ class ShardEngine:
             if finished:
                 # always (two pipelined DELETEs, no round trip): slots and queue places of a
                 # limit must go even when this replica's cached view says there is none
-                await limits.release(conn, finished)
+                await limits_db.release(conn, finished)
                 await self.d.concurrency.refresh(conn)  # at most once a second: whom to nudge
             # every write of the batch, then the COMMIT, in one round trip
             await events_db.append_events(conn, events)
@@ -766,7 +767,7 @@ class ShardEngine:
         lost nudge costs their shard's next sweep)."""
         try:
             async with self.d.pool.connection() as conn:
-                heads = await limits.startable(conn)
+                heads = await limits_db.heads(conn, shard=None, limit=200)
                 await conn.commit()
             for eid, shard in heads:
                 msg = messages_pb2.EngineInput(submitted=messages_pb2.ExecutionSubmitted(execution_id=eid))
