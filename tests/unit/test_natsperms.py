@@ -90,6 +90,16 @@ def test_the_worker_may_publish(subject: str) -> None:
     assert natsperms.allowed(PERMS["worker"], subject, publish=True), subject
 
 
+def test_the_worker_reads_notices_only_through_its_pull_consumers() -> None:
+    # no core-NATS copy of any pool's notices (or any events): a worker sees a notice only
+    # when a pull request of its own is answered, on its role's inbox
+    for subject in (natsio.commands_subject("default", "normal", 0), natsio.commands_subject("gpu", "high", 3),
+                    natsio.events_subject(0, natsio.KIND_CALL), "_INBOX.api.x", "_INBOX.projector.x"):
+        assert not natsperms.allowed(PERMS["worker"], subject, publish=False), subject
+    assert natsperms.allowed(PERMS["worker"], "_INBOX.worker.abc.1", publish=False)
+    assert natsperms.allowed(PERMS["worker"], natsio.cancel_subject(2), publish=False)
+
+
 def test_only_the_api_manages_streams() -> None:
     for role in natsperms.ROLES:
         manage = [p for p in PERMS[role].publish if any(op in p for op in (".STREAM.CREATE.", ".STREAM.UPDATE."))]
