@@ -424,7 +424,8 @@ async def fetch_now(sub: JetStreamContext.PullSubscription, *, wait_sec: float =
     raise Unavailable(f"nats pull from {sub._nms}: status {status} {msg.headers or ''}")
 
 
-async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec: float) -> Msg | None:
+async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec: float,
+                      lost: Callable[[], bool] | None = None) -> Msg | None:
     """The first message any of several pull consumers delivers within ``wait_sec``, else
     None: one long pull request of one message per consumer, all answering to one fresh
     inbox, so the caller hears of a message as soon as the server stores it. Once one has
@@ -432,7 +433,9 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
     listens for; a PING/PONG later everything it sent before has arrived) and a message that
     crossed the withdrawal is nak'ed at once for another fetcher: nothing lingers on the
     server or in this process. The consumers' own subscriptions are unused but for their
-    subjects. NATS errors come out as ``Unavailable``."""
+    subjects. ``lost()`` true (the connection was re-established meanwhile: the server
+    forgot the requests) ends the wait within LOST_CHECK_SEC. NATS errors come out as
+    ``Unavailable``."""
     nc: NATS = subs[0]._nc
     inbox = nc.new_inbox()
     expires = int(wait_sec * 1e9)
@@ -452,9 +455,13 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return None  # requests lost with a NATS restart: the caller asks again
+            if lost is not None and lost():
+                return None
             try:
-                msg = await sub.next_msg(timeout=remaining)
+                msg = await sub.next_msg(timeout=remaining if lost is None else min(remaining, LOST_CHECK_SEC))
             except TimeoutError:
+                if lost is not None and remaining > LOST_CHECK_SEC:
+                    continue
                 return None
             except NatsError as exc:
                 raise translate(exc) from exc
@@ -474,6 +481,7 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
         _spawn(_withdraw(nc, sub, server_side=withdraw))
 
 
+LOST_CHECK_SEC = 0.25
 _withdrawals: set[asyncio.Task[None]] = set()
 
 
