@@ -10,6 +10,7 @@ it inside SQL text.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "command_id",
     "execution_of_command",
     "expired_msg_id",
+    "iteration_command_id",
+    "loop_span",
     "notice_msg_id",
     "redrive_msg_id",
     "republish_msg_id",
@@ -160,11 +163,33 @@ class StopReason(StrEnum):
 
 # ---------------------------------------------------------------- command ids
 
-def command_id(execution_id: int, step: str, visit: int, index: int | None = None) -> str:
-    """A command's id: ``{execution}:{step}:{visit}`` (``:{index}`` for a loop iteration).
+def command_id(execution_id: int, step: str, visit: int, index: int | None = None, count: int = 1) -> str:
+    """A command's id: ``{execution}:{step}:{visit}`` (``:{index}`` for a loop iteration,
+    ``:{index}+{count}`` for a batch of ``count`` iterations from ``index`` on).
     Deterministic, so a replayed batch issues the same ids (``ON CONFLICT DO NOTHING``)."""
     base = f"{execution_id}:{step}:{visit}"
-    return base if index is None else f"{base}:{index}"
+    if index is None:
+        return base
+    return f"{base}:{index}+{count}" if count > 1 else f"{base}:{index}"
+
+
+_SPAN = re.compile(r":(\d+)\+(\d+)(~r\d+)?$")
+
+
+def loop_span(command_id: str) -> tuple[int, int] | None:
+    """(first index, count) of a command that runs a batch of loop iterations (an id
+    ``command_id(..., index, count)`` made, or its redrive ``...~r<n>``); None otherwise."""
+    m = _SPAN.search(command_id)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def iteration_command_id(batch_command_id: str, index: int) -> str:
+    """The id one iteration of a batch answers to (its dead letter's, its stored result's):
+    the batch's id with ``:{index}`` in place of ``:{first}+{count}`` (a redrive's suffix kept)."""
+    m = _SPAN.search(batch_command_id)
+    if m is None:
+        return f"{batch_command_id}:{index}"
+    return f"{batch_command_id[:m.start()]}:{index}{m.group(3) or ''}"
 
 
 def execution_of_command(command_id: str) -> int | None:

@@ -95,7 +95,7 @@ WITH wanted AS (
          OR c.status = '{CommandStatus.CLAIMED}' AND c.worker_id = %(worker)s AND c.attempt = w.attempt)
   RETURNING c.*
 )
-SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item, r.workload_ref_id,
+SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item, lb.items AS loop_items, r.workload_ref_id,
        CASE WHEN c.execution_id = ANY(%(need_payload)b::bigint[]) AND r.workload_ref_id IS NULL
             THEN r.payload END AS payload
 FROM claimed c
@@ -103,6 +103,14 @@ LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id
 LEFT JOIN noetl.loop_item li
   ON li.execution_id = c.execution_id AND li.loop_instance = c.context->'loop'->>'instance'
  AND li.idx = (c.context->'loop'->>'index')::int
+-- a batch of iterations (context.loop.count): its items in index order
+LEFT JOIN LATERAL (
+  SELECT jsonb_agg(b.item ORDER BY b.idx) AS items FROM noetl.loop_item b
+  WHERE c.context->'loop' ? 'count'
+    AND b.execution_id = c.execution_id AND b.loop_instance = c.context->'loop'->>'instance'
+    AND b.idx >= (c.context->'loop'->>'index')::int
+    AND b.idx < (c.context->'loop'->>'index')::int + (c.context->'loop'->>'count')::int
+) lb ON true
 """
 
 
@@ -110,7 +118,8 @@ async def claim(conn: Conn, wanted: list[tuple[str, int]], worker_id: str, lease
                 pools: list[str], labels: dict[str, str], tools: list[str],
                 need_payload: list[int]) -> dict[str, dict[str, Any]]:
     """Claim ``wanted`` ((command_id, attempt); attempt 0: any) for ``worker_id`` in ONE
-    statement: each claimed row with its loop item and, for executions in
+    statement: each claimed row with its loop item (``loop_items``: a batch's, in index
+    order) and, for executions in
     ``need_payload``, the submitted payload. Only commands the worker qualifies for
     (``pools``, ``labels``, ``tools``: noetl_common.pools.qualifies says the same)."""
     found = await rows(conn, _CLAIM, {

@@ -48,6 +48,12 @@ class LoopError(TemplateError):
 
 DEFAULT_PARALLEL = 16
 CURSOR_KIND = "cursor"
+# Iterations per command of a parallel loop (batch_size): at most NOETL_LOOP_BATCH_MAX,
+# and about 1 / BATCH_SHARE of what each lane has left.
+DEFAULT_BATCH_MAX = 32
+BATCH_SHARE = 2
+# Kinds whose iterations each run as their own command: a sub-playbook is an execution.
+UNBATCHED_KINDS = frozenset({"playbook", CURSOR_KIND})
 
 
 def template_names(step: Step) -> set[str]:
@@ -142,23 +148,26 @@ def resume(flow: Flow, t: Transition, step: Step, run: StepRun, original_eid: in
     return None
 
 
-def on_iteration(flow: Flow, t: Transition, step_name: str, run: StepRun, index: int,
-                 envelope: Mapping[str, Any], ok: bool, io: Inputs) -> bool | None:
-    """Fold one accepted iteration (or cursor slot) result. Returns the loop's outcome
-    when this was the last one, else None (more were dispatched if any remain)."""
+def on_command_done(flow: Flow, t: Transition, step_name: str, run: StepRun,
+                    iterations: list[tuple[int, Mapping[str, Any]]], io: Inputs) -> bool | None:
+    """Fold the accepted result of one loop command: its iterations' envelopes in index
+    order (one, or a batch's). Returns the loop's outcome when this was the last command,
+    else None (more were dispatched if any remain)."""
     lr = run.loop
     assert lr is not None
     lr.in_flight -= 1
-    if ok:
-        lr.done += 1
-    else:
-        lr.failed += 1
-    ref = envelope.get("reference") or {}
-    t.loop_results.append((lr.instance, index, "ok" if ok else "error", ref.get("ref_id")))
-    if lr.mode == "cursor":
-        context = envelope.get("context") or {}
-        lr.rows += int(context.get("processed") or 0)
-        lr.rows_failed += int(context.get("failed") or 0)
+    for index, envelope in iterations:
+        ok = envelope.get("status") != "error"
+        if ok:
+            lr.done += 1
+        else:
+            lr.failed += 1
+        ref = envelope.get("reference") or {}
+        t.loop_results.append((lr.instance, index, "ok" if ok else "error", ref.get("ref_id")))
+        if lr.mode == "cursor":
+            context = envelope.get("context") or {}
+            lr.rows += int(context.get("processed") or 0)
+            lr.rows_failed += int(context.get("failed") or 0)
     if lr.finished:
         io.values.setdefault(step_name, {"stats": lr.stats()})
         return finish(t, step_name, run)
@@ -167,20 +176,22 @@ def on_iteration(flow: Flow, t: Transition, step_name: str, run: StepRun, index:
     return None
 
 
-def finishing(lr: LoopRun, envelope: Mapping[str, Any]) -> dict[str, int] | None:
-    """The loop's stats if this result is the last one (None while more are to come)."""
+def finishing(lr: LoopRun, envelopes: list[Mapping[str, Any]]) -> dict[str, int] | None:
+    """The loop's stats if this command's result (its iterations' envelopes) is the last
+    one (None while more are to come)."""
     if lr.in_flight != 1 or not lr.exhausted:
         return None
     after = LoopRun(**{**lr.__dict__})
     after.in_flight = 0
-    if envelope.get("status") == "error":
-        after.failed += 1
-    else:
-        after.done += 1
-    if lr.mode == "cursor":
-        context = envelope.get("context") or {}
-        after.rows += int(context.get("processed") or 0)
-        after.rows_failed += int(context.get("failed") or 0)
+    for envelope in envelopes:
+        if envelope.get("status") == "error":
+            after.failed += 1
+        else:
+            after.done += 1
+        if lr.mode == "cursor":
+            context = envelope.get("context") or {}
+            after.rows += int(context.get("processed") or 0)
+            after.rows_failed += int(context.get("failed") or 0)
     return after.stats()
 
 
@@ -218,20 +229,36 @@ def command_kind(flow: Flow, step_name: str, run: StepRun) -> str:
     return flow.kind(flow.pb.step(step_name))
 
 
+def batch_size(lr: LoopRun, kind: str, most: int) -> int:
+    """How many iterations the next command of a parallel loop runs, one after the other
+    (its worker runs them in index order: ``max_in_flight`` still bounds the iterations
+    running at once). Guided self-scheduling: a share of what is left per lane,
+    ``ceil(undispatched / (BATCH_SHARE * max_in_flight))``, at most ``most``
+    (NOETL_LOOP_BATCH_MAX), so batches shrink to single iterations as the loop ends and a
+    slow iteration holds back few others. Sequential loops (each iteration sees ``ctx``
+    as the previous one left it), cursor slots and sub-playbooks run one per command."""
+    if most <= 1 or lr.mode != "parallel" or kind in UNBATCHED_KINDS:
+        return 1
+    share = -(-lr.undispatched // (BATCH_SHARE * lr.max_in_flight))
+    return max(1, min(most, share))
+
+
 def _refill(flow: Flow, t: Transition, step_name: str, run: StepRun, event: dict[str, Any]) -> None:
     lr = run.loop
     assert lr is not None
     kind = command_kind(flow, step_name, run)
     while lr.in_flight < lr.max_in_flight and not lr.exhausted:
-        index = lr.take()
+        index, count = lr.take(batch_size(lr, kind, flow.loop_batch))
         lr.in_flight += 1
-        command_id = make_command_id(t.state.execution_id, step_name, run.visits, index)
+        command_id = make_command_id(t.state.execution_id, step_name, run.visits, index, count)
         loop_ctx: dict[str, Any] = {"instance": lr.instance, "index": index, "iterator": lr.iterator,
                                     "mode": lr.mode}
+        if count > 1:
+            loop_ctx["count"] = count
         extra: dict[str, Any] = {"loop": loop_ctx}
         if lr.mode == "cursor":
             extra["cursor"] = lr.cursor
-        flow.dispatch(t, step_name, command_id, kind, event, extra, index=index)
+        flow.dispatch(t, step_name, command_id, kind, event, extra, index=index, count=count)
 
 
 def _collection(value: Any, step: str, max_items: int) -> list[Any]:

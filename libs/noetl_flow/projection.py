@@ -107,9 +107,13 @@ def _apply(view: ExecutionView, ev: Mapping[str, Any]) -> None:
     elif kind in (EventType.CALL_DONE, EventType.CALL_ERROR) and name and meta.get("index") is not None:
         # a loop iteration's accepted result (the loop step completes on loop.done)
         s = view.step(name)
-        s.loop_done += 1
-        if kind == EventType.CALL_ERROR or result.get("status") == "error":
-            s.loop_failed += 1
+        if meta.get("count") is not None:  # a batch of iterations (one event), its failed ones counted
+            s.loop_done += int(meta["count"])
+            s.loop_failed += int(meta.get("failed") or 0)
+        else:
+            s.loop_done += 1
+            if kind == EventType.CALL_ERROR or result.get("status") == "error":
+                s.loop_failed += 1
     elif kind in (EventType.CALL_DONE, EventType.CALL_ERROR, EventType.LOOP_DONE) and name:
         s = view.step(name)
         s.status = FAILED if kind == EventType.CALL_ERROR or result.get("status") == "error" else COMPLETED

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from noetl_common.vocab import CommandStatus, EventType
+from noetl_common.vocab import CommandStatus, EventType, loop_span
 
 from . import loops
 from .state import CANCELLED, COMPLETED, FAILED, RUNNING, STEP_RUNNING, ExecState, Pending
@@ -163,10 +163,15 @@ def apply(flow: Flow, t: Transition, items: list[RedriveItem], deadline_ms: int 
                 lr.failed -= 1
                 lr.in_flight += 1
                 t.loop_results_cleared.append((lr.instance, item.loop_index))
-            extra = {"loop": {"instance": lr.instance, "index": item.loop_index, "iterator": lr.iterator,
-                              "mode": lr.mode}}
-            flow.dispatch(t, item.step, command_id, kind, {**event, "step": item.step}, extra,
-                          index=item.loop_index)
+            # an expired batch (loops.batch_size) runs again whole; a failed iteration alone
+            span = loop_span(item.command_id) if item.reason == EXPIRED else None
+            count = span[1] if span is not None else 1
+            loop_ctx: dict[str, object] = {"instance": lr.instance, "index": item.loop_index,
+                                           "iterator": lr.iterator, "mode": lr.mode}
+            if count > 1:
+                loop_ctx["count"] = count
+            flow.dispatch(t, item.step, command_id, kind, {**event, "step": item.step}, {"loop": loop_ctx},
+                          index=item.loop_index, count=count)
         meta: dict[str, object] = {"dead_letter_id": item.dead_letter_id, "redriven_command": item.command_id,
                                    "redrive": generation, "resumed": sorted(resumed)}
         if item.loop_index is not None:

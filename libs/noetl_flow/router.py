@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from noetl_common.vocab import CommandStatus, EventType, ExecutionStatus, ResultStatus
+from noetl_common.vocab import CommandStatus, EventType, ExecutionStatus, ResultStatus, iteration_command_id
 from noetl_common.vocab import command_id as make_command_id
 from noetl_dsl import Playbook, Step, predecessors, successors
 from noetl_dsl.templates import (
@@ -66,7 +66,15 @@ from .state import (
     Pending,
     StepRun,
 )
-from .transitions import CallResultInput, CommandUpdate, DeadLetter, NewCommand, StartInput, Transition
+from .transitions import (
+    CallResultInput,
+    CommandUpdate,
+    DeadLetter,
+    IterationOutcome,
+    NewCommand,
+    StartInput,
+    Transition,
+)
 
 # The name a step's own `set` and `next` arcs read its result by (upstream's), and
 # upstream's Python reference's `result` (the result alone: `output.data`).
@@ -85,15 +93,18 @@ class Inputs:
 class Flow:
     """Routing for one playbook version (cache one per catalog id)."""
 
-    def __init__(self, playbook: Playbook, *, copy_state: bool = True, max_loop_items: int = 500_000) -> None:
+    def __init__(self, playbook: Playbook, *, copy_state: bool = True, max_loop_items: int = 500_000,
+                 loop_batch: int = loops.DEFAULT_BATCH_MAX) -> None:
         """``copy_state=False`` folds inputs into the given state object in place (the
         engine does, to skip a deep copy per input: its cache is dropped whenever a batch
         fails, so a half-applied state never outlives the failed transaction).
         ``max_loop_items``: a loop whose collection is larger fails its step
-        (NOETL_LIMIT_LOOP_ITEMS)."""
+        (NOETL_LIMIT_LOOP_ITEMS). ``loop_batch``: the most iterations of a parallel loop
+        one command runs (NOETL_LOOP_BATCH_MAX; 1: one iteration per command)."""
         self.pb = playbook
         self._copy_state = copy_state
         self.max_loop_items = max_loop_items
+        self.loop_batch = loop_batch
         preds = predecessors(playbook)
         self.joins = {name for name, p in preds.items() if len(p) >= 2}
         self.reach = Reachability(successors(playbook))
@@ -190,13 +201,14 @@ class Flow:
             if name == pending.step and pending.index is None:
                 out[name] = res.envelope.get("reference")
             elif name == pending.step and run is not None and run.loop is not None:
-                # This iteration finishes the loop: its own set/arcs read the whole loop
-                # value, so the engine resolves the instance's ordered results plus this one.
-                finishing = loops.finishing(run.loop, res.envelope)
+                # This command finishes the loop: its own set/arcs read the whole loop value,
+                # so the engine resolves the instance's ordered results plus this command's.
+                outcomes = _outcomes(pending, res)
+                finishing = loops.finishing(run.loop, [o.envelope for o in outcomes])
                 if finishing is not None:
-                    out[name] = {"loop": {"instance": run.loop.instance, "index": pending.index,
-                                          "status": "error" if res.envelope.get("status") == "error" else "ok",
-                                          "ref": res.envelope.get("reference")}, "stats": finishing}
+                    out[name] = {"loop": {"instance": run.loop.instance,
+                                          "results": [[o.index, o.envelope.get("reference")] for o in outcomes]},
+                                 "stats": finishing}
             elif run is not None and run.result is not None:
                 out[name] = (run.result or {}).get("reference")
         return out
@@ -215,22 +227,33 @@ class Flow:
         step_name = pending.step
         run = st.steps[step_name]
         del st.pending[res.command_id]
+        in_loop = pending.index is not None and run.loop is not None
+        outcomes = _outcomes(pending, res) if in_loop else [IterationOutcome(-1, res.envelope, res.set_updates)]
+        failed = [o for o in outcomes if o.envelope.get("status") == "error"]
+        ok = not failed
         meta: dict[str, Any] = {"attempt": res.attempt, "worker": res.worker_id}
         if pending.index is not None:
             meta["index"] = pending.index
+        if pending.count > 1:  # a batch: one event for its iterations, the failed ones named
+            meta["count"] = pending.count
+            meta["failed"] = len(failed)
+            if failed:
+                meta["errors"] = [{"index": o.index, **_error_brief(o.envelope)} for o in failed]
         t.emit(EventType.CALL_DONE if ok else EventType.CALL_ERROR, step=step_name, command_id=res.command_id,
                result=res.envelope, meta=meta)
         t.updates.append(CommandUpdate(res.command_id, CommandStatus.DONE if ok else CommandStatus.FAILED))
-        if not ok:
-            in_loop = pending.index is not None and run.loop is not None
+        for o in failed:  # one dead letter per failed iteration (under its own id within a batch)
             t.dead_letters.append(DeadLetter(
-                res.command_id, step_name, res.attempt, "failed", dict(res.envelope.get("error") or {}),
-                res.worker_id, run.loop.instance if in_loop and run.loop else None, pending.index))
-        _apply_updates(st.ctx, (res.set_updates or {}).get("ctx") or {})
+                iteration_command_id(res.command_id, o.index) if pending.count > 1 else res.command_id,
+                step_name, res.attempt, "failed", dict(o.envelope.get("error") or {}), res.worker_id,
+                run.loop.instance if in_loop and run.loop else None, pending.index if pending.count == 1 else o.index))
+        for o in outcomes:
+            _apply_updates(st.ctx, (o.set_updates or {}).get("ctx") or {})
         io = Inputs(workload, dict(values))
         try:
-            if pending.index is not None and run.loop is not None:
-                finished = loops.on_iteration(self, t, step_name, run, pending.index, res.envelope, ok, io)
+            if in_loop and run.loop is not None:
+                finished = loops.on_command_done(self, t, step_name, run,
+                                                 [(o.index, o.envelope) for o in outcomes], io)
                 if finished is not None:
                     self._complete(t, step_name, finished, io, loop_done=True)
             else:
@@ -391,10 +414,10 @@ class Flow:
                meta={"visit": run.visits, "attempt": 1, "kind": kind})
 
     def dispatch(self, t: Transition, step: str, command_id: str, kind: str, event: dict[str, Any],
-                 extra: dict[str, Any] | None, index: int | None = None) -> None:
+                 extra: dict[str, Any] | None, index: int | None = None, count: int = 1) -> None:
         """Insert a command (and its pending entry) with a snapshot of the render context."""
         st = t.state
-        st.pending[command_id] = Pending(step=step, attempt=1, index=index)
+        st.pending[command_id] = Pending(step=step, attempt=1, index=index, count=count)
         if t.steps_snapshot is None:
             t.steps_snapshot = {n: r.result for n, r in st.steps.items() if r.result is not None}
         context: dict[str, Any] = {
@@ -544,6 +567,26 @@ def _failing_step(exc: TemplateError, routing: str) -> str:
     """The step a template error fails: the loop step whose entry raised it, else the step
     whose ``set``/arcs were being rendered."""
     return str(getattr(exc, "noetl_step", None) or routing)
+
+
+def _outcomes(pending: Pending, res: CallResultInput) -> list[IterationOutcome]:
+    """The iterations a loop command's result answers for, in index order: its own
+    envelope for one iteration; for a batch, each iteration's outcome from the worker's
+    result (an iteration the result has no outcome for failed with the batch's error:
+    the worker could not run the batch at all, e.g. an earlier result it reads is gone)."""
+    assert pending.index is not None
+    if pending.count == 1 and not res.iterations:
+        return [IterationOutcome(pending.index, res.envelope, res.set_updates)]
+    given = {o.index: o for o in res.iterations}
+    error = res.envelope.get("error") or {
+        "code": "BATCH_INCOMPLETE", "message": "the worker's result of the batch has no outcome for this iteration"}
+    missing = {"status": "error", "reference": None, "parent_ref": None, "context": None, "error": error}
+    return [given.get(i) or IterationOutcome(i, missing) for i in range(pending.index, pending.index + pending.count)]
+
+
+def _error_brief(envelope: Mapping[str, Any]) -> dict[str, Any]:
+    error = envelope.get("error") or {}
+    return {"code": str(error.get("code") or ""), "message": str(error.get("message") or "")[:300]}
 
 
 def _error_text(envelope: Mapping[str, Any]) -> str:

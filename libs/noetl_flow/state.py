@@ -26,7 +26,8 @@ STEP_CANCELLED = StepStatus.CANCELLED
 @dataclass
 class LoopRun:
     """One entry into a loop step (a loop instance). O(in-flight): iteration results live
-    in ``noetl.loop_result``, items in ``noetl.loop_item``; only counters are kept here."""
+    in ``noetl.loop_result``, items in ``noetl.loop_item``; only counters are kept here.
+    ``in_flight`` counts commands: a batch of iterations (loops.py) is one."""
 
     instance: str
     mode: str  # sequential | parallel | cursor
@@ -55,19 +56,27 @@ class LoopRun:
     def finished(self) -> bool:
         return self.in_flight == 0 and self.exhausted
 
-    def take(self) -> int:
-        """The next iteration index to dispatch (call only when not ``exhausted``)."""
+    def take(self, most: int = 1) -> tuple[int, int]:
+        """The next iterations to dispatch, (first index, count): up to ``most`` consecutive
+        indexes (call only when not ``exhausted``)."""
         if self.next_index < self.total:
             index = self.next_index
-            self.next_index += 1
-            return index
+            count = min(most, self.total - index)
+            self.next_index += count
+            return index, count
         assert self.todo
         start, end = self.todo[-1]
-        if start + 1 >= end:
+        count = min(most, end - start)
+        if start + count >= end:
             self.todo.pop()
         else:
-            self.todo[-1] = [start + 1, end]
-        return start
+            self.todo[-1] = [start + count, end]
+        return start, count
+
+    @property
+    def undispatched(self) -> int:
+        """Iterations not dispatched yet."""
+        return max(0, self.total - self.next_index) + sum(end - start for start, end in self.todo or ())
 
     def stats(self) -> dict[str, int]:
         if self.mode == "cursor":
@@ -93,6 +102,8 @@ class Pending:
     attempt: int = 1
     # Loop iteration index (collection loops) or slot (cursor loops); None for plain steps.
     index: int | None = None
+    # Iterations the command runs: ``index`` .. ``index + count - 1`` (a batch, loops.py).
+    count: int = 1
 
 
 @dataclass

@@ -19,12 +19,23 @@ class StartInput:
 
 
 @dataclass(frozen=True)
+class IterationOutcome:
+    """One iteration's result within a batch command's result (loops.batch_size)."""
+
+    index: int
+    envelope: dict[str, Any]
+    set_updates: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class CallResultInput:
     command_id: str
     attempt: int
     envelope: dict[str, Any]
     set_updates: dict[str, Any] = field(default_factory=dict)
     worker_id: str = ""
+    # A batch of loop iterations: each one's outcome (``envelope`` then summarises them).
+    iterations: tuple[IterationOutcome, ...] = ()
 
 
 @dataclass

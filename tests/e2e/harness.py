@@ -161,6 +161,16 @@ def event_counts(runner: Runner, execution_id: int, step: str | None = None) -> 
     return {str(t): int(n) for t, n in rows}
 
 
+def accepted_iterations(runner: Runner, execution_id: int, step: str) -> list[int]:
+    """The loop iteration indexes the accepted results of ``step`` cover, sorted, one entry
+    per acceptance: a ``call.done``/``call.error`` event answers for ``meta.index`` (and the
+    ``meta.count`` - 1 after it, for a batch of iterations). Exactly once each: ``range(n)``."""
+    rows = runner.sql("SELECT (meta->>'index')::int, COALESCE((meta->>'count')::int, 1) FROM noetl.event"
+                      " WHERE execution_id = %s AND step = %s AND event_type IN ('call.done', 'call.error')"
+                      " AND meta ? 'index'", (execution_id, step))
+    return sorted(i for index, count in rows for i in range(index, index + count))
+
+
 def command_counts(runner: Runner, execution_id: int) -> dict[str, int]:
     """{status: count} of noetl.command rows for one execution."""
     rows = runner.sql("SELECT status, count(*) FROM noetl.command WHERE execution_id = %s GROUP BY status",

@@ -175,16 +175,19 @@ def test_parallel_loop_survives_sigkill_of_a_worker_and_the_shard_owner(runner: 
                   " AND event_type = 'loop.done'", (eid,))
     assert done is not None and done["epoch"] > before.epoch, done
     assert {k: done["meta"][k] for k in ("total", "success", "failed")} == {"total": N, "success": N, "failed": 0}
-    # one accepted result per iteration command; duplicates only as call.duplicate
+    # one accepted result per iteration command (a batch of iterations, `:{first}+{count}`,
+    # or one); duplicates only as call.duplicate; every index covered exactly once
     rows = db.all("SELECT command_id, count(*) FILTER (WHERE event_type IN ('call.done', 'call.error')) AS accepted,"
                   " count(*) FILTER (WHERE event_type = 'call.error') AS errors,"
-                  " count(*) FILTER (WHERE event_type = 'call.duplicate') AS duplicates"
+                  " count(*) FILTER (WHERE event_type = 'call.duplicate') AS duplicates,"
+                  " min((meta->>'index')::int) FILTER (WHERE event_type = 'call.done') AS first,"
+                  " min(COALESCE((meta->>'count')::int, 1)) FILTER (WHERE event_type = 'call.done') AS n"
                   " FROM noetl.event WHERE execution_id = %s AND command_id LIKE %s GROUP BY 1",
                   (eid, f"{eid}:fan:1:%"))
-    assert sorted(int(r["command_id"].rsplit(":", 1)[1]) for r in rows) == list(range(N))
     assert all(r["accepted"] == 1 and r["errors"] == 0 for r in rows), [r for r in rows if r["accepted"] != 1][:5]
+    assert sorted(i for r in rows for i in range(r["first"], r["first"] + r["n"])) == list(range(N))
     counts = db.assert_routed_once(eid)
-    assert counts["call.done"] == N + 1, counts  # the iterations + `after`
+    assert counts["call.done"] == len(rows) + 1, counts  # the loop's commands + `after`
     # the ordered table of references: 1,000 distinct indexes, none missing
     lr = db.one("SELECT count(*) AS n, count(DISTINCT idx) AS d, min(idx) AS lo, max(idx) AS hi,"
                 " count(*) FILTER (WHERE status <> 'ok') AS bad FROM noetl.loop_result WHERE execution_id = %s"

@@ -3,10 +3,16 @@ O(in-flight) state, re-entry as a new instance, cursor slots."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from noetl_dsl import parse_playbook
-from noetl_flow import CallResultInput, ExecState, Flow, StartInput
+from noetl_flow import CallResultInput, ExecState, StartInput
+from noetl_flow import Flow as BatchingFlow
+
+# One iteration per command: these tests pin the per-iteration protocol (batches of
+# iterations: test_flow_batches.py).
+Flow = functools.partial(BatchingFlow, loop_batch=1)
 
 HEADER = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: l, path: l}\n"
 

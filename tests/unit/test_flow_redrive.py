@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from noetl_dsl import parse_playbook
-from noetl_flow import CallResultInput, ExecState, Flow, RedriveItem, StartInput, refusal
+from noetl_flow import CallResultInput, ExecState, RedriveItem, StartInput, refusal
+from noetl_flow import Flow as BatchingFlow
+
+# One iteration per command: these tests pin the per-iteration protocol (batches of
+# iterations: test_flow_batches.py).
+Flow = functools.partial(BatchingFlow, loop_batch=1)
 
 HEADER = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: r, path: r}\n"
 

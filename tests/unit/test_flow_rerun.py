@@ -4,12 +4,18 @@ re-armed fan-ins) and a resumed loop dispatching only what its original did not 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 
 from noetl_dsl import parse_playbook
-from noetl_flow import CallResultInput, ExecState, Flow, RerunRefused, StartInput, rerun
+from noetl_flow import CallResultInput, ExecState, RerunRefused, StartInput, rerun
+from noetl_flow import Flow as BatchingFlow
+
+# One iteration per command: these tests pin the per-iteration protocol (batches of
+# iterations: test_flow_batches.py).
+Flow = functools.partial(BatchingFlow, loop_batch=1)
 
 HEADER = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: r, path: r}\n"
 LINEAR = Flow(parse_playbook(HEADER + """

@@ -8,14 +8,20 @@ closure on random graphs, cycles included."""
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
 from noetl_api.static_checks import check_templates, credential_refs, playbook_refs
 from noetl_common.config import LimitSettings
 from noetl_dsl import Playbook, load_playbook, merged_workload, parse_playbook, reachable_from, successors
-from noetl_flow import CallResultInput, ExecState, Flow, StartInput, Transition
+from noetl_flow import CallResultInput, ExecState, StartInput, Transition
+from noetl_flow import Flow as BatchingFlow
 from noetl_flow.reach import Reachability
+
+# One iteration per command: these tests pin the per-iteration protocol (batches of
+# iterations: test_flow_batches.py).
+Flow = functools.partial(BatchingFlow, loop_batch=1)
 
 N = 10_000
 HEADER = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: big}\nworkload: {n: 1}\nworkflow:\n"

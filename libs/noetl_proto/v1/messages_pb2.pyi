@@ -3,9 +3,11 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
 from noetl_proto.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -132,6 +134,7 @@ class CallResult(_message.Message):
     SET_JSON_FIELD_NUMBER: _builtins.int
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     CLAIM_TOKEN_FIELD_NUMBER: _builtins.int
+    ITERATIONS_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     execution_id: _builtins.int
     step: _builtins.str
@@ -145,6 +148,12 @@ class CallResult(_message.Message):
     def envelope(self) -> _common_pb2.ResultEnvelope: ...
     @_builtins.property
     def finished_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def iterations(self) -> _containers.RepeatedCompositeFieldContainer[Global___IterationResult]:
+        """A command that runs a batch of loop iterations (its context's loop.count): each
+        iteration's outcome in index order; `envelope` and `set_json` then summarise them.
+        """
+
     def __init__(
         self,
         *,
@@ -157,14 +166,44 @@ class CallResult(_message.Message):
         set_json: _builtins.str = ...,
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         claim_token: _builtins.str = ...,
+        iterations: _abc.Iterable[Global___IterationResult] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["envelope", b"envelope", "finished_at", b"finished_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "claim_token", b"claim_token", "command_id", b"command_id", "envelope", b"envelope", "execution_id", b"execution_id", "finished_at", b"finished_at", "set_json", b"set_json", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "claim_token", b"claim_token", "command_id", b"command_id", "envelope", b"envelope", "execution_id", b"execution_id", "finished_at", b"finished_at", "iterations", b"iterations", "set_json", b"set_json", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CallResult: _TypeAlias = CallResult  # noqa: Y015
+
+@_typing.final
+class IterationResult(_message.Message):
+    """One loop iteration's outcome within a batch command's CallResult."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ENVELOPE_FIELD_NUMBER: _builtins.int
+    SET_JSON_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    set_json: _builtins.str
+    """ctx updates its task policies made, JSON object text (as CallResult.set_json)."""
+    @_builtins.property
+    def envelope(self) -> _common_pb2.ResultEnvelope: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        envelope: _common_pb2.ResultEnvelope | None = ...,
+        set_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["envelope", b"envelope"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["envelope", b"envelope", "index", b"index", "set_json", b"set_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IterationResult: _TypeAlias = IterationResult  # noqa: Y015
 
 @_typing.final
 class ExecutionSubmitted(_message.Message):

@@ -16,6 +16,7 @@ from noetl_common.errors import NotFound
 from noetl_db import catalog as catalog_db
 from noetl_dsl import Placement, Playbook, load_playbook, parse_playbook, placements
 from noetl_flow import Flow
+from noetl_flow.loops import DEFAULT_BATCH_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,11 @@ def parse(content: str, limits: LimitSettings | None = None) -> Playbook:
 
 
 class Catalog:
-    def __init__(self, pool: Pool, cache_size: int = 256, *, limits: LimitSettings | None = None) -> None:
+    def __init__(self, pool: Pool, cache_size: int = 256, *, limits: LimitSettings | None = None,
+                 loop_batch: int = DEFAULT_BATCH_MAX) -> None:
         self._pool = pool
         self.limits = limits or LimitSettings.model_construct()
+        self.loop_batch = loop_batch
         self._cache: OrderedDict[int, Compiled] = OrderedDict()
         self._cache_size = cache_size
 
@@ -103,7 +106,8 @@ class Catalog:
 
     def _compile(self, doc: Any) -> tuple[Playbook, Flow]:
         playbook = load_playbook(doc, limits=self.limits)
-        return playbook, Flow(playbook, copy_state=False, max_loop_items=self.limits.loop_items)
+        return playbook, Flow(playbook, copy_state=False, max_loop_items=self.limits.loop_items,
+                              loop_batch=self.loop_batch)
 
     async def compiled(self, catalog_id: int) -> Compiled:
         hit = self._cache.get(catalog_id)

@@ -117,6 +117,10 @@ class Claims:
         loop = (row["context"] or {}).get("loop") or {}
         if loop and loop.get("mode") != "cursor" and not row["has_item"]:
             raise NotFound(f"loop item {loop['instance']}[{loop['index']}] of command {row['command_id']} not found")
+        count = int(loop.get("count") or 1) if loop else 1
+        if count > 1 and len(row.get("loop_items") or ()) != count:
+            raise NotFound(f"loop items {loop['instance']}[{loop['index']}:{int(loop['index']) + count}] of command"
+                           f" {row['command_id']} not found")
         compiled = await self._catalog.compiled(row["catalog_id"])
         playbook = compiled.playbook
         workload: dict[str, Any] | None = None
@@ -156,6 +160,8 @@ class Claims:
                 context["iter"] = {"_index": index}
             else:
                 context["iter"] = {str(loop["iterator"]): row["loop_item"], "_index": index}
+                if count > 1:  # a batch: the worker runs each item in turn (noetl_worker.runner)
+                    context["batch_items"] = row["loop_items"]
             context["loop_index"] = index
         token = auth.claim_token(self.claim_key, row["command_id"], row["attempt"], row["worker_id"]) \
             if self.claim_key else ""

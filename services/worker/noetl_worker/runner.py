@@ -23,6 +23,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from noetl_common import tracing
 from noetl_common.errors import NoetlError
 from noetl_common.retry import retry_transient
+from noetl_common.vocab import iteration_command_id
 from noetl_dsl.templates import RenderContext
 from noetl_proto.v1 import messages_pb2
 from noetl_store import Reference, ResultStore, ResultTooLarge, encode_json, envelope, envelope_to_proto
@@ -222,8 +223,7 @@ def build_call_result(command: messages_pb2.Command, env: Mapping[str, Any], *, 
 def error_result(command: messages_pb2.Command, code: str, message: str, *, worker_id: str,
                  kind: str = "", retryable: bool = False,
                  parent: Reference | None = None) -> messages_pb2.CallResult:
-    env = envelope("error", None, parent, None, ErrorDetail(code, message, kind, retryable).to_dict())
-    return build_call_result(command, env, worker_id=worker_id)
+    return build_call_result(command, _error_envelope(code, message, kind, retryable, parent), worker_id=worker_id)
 
 
 async def prepare(command: messages_pb2.Command, store: ResultStore, *, worker_id: str = "",
@@ -289,30 +289,72 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
                    default_timeout: float, cancelled: asyncio.Event | None,
                    sleep: Callable[[float], Awaitable[Any]], infra_retry_sec: float | None,
                    secrets: CommandSecrets | None) -> messages_pb2.CallResult:
-    extra = {"execution_id": command.execution_id, "command_id": command.command_id, "step": command.step}
     prepared = await prepare(command, store, worker_id=worker_id, retry_sec=infra_retry_sec, secrets=secrets)
     if isinstance(prepared, messages_pb2.CallResult):
         return prepared
-    spec, _, tasks, scope = prepared
-    caller = TaskCaller(command, spec, tools, timeout=command.timeout_seconds or default_timeout or None,
-                        cancelled=cancelled, worker_id=worker_id, secrets=secrets)
-    persister = _Persister(store, command, infra_retry_sec)
+    spec, context, tasks, scope = prepared
+    timeout = command.timeout_seconds or default_timeout or None
+    items = context.get("batch_items")
+    if not isinstance(items, list) or not items:
+        caller = TaskCaller(command, spec, tools, timeout=timeout, cancelled=cancelled, worker_id=worker_id,
+                            secrets=secrets)
+        env, set_updates, details = await _run_tasks(command, command, tasks, scope, caller, store, sleep,
+                                                     infra_retry_sec, worker_id)
+        return build_call_result(command, env, worker_id=worker_id, set_updates=set_updates, error_details=details)
+    # A batch of loop iterations (noetl_flow.loops.batch_size): each item in index order,
+    # with its own scope, result keys and stored results, under this command's claim.
+    loop = context.get("loop") or {}
+    first, iterator = int(loop.get("index") or 0), str(loop.get("iterator") or "item")
+    outcomes: list[messages_pb2.IterationResult] = []
+    failed = 0
+    for offset, item in enumerate(items):
+        index = first + offset
+        own = messages_pb2.Command(command_id=iteration_command_id(command.command_id, index),
+                                   execution_id=command.execution_id, shard_id=command.shard_id, step=command.step,
+                                   attempt=command.attempt, kind=command.kind)
+        iteration = {iterator: item, "_index": index}
+        caller = TaskCaller(command, spec, tools, timeout=timeout, cancelled=cancelled, worker_id=worker_id,
+                            secrets=secrets, key_prefix=own.command_id)
+        env, set_updates, details = await _run_tasks(
+            command, own, tasks, RenderContext({**scope, **iteration, "loop_index": index, "iter": iteration},
+                                               known=scope.known),
+            caller, store, sleep, infra_retry_sec, worker_id)
+        failed += env["status"] == "error"
+        outcomes.append(messages_pb2.IterationResult(
+            index=index, envelope=envelope_to_proto(env, error_details=details),
+            set_json=encode_json(dict(set_updates) if set_updates else {"ctx": {}, "iter": {}}).decode()))
+    summary = envelope("error" if failed else "ok", None, None, {"count": len(items), "failed": failed},
+                       {"code": "ITERATIONS_FAILED", "message": f"{failed} of {len(items)} iteration(s) failed"}
+                       if failed else None)
+    result = build_call_result(command, summary, worker_id=worker_id)
+    result.iterations.extend(outcomes)
+    return result
+
+
+async def _run_tasks(command: messages_pb2.Command, own: messages_pb2.Command, tasks: list[dict[str, Any]],
+                     scope: RenderContext, caller: TaskCaller, store: ResultStore,
+                     sleep: Callable[[float], Awaitable[Any]], infra_retry_sec: float | None,
+                     worker_id: str) -> tuple[dict[str, Any], Mapping[str, Any] | None, Mapping[str, Any] | None]:
+    """Run the command's tasks in ``scope`` (``own``: the command, or one iteration of its
+    batch, whose results are stored): (envelope, set updates, error details)."""
+    extra = {"execution_id": command.execution_id, "command_id": own.command_id, "step": command.step}
+    persister = _Persister(store, own, infra_retry_sec)
     try:
         result: PipelineResult = await run_pipeline(tasks, scope, caller, on_result=persister.record,
                                                     sleep=sleep)
     except StoreFailure as exc:
         logger.error("%s", exc, extra=extra)
         _, parent = persister.references(None)
-        return error_result(command, REFERENCE_NOT_AVAILABLE, str(exc), worker_id=worker_id,
-                            kind="StoreFailure", retryable=True, parent=parent)
+        return _error_envelope(REFERENCE_NOT_AVAILABLE, str(exc), "StoreFailure", True, parent), None, None
     except ResultTooLarge as exc:
         logger.info("%s", exc, extra=extra)
         _, parent = persister.references(None)
-        return error_result(command, RESULT_TOO_LARGE, str(exc), worker_id=worker_id,
-                            kind="ResultTooLarge", parent=parent)
-
+        return _error_envelope(RESULT_TOO_LARGE, str(exc), "ResultTooLarge", False, parent), None, None
     ref, parent = persister.references(result.last)
     error = result.error.to_dict() if result.error is not None else None
-    env = envelope(result.status, ref, parent, result.data, error)
-    return build_call_result(command, env, worker_id=worker_id, set_updates=result.set_updates,
-                             error_details=result.error.details if result.error is not None else None)
+    return (envelope(result.status, ref, parent, result.data, error), result.set_updates,
+            result.error.details if result.error is not None else None)
+
+
+def _error_envelope(code: str, message: str, kind: str, retryable: bool, parent: Reference | None) -> dict[str, Any]:
+    return envelope("error", None, parent, None, ErrorDetail(code, message, kind, retryable).to_dict())

@@ -94,12 +94,14 @@ def scrub_call_result(result: messages_pb2.CallResult, redactor: Redactor | None
     """The CallResult with the command's secrets masked in every text it carries (in place)."""
     if not redactor:
         return result
-    env = result.envelope
-    env.error.message = redactor.text(env.error.message)
-    env.error.traceback = redactor.text(env.error.traceback)
-    env.error.details_json = _scrub_json(env.error.details_json, redactor)
-    env.context_json = _scrub_json(env.context_json, redactor)
-    result.set_json = _scrub_json(result.set_json, redactor)
+    parts: list[messages_pb2.CallResult | messages_pb2.IterationResult] = [result, *result.iterations]
+    for part in parts:  # a batch's iterations too
+        env = part.envelope
+        env.error.message = redactor.text(env.error.message)
+        env.error.traceback = redactor.text(env.error.traceback)
+        env.error.details_json = _scrub_json(env.error.details_json, redactor)
+        env.context_json = _scrub_json(env.context_json, redactor)
+        part.set_json = _scrub_json(part.set_json, redactor)
     return result
 
 

@@ -53,6 +53,7 @@ from noetl_flow import (
     CallResultInput,
     ExecState,
     Flow,
+    IterationOutcome,
     RedriveItem,
     StartInput,
     Transition,
@@ -650,7 +651,10 @@ class ShardEngine:
                 return None
             envelope = envelope_from_proto(r.envelope)
             res = CallResultInput(r.command_id, r.attempt, envelope,
-                                  json.loads(r.set_json) if r.set_json else {}, r.worker_id)
+                                  json.loads(r.set_json) if r.set_json else {}, r.worker_id,
+                                  tuple(IterationOutcome(it.index, envelope_from_proto(it.envelope),
+                                                         json.loads(it.set_json) if it.set_json else {})
+                                        for it in r.iterations))
             workload = await self._workload_for(state, requests)
             values = await self._values(flow.needs(state, res), conn, eid, batch_loop_results)
             return flow.on_result(state, res, workload, values)
@@ -733,8 +737,8 @@ class ShardEngine:
         await loops_db.store_loop_results(conn, batch_loop_results)
         batch_loop_results.clear()
         rows = await loops_db.loop_results(conn, eid, loop["instance"])
-        ref = loop.get("ref") or {}
-        rows[int(loop["index"])] = ref.get("ref_id")
+        for index, ref in loop["results"]:
+            rows[int(index)] = (ref or {}).get("ref_id")
         ids = [r for r in rows.values() if r]
         found = await self.d.results.get_many(ids) if ids else {}
         results = [found.get(ref_id) if (ref_id := rows[i]) else None for i in sorted(rows)]
