@@ -26,7 +26,7 @@ from prometheus_client import Counter, Gauge, start_http_server
 from noetl_proto.v1 import shard_manager_pb2 as sm_pb2
 from noetl_proto.v1 import shard_manager_pb2_grpc as sm_grpc
 
-from . import auth, faults, grpcutil, harden, tracing
+from . import auth, faults, grpcmetrics, grpcutil, harden, tracing
 from .config import AuthSettings, CoreSettings, ShardSettings, TlsSettings, TracingSettings, load
 from .db import Pool, make_pool
 from .errors import ConfigError, NoetlError
@@ -110,8 +110,8 @@ class Service:
 
     def server_interceptors(self) -> list[Any]:
         """What every server of this process runs a call through, outermost first."""
-        chain: list[Any] = [*tracing.server_interceptors(), grpcutil.ErrorInterceptor(),
-                            grpcutil.GateInterceptor(self.gate)]
+        chain: list[Any] = [*tracing.server_interceptors(), grpcmetrics.ServerMetricsInterceptor(),
+                            grpcutil.ErrorInterceptor(), grpcutil.GateInterceptor(self.gate)]
         if self.auth.enabled:
             if self.pool is None:
                 raise ConfigError("NOETL_AUTH_ENABLED needs NOETL_POSTGRES_DSN (tokens are verified there)")
