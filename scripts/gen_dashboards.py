@@ -4,8 +4,9 @@
     python scripts/gen_dashboards.py --check   # exit 1 if the committed files are stale
 
 Every expression reads only metrics the runtime exports (grep ``Counter(``/``Gauge(``/
-``Histogram(`` under libs/ and services/) plus Prometheus' own ``up`` and the Python
-client's ``process_*``. Series carry the target labels ``namespace``, ``pod`` and
+``Histogram(`` under libs/ and services/: the ``noetl_*`` ones and the standard gRPC
+server metrics ``grpc_server_*``, noetl_common/grpcmetrics.py) plus Prometheus' own ``up``
+and the Python client's ``process_*``. Series carry the target labels ``namespace``, ``pod`` and
 ``component`` (the role), which the chart's ServiceMonitor sets; the dashboards filter on
 ``namespace=~"$namespace"``. ``make check-deploy`` runs every expression against a real
 Prometheus scraping a local stack and fails on any that returns no data.
@@ -24,7 +25,8 @@ NS = 'namespace=~"$namespace"'
 RI = "$__rate_interval"
 ROLES = ("api", "shard-manager", "projector", "checkpointer", "compactor", "reaper", "worker")
 SHARDED = ("api", "projector", "checkpointer", "compactor", "reaper")
-SERVER_ERRORS = "INTERNAL|UNKNOWN|UNAVAILABLE|DEADLINE_EXCEEDED|DATA_LOSS|UNIMPLEMENTED"
+# grpc_code values counted as the server's errors (noetl_common.grpcmetrics.SERVER_ERROR_CODES)
+SERVER_ERRORS = "Unknown|DeadlineExceeded|Unimplemented|Internal|Unavailable|DataLoss"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
 
@@ -49,6 +51,11 @@ def held(metric: str, role: str) -> str:
     of a shard it loses; the join also hides a pod's last scrape until it goes stale."""
     return (f"{metric}{sel()} and on (namespace, instance, shard) "
             f"(noetl_shard_owner{sel(eq('role', role))} == 1)")
+
+
+def rpc(role: str, method: str) -> str:
+    """Calls/s of one gRPC method (by name; ``method`` may be a regular expression)."""
+    return f"sum(rate(grpc_server_handled_total{comp(role, rx('grpc_method', method))}[{RI}]))"
 
 
 def quantile(q: float, metric: str, labels: str, by: str = "") -> str:
@@ -88,7 +95,9 @@ def process_row(role: str) -> Row:
              description="Restarts of the role's processes in their pods during the last hour."),
         stat("Resident memory (max pod)", f"max(process_resident_memory_bytes{c})", "bytes"),
         stat("Open file descriptors (max pod)", f"max(process_open_fds{c})"),
-        stat("gRPC calls/s", f"sum(rate(noetl_grpc_requests_total{c}[{RI}]))", "reqps"),
+        stat("gRPC calls/s", f"sum(rate(grpc_server_handled_total{c}[{RI}]))", "reqps"),
+        stat("Versions running", f"count(count by (version) (noetl_build_info{c}))",
+             description="Distinct noetl_build_info versions among the role's pods: 2 during a rollout."),
         stat("Python GC collections/s", f"sum(rate(python_gc_collections_total{c}[{RI}]))"),
         Panel("CPU by pod", [(f"sum by (pod) (rate(process_cpu_seconds_total{c}[{RI}]))", "{{pod}}")], "percentunit",
               description="CPU seconds per second (1 = one core)."),
@@ -100,9 +109,16 @@ def grpc_row(role: str) -> Row:
     c = comp(role)
     return Row("gRPC (server side)", [
         Panel("Calls by method and code", [
-            (f"sum by (method, code) (rate(noetl_grpc_requests_total{c}[{RI}]))", "{{method}} {{code}}")], "reqps"),
-        Panel("Latency p99 by method", [
-            (quantile(0.99, "noetl_grpc_request_seconds", c, "method"), "{{method}}")], "s"),
+            (f"sum by (grpc_method, grpc_code) (rate(grpc_server_handled_total{c}[{RI}]))",
+             "{{grpc_method}} {{grpc_code}}")], "reqps",
+            description="grpc_server_handled_total: every call answered, health checks included."),
+        Panel("Latency p99 by method (unary)", [
+            (quantile(0.99, "grpc_server_handling_seconds", comp(role, eq("grpc_type", "unary")), "grpc_method"),
+             "{{grpc_method}}")], "s"),
+        Panel("Calls in progress by method", [
+            (f"sum by (grpc_method) (grpc_server_started_total{c}) - "
+             f"sum by (grpc_method) (grpc_server_handled_total{c})", "{{grpc_method}}")],
+            description="Started and not yet answered: open WatchExecution streams, slow calls."),
     ])
 
 
@@ -124,9 +140,9 @@ def lease_row(role: str) -> Row:
 
 def overview() -> list[Row]:
     up = sel(rx("component", "|".join(ROLES)))
-    errors = (f"(sum by (component) (rate(noetl_grpc_requests_total{sel(rx('code', SERVER_ERRORS))}[{RI}])) "
-              f"or sum by (component) (rate(noetl_grpc_requests_total{sel()}[{RI}])) * 0) "
-              f"/ sum by (component) (rate(noetl_grpc_requests_total{sel()}[{RI}]))")
+    errors = (f"(sum by (component) (rate(grpc_server_handled_total{sel(rx('grpc_code', SERVER_ERRORS))}[{RI}])) "
+              f"or sum by (component) (rate(grpc_server_handled_total{sel()}[{RI}])) * 0) "
+              f"/ sum by (component) (rate(grpc_server_handled_total{sel()}[{RI}]))")
     return [
         Row("Executions", [
             stat("Active executions", f"max(noetl_active_executions{sel()})",
@@ -134,14 +150,13 @@ def overview() -> list[Row]:
                              "replica measures every 5 s, and at most once a second on submissions)."),
             stat("Queued commands", f"max(noetl_queued_commands{sel()})",
                  description="Commands waiting for a worker, as admission control last measured it."),
-            stat("Submissions/s", f"sum(rate(noetl_grpc_requests_total{comp('api', rx('method', '.*/SubmitExecution'))}[{RI}]))",
-                 "reqps"),
+            stat("Submissions/s", rpc("api", "SubmitExecution"), "reqps"),
             stat("Worker slots busy", f"sum(noetl_worker_busy{sel()}) / sum(noetl_worker_concurrency{sel()})",
                  "percentunit",
                  description="Commands running now / command slots (replicas x NOETL_WORKER_CONCURRENCY), all "
                              "workers; the saturation alert fires above 0.9."),
-            stat("Max projection lag", f"max({held('noetl_projection_lag_ms', 'projector')})", "ms"),
-            stat("Max checkpoint age", f"max({held('noetl_checkpoint_age_ms', 'checkpointer')})", "ms"),
+            stat("Max projection lag", f"max({held('noetl_projection_lag_seconds', 'projector')})", "s"),
+            stat("Max checkpoint age", f"max({held('noetl_checkpoint_age_seconds', 'checkpointer')})", "s"),
             Panel("Events appended vs projected", [
                 (f"sum(rate(noetl_engine_events_total{sel()}[{RI}]))", "appended (engine)"),
                 (f"sum(rate(noetl_projected_events_total{sel()}[{RI}]))", "projected")], "ops"),
@@ -195,8 +210,12 @@ def overview() -> list[Row]:
             stat("Dead letters (1h)", f"sum(increase(noetl_dead_letters_total{sel()}[1h]))",
                  description="Commands that exhausted their attempts (a task that still failed after its policy's "
                              "retries, or claims expired NOETL_COMMAND_MAX_ATTEMPTS times): `noetl-rt dlq list`."),
-            stat("Events compacted/s", f"sum(noetl_compactor_events_per_second{sel()})", "ops"),
+            stat("Events compacted/s", f"sum(rate(noetl_compactor_events_deleted_total{sel()}[{RI}])) + "
+                 f"sum(rate(noetl_compactor_barrier_events_deleted_total{sel()}[{RI}]))", "ops"),
             Panel("Pods up by role", [(f"sum by (component) (up{up})", "{{component}}")]),
+            Panel("Pods by role and version", [
+                (f"count by (component, version) (noetl_build_info{up})", "{{component}} {{version}}")],
+                description="noetl_build_info: the runtime version each pod runs (two during a rollout)."),
             Panel("Shards owned by role", [(f"sum by (role) (noetl_shard_owner{sel()})", "{{role}}")],
                   description="Should equal NOETL_SHARD_COUNT for every sharded role."),
             Panel("gRPC server-error ratio by role", [(errors, "{{component}}")], "percentunit"),
@@ -213,11 +232,9 @@ def api() -> list[Row]:
         Row("Admission and submissions", [
             stat("Active executions", f"max(noetl_active_executions{c})"),
             stat("Queued commands", f"max(noetl_queued_commands{c})"),
-            stat("Submissions/s", f"sum(rate(noetl_grpc_requests_total{comp('api', rx('method', '.*/SubmitExecution'))}[{RI}]))",
-                 "reqps"),
+            stat("Submissions/s", rpc("api", "SubmitExecution"), "reqps"),
             stat("Rejected (1h)", f"sum(increase(noetl_submissions_rejected_total{c}[1h]))"),
-            stat("Claims/s", f"sum(rate(noetl_grpc_requests_total{comp('api', rx('method', '.*/ClaimCommand'))}[{RI}]))",
-                 "reqps"),
+            stat("Claims/s", rpc("api", "ClaimCommands?"), "reqps"),
             stat("Commands republished (1h)", f"sum(increase(noetl_engine_republished_commands_total{c}[1h]))"),
             Panel("Active executions and queued commands", [
                 (f"max(noetl_active_executions{c})", "active executions"),
@@ -266,7 +283,7 @@ def api() -> list[Row]:
         ]),
         Row("Result store (reads by the engine and GetExecution)", [
             Panel("Reference resolve time p99 by tier", [
-                (quantile(0.99, "noetl_reference_resolve_ms", c, "tier"), "{{tier}}")], "ms"),
+                (quantile(0.99, "noetl_reference_resolve_seconds", c, "tier"), "{{tier}}")], "s"),
             Panel("Read-through cache lookups", [
                 (f"sum by (cache, outcome) (rate(noetl_result_cache_requests_total{c}[{RI}]))", "{{cache}} {{outcome}}")],
                 "ops", description="Only with NOETL_RESULT_CACHE=kv."),
@@ -281,10 +298,8 @@ def shard_manager() -> list[Row]:
         Row("Leadership and assignment", [
             stat("Leader", f"max(noetl_shard_manager_leader{c})"),
             stat("Shard moves (1h)", f"sum(increase(noetl_shard_moves_total{c}[1h]))"),
-            stat("Members joining/s", f"sum(rate(noetl_grpc_requests_total{comp('shard-manager', rx('method', '.*/Join'))}[{RI}]))",
-                 "reqps"),
-            stat("Heartbeats/s", f"sum(rate(noetl_grpc_requests_total{comp('shard-manager', rx('method', '.*/Heartbeat'))}[{RI}]))",
-                 "reqps"),
+            stat("Members joining/s", rpc("shard-manager", "Join"), "reqps"),
+            stat("Heartbeats/s", rpc("shard-manager", "Heartbeat"), "reqps"),
             Panel("Leader by pod", [(f"max by (pod) (noetl_shard_manager_leader{c})", "{{pod}}")]),
             Panel("Shard moves", [(f"sum(increase(noetl_shard_moves_total{c}[{RI}]))", "moves")],
                   description="Ownership changes made by the leader (rebalances, dead members)."),
@@ -299,12 +314,12 @@ def projector() -> list[Row]:
     c = comp("projector")
     return [
         Row("Projection", [
-            stat("Max lag", f"max({held('noetl_projection_lag_ms', 'projector')})", "ms"),
+            stat("Max lag", f"max({held('noetl_projection_lag_seconds', 'projector')})", "s"),
             stat("Projected events/s", f"sum(rate(noetl_projected_events_total{c}[{RI}]))", "ops"),
             stat("Appended events/s (engine)", f"sum(rate(noetl_engine_events_total{sel()}[{RI}]))", "ops"),
             Panel("Lag by shard (held shards)", [
-                (f"max by (shard) ({held('noetl_projection_lag_ms', 'projector')})", "shard {{shard}}")], "ms",
-                description="Age of the newest projected event when it was projected; the alert fires above 1000 ms "
+                (f"max by (shard) ({held('noetl_projection_lag_seconds', 'projector')})", "shard {{shard}}")], "s",
+                description="Age of the newest projected event when it was projected; the alert fires above 1 s "
                             "sustained while the shard is being projected."),
             Panel("Projected events by shard", [
                 (f"sum by (shard) (rate(noetl_projected_events_total{c}[{RI}]))", "shard {{shard}}")], "ops"),
@@ -320,11 +335,11 @@ def checkpointer() -> list[Row]:
     c = comp("checkpointer")
     return [
         Row("Checkpoints", [
-            stat("Max checkpoint age", f"max({held('noetl_checkpoint_age_ms', 'checkpointer')})", "ms"),
+            stat("Max checkpoint age", f"max({held('noetl_checkpoint_age_seconds', 'checkpointer')})", "s"),
             stat("Sealed/s", f"sum(rate(noetl_checkpoints_sealed_total{c}[{RI}]))", "ops"),
             stat("Barriers requested/s", f"sum(rate(noetl_checkpoint_barriers_requested_total{c}[{RI}]))", "ops"),
             Panel("Checkpoint age by shard (held shards)", [
-                (f"max by (shard) ({held('noetl_checkpoint_age_ms', 'checkpointer')})", "shard {{shard}}")], "ms",
+                (f"max by (shard) ({held('noetl_checkpoint_age_seconds', 'checkpointer')})", "shard {{shard}}")], "s",
                 description="Age of the shard's oldest event not yet covered by a sealed checkpoint (0 when "
                             "everything is sealed; about one checkpoint interval plus the projection lag when healthy)."),
             Panel("Epochs sealed by shard", [
@@ -341,13 +356,21 @@ def compactor() -> list[Row]:
     c = comp("compactor")
     return [
         Row("Retention", [
-            stat("Events compacted/s (last batches)", f"sum(noetl_compactor_events_per_second{c})", "ops"),
+            stat("Events compacted/s", f"sum(rate(noetl_compactor_events_deleted_total{c}[{RI}])) + "
+                 f"sum(rate(noetl_compactor_barrier_events_deleted_total{c}[{RI}]))", "ops"),
             stat("Executions compacted (1h)", f"sum(increase(noetl_compactor_executions_total{c}[1h]))"),
             stat("Events deleted (1h)", f"sum(increase(noetl_compactor_events_deleted_total{c}[1h]))"),
             stat("Partitions dropped (24h)", f"sum(increase(noetl_compactor_partitions_dropped_total{c}[24h]))"),
             Panel("Compaction throughput by shard", [
-                (f"sum by (shard) (noetl_compactor_events_per_second{c})", "shard {{shard}}")], "ops",
-                description="Events compacted per second by each shard's last batch (NOETL_COMPACTOR_ENABLED)."),
+                (f"sum by (shard) (rate(noetl_compactor_events_deleted_total{c}[{RI}])) + "
+                 f"sum by (shard) (rate(noetl_compactor_barrier_events_deleted_total{c}[{RI}]))", "shard {{shard}}")],
+                "ops", description="Events (and checkpoint barriers) compacted per second, by shard "
+                                   "(NOETL_COMPACTOR_ENABLED)."),
+            Panel("Time in compaction batches by shard", [
+                (f"sum by (shard) (rate(noetl_compactor_batch_seconds_total{c}[{RI}]))", "shard {{shard}}")],
+                "percentunit",
+                description="Share of the time each shard's compactor spends in batches. Events compacted per "
+                            "second of work: the throughput above divided by this."),
             Panel("Executions compacted into manifests", [
                 (f"sum by (shard) (rate(noetl_compactor_executions_total{c}[{RI}]))", "shard {{shard}}")], "ops"),
             Panel("Events deleted", [
@@ -428,7 +451,7 @@ def worker() -> list[Row]:
                 (f"sum by (tier, outcome) (rate(noetl_result_store_writes_total{c}[{RI}]))", "{{tier}} {{outcome}}")],
                 "ops"),
             Panel("Reference resolve time p99 by tier", [
-                (quantile(0.99, "noetl_reference_resolve_ms", c, "tier"), "{{tier}}")], "ms"),
+                (quantile(0.99, "noetl_reference_resolve_seconds", c, "tier"), "{{tier}}")], "s"),
             Panel("Read-through cache lookups", [
                 (f"sum by (cache, outcome) (rate(noetl_result_cache_requests_total{c}[{RI}]))", "{{cache}} {{outcome}}")],
                 "ops", description="Only with NOETL_RESULT_CACHE=kv."),
@@ -499,8 +522,8 @@ def dashboard_json(uid: str, title: str, rows: list[Row]) -> dict[str, object]:
             {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
              "current": {}, "hide": 0, "refresh": 1, "options": []},
             {"name": "namespace", "label": "Namespace", "type": "query", "datasource": DS,
-             "query": {"query": "label_values(noetl_grpc_requests_total, namespace)", "refId": "namespace"},
-             "definition": "label_values(noetl_grpc_requests_total, namespace)",
+             "query": {"query": "label_values(noetl_build_info, namespace)", "refId": "namespace"},
+             "definition": "label_values(noetl_build_info, namespace)",
              "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2, "sort": 1, "hide": 0,
              "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": []},
         ]},

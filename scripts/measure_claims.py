@@ -4,7 +4,7 @@ worker claim straight from Postgres?).
     .venv/bin/python scripts/measure_claims.py [--runs 60]
 
 Starts a local stack (bench.stack), runs ``--runs`` 3-step executions one at a time, then
-reads the api's server-side duration of ClaimCommand(s) (noetl_grpc_request_seconds) and
+reads the api's server-side duration of ClaimCommand(s) (grpc_server_handling_seconds) and
 times the same claim statement (``noetl_db.commands.claim``) against the stack's database
 for as many synthetic commands. Prints both means per claim, in milliseconds.
 """
@@ -29,10 +29,11 @@ def server_claims(stack: BenchStack) -> tuple[float, float]:
     """(count, seconds) of claim RPCs the api served."""
     api = stack.st.processes("api")[0]
     text = stack.scrape(api)
-    count = sum(v for labels, v in stack.samples(text, "noetl_grpc_request_seconds_count")
-                if labels.get("method", "").endswith(("ClaimCommand", "ClaimCommands")))
-    total = sum(v for labels, v in stack.samples(text, "noetl_grpc_request_seconds_sum")
-                if labels.get("method", "").endswith(("ClaimCommand", "ClaimCommands")))
+    claims = ("ClaimCommand", "ClaimCommands")
+    count = sum(v for labels, v in stack.samples(text, "grpc_server_handling_seconds_count")
+                if labels.get("grpc_method") in claims)
+    total = sum(v for labels, v in stack.samples(text, "grpc_server_handling_seconds_sum")
+                if labels.get("grpc_method") in claims)
     return count, total
 
 

@@ -3,8 +3,8 @@ flight together), waited for through the read model. Reports completion throughp
 (executions/s and steps/s from the first submit to the last completion), the
 per-execution latency (read model: created_at -> ended_at), the projection lag p95
 (``noetl.projection_checkpoint.lag_ms`` each time a projector batch advanced a shard:
-the age of the newest event a batch projected) and the checkpoint age p99 (the
-checkpointer's ``noetl_checkpoint_age_ms`` gauge, every shard, sampled every 0.3 s while
+the age of the newest event a batch projected) and the checkpoint age p99, in ms (the
+checkpointer's ``noetl_checkpoint_age_seconds`` gauge, every shard, sampled every 0.3 s while
 the executions ran: the age of the shard's oldest event not yet covered by a sealed
 checkpoint, 0 when all are sealed; the log-derived "seal delay" beside it is, for each
 checkpoint sealed during the run, the age of the oldest event it sealed when it was
@@ -82,7 +82,8 @@ class _Sampler(threading.Thread):
                     if tick % 3 == 0:
                         for proc in checkpointers:
                             text = stack.scrape(proc, timeout=2)
-                            self.age_ms.extend(v for _, v in stack.samples(text, "noetl_checkpoint_age_ms"))
+                            self.age_ms.extend(v * 1000 for _, v in
+                                               stack.samples(text, "noetl_checkpoint_age_seconds"))
                 except Exception:
                     self.errors += 1
 

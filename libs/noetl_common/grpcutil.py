@@ -1,18 +1,17 @@
 """gRPC plumbing: the one place project errors become status codes (server side) and
-status codes become project errors (client side), plus RED metrics per method.
+status codes become project errors (client side). The per-method metrics are
+``grpcmetrics``'.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
-from prometheus_client import Counter, Histogram
 
 from . import auth, grpcretry, tracing
 from .config import TlsSettings
@@ -51,13 +50,6 @@ STATUS_FOR: list[tuple[type[NoetlError], grpc.StatusCode]] = [
     (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
 ]
 
-GRPC_REQUESTS = Counter("noetl_grpc_requests_total", "gRPC requests served", ["method", "code"])
-GRPC_SECONDS = Histogram(
-    "noetl_grpc_request_seconds", "gRPC request duration (server side)", ["method"],
-    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-)
-
-
 def set_timestamp(field: Timestamp, value: datetime | None) -> None:
     """Set a message's Timestamp field from a datetime; ``None`` leaves the field unset."""
     if value is not None:
@@ -72,7 +64,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps NoetlError to its status code and records RED metrics for every method."""
+    """Maps NoetlError to its status code (and any other exception to INTERNAL, logged)."""
 
     async def intercept_service(
         self,
@@ -89,44 +81,31 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                start = time.perf_counter()
-                code = grpc.StatusCode.OK
                 try:
                     return await inner_uu(request, context)
                 except NoetlError as exc:
-                    code = status_for(exc)
-                    await _abort(context, code, exc)
+                    await _abort(context, status_for(exc), exc)
                 except grpc.aio.AbortError:
-                    code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
                     raise
                 except Exception as exc:
-                    code = grpc.StatusCode.INTERNAL
                     logger.exception("unhandled error in %s", name)
-                    await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
-                finally:
-                    GRPC_REQUESTS.labels(name, code.name).inc()
-                    GRPC_SECONDS.labels(name).observe(time.perf_counter() - start)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
             return rewrapped(handler, unary_unary=unary_unary)
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                code = grpc.StatusCode.OK
                 try:
                     async for item in inner_us(request, context):
                         yield item
                 except NoetlError as exc:
-                    code = status_for(exc)
-                    await _abort(context, code, exc)
+                    await _abort(context, status_for(exc), exc)
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:
-                    code = grpc.StatusCode.INTERNAL
                     logger.exception("unhandled error in %s", name)
-                    await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
-                finally:
-                    GRPC_REQUESTS.labels(name, code.name).inc()
+                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
             return rewrapped(handler, unary_stream=unary_stream)
         return handler

@@ -26,7 +26,7 @@ from prometheus_client import Counter, Gauge, start_http_server
 from noetl_proto.v1 import shard_manager_pb2 as sm_pb2
 from noetl_proto.v1 import shard_manager_pb2_grpc as sm_grpc
 
-from . import auth, faults, grpcutil, harden, tracing
+from . import auth, faults, grpcmetrics, grpcutil, harden, metrics, tracing
 from .config import AuthSettings, CoreSettings, ShardSettings, TlsSettings, TracingSettings, load
 from .db import Pool, make_pool
 from .errors import ConfigError, NoetlError
@@ -110,8 +110,8 @@ class Service:
 
     def server_interceptors(self) -> list[Any]:
         """What every server of this process runs a call through, outermost first."""
-        chain: list[Any] = [*tracing.server_interceptors(), grpcutil.ErrorInterceptor(),
-                            grpcutil.GateInterceptor(self.gate)]
+        chain: list[Any] = [*tracing.server_interceptors(), grpcmetrics.ServerMetricsInterceptor(),
+                            grpcutil.ErrorInterceptor(), grpcutil.GateInterceptor(self.gate)]
         if self.auth.enabled:
             if self.pool is None:
                 raise ConfigError("NOETL_AUTH_ENABLED needs NOETL_POSTGRES_DSN (tokens are verified there)")
@@ -228,6 +228,7 @@ class Service:
                 raise ConfigError(f"NOETL_HEALTH_LISTEN: cannot bind {self.core.health_listen}")
             await self._health_server.start()
 
+        metrics.expose(self.role)
         mhost, _, mport = self.core.metrics_listen.rpartition(":")
         self._metrics_server, _ = start_http_server(int(mport or 0), addr=mhost or "127.0.0.1")
         self.metrics_address = f"{'127.0.0.1' if mhost in ('', '0.0.0.0') else mhost}:{self._metrics_server.server_port}"

@@ -26,7 +26,7 @@ from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundErro
 from nats.js.kv import KeyValue
 
 from ._codec import decode_json, encode_json
-from ._metrics import CACHE, RESOLVE_MS
+from ._metrics import CACHE, RESOLVE_SECONDS
 from ._store import Reference, ResultStore
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class KvCachedResultStore(ResultStore):
             CACHE.labels(CACHE_NAME, "miss").inc()
             return False, None
         value = decode_json(entry.value)
-        RESOLVE_MS.labels(CACHE_NAME).observe((time.perf_counter() - start) * 1000)
+        RESOLVE_SECONDS.labels(CACHE_NAME).observe(time.perf_counter() - start)
         CACHE.labels(CACHE_NAME, "hit").inc()
         return True, value
 

@@ -12,9 +12,10 @@ from pathlib import Path
 from deploytools import CHART, DASHBOARDS, REPO, ROLES, alert_rules, dashboard_expressions, helm
 
 # Metric names defined in the runtime's code: Counter/Gauge/Histogram("noetl_...") or the
-# _metric(Counter, "noetl_...") helper.
-_DEFINED = re.compile(r"""(?:Counter|Gauge|Histogram|Summary)\s*[(,]\s*["'](noetl_[a-z0-9_]+)["']""")
-_USED = re.compile(r"\b(noetl_[a-z0-9_]+|process_[a-z_]+|python_[a-z_]+|up)\b(?=\s*[{\[(]|\s*\)|\s*$|\s+and|\s+or|\s+unless|\s*[/*+-])")
+# _metric(Counter, "noetl_...") helper, and the standard gRPC server metrics (grpcmetrics.py).
+_DEFINED = re.compile(r"""(?:Counter|Gauge|Histogram|Summary)\s*[(,]\s*["']((?:noetl|grpc_server)_[a-z0-9_]+)["']""")
+_USED = re.compile(r"\b((?:noetl|grpc_server)_[a-z0-9_]+|process_[a-z_]+|python_[a-z_]+|up)\b"
+                   r"(?=\s*[{\[(]|\s*\)|\s*$|\s+and|\s+or|\s+unless|\s*[/*+-])")
 # Exported metrics deliberately on no dashboard, with the reason (the live check could not
 # give them data).
 NOT_ON_DASHBOARDS = {
@@ -29,7 +30,8 @@ PROCESS_METRICS = {"up", "process_cpu_seconds_total", "process_resident_memory_b
 
 
 def exported_metrics() -> dict[str, str]:
-    """Every noetl_* metric defined under libs/ and services/, with the file defining it."""
+    """Every noetl_* and grpc_server_* metric defined under libs/ and services/, with the file
+    defining it."""
     found: dict[str, str] = {}
     for base in ("libs", "services"):
         for path in (REPO / base).rglob("*.py"):

@@ -259,6 +259,25 @@ def test_every_process_is_scraped(live: Live) -> None:
     until_sync(all_up, timeout=120, what=f"every target up: {sorted(expected)}", interval=1.0)
 
 
+def test_every_process_exports_its_build_and_no_created_series(live: Live) -> None:
+    """noetl_build_info{role} is 1 on every process, with the target's role; no process
+    exports a *_created series (prometheus_client's creation times: off in every role)."""
+    expected = {p.instance: p.role for p in live.state.processes()}
+
+    def every_build() -> list[dict[str, Any]]:
+        result = live.prom.query("noetl_build_info")
+        return result if {r["metric"]["pod"] for r in result} == set(expected) else []
+
+    builds = until_sync(every_build, timeout=120, what=f"noetl_build_info from {sorted(expected)}", interval=1.0)
+    for r in builds:
+        labels = r["metric"]
+        assert labels["role"] == labels["component"] == expected[labels["pod"]], labels
+        assert labels["version"] and labels["version"] != "unknown" and labels["python_version"], labels
+        assert r["value"][1] == "1", r
+    created = live.prom.query('count by (__name__) ({__name__=~".+_created"})')
+    assert not created, [r["metric"] for r in created]
+
+
 def _has_data(result: list[dict[str, Any]]) -> bool:
     return any(not math.isnan(float(r["value"][1])) for r in result)
 

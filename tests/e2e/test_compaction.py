@@ -204,5 +204,5 @@ def test_an_emptied_old_partition_is_dropped(retention_stack: Runner) -> None:
                     key, _, value = line.rpartition(" ")
                     samples[key] = samples.get(key, 0.0) + float(value)
     assert sum(v for k, v in samples.items() if k.startswith("noetl_compactor_executions_total")) >= 3
-    assert any(k.startswith("noetl_compactor_events_per_second") and v > 0 for k, v in samples.items())
+    assert any(k.startswith("noetl_compactor_batch_seconds_total") and v > 0 for k, v in samples.items())
     assert sum(v for k, v in samples.items() if k.startswith("noetl_compactor_partitions_dropped_total")) >= 1

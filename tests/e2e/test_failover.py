@@ -261,9 +261,9 @@ def test_meta_control_metrics_are_exported(runner: Runner, db: Db) -> None:
             assert owned and all({"role", "shard", "instance"} <= set(s) for s in owned), (p.instance, owned)
             assert {"role": role} in samples(text, "noetl_lease_renewals_total"), p.instance
             assert {"role": role} in samples(text, "noetl_lease_losses_total"), p.instance
-    lag = [s for p in state.processes("projector") for s in samples(texts[p.instance], "noetl_projection_lag_ms")]
+    lag = [s for p in state.processes("projector") for s in samples(texts[p.instance], "noetl_projection_lag_seconds")]
     assert lag and all("shard" in s for s in lag)
-    age = [s for p in state.processes("checkpointer") for s in samples(texts[p.instance], "noetl_checkpoint_age_ms")]
+    age = [s for p in state.processes("checkpointer") for s in samples(texts[p.instance], "noetl_checkpoint_age_seconds")]
     assert age and all("shard" in s for s in age)
     reaped = samples(texts[state.processes("reaper")[0].instance], "noetl_reaped_commands_total")
     assert {"reason": "lease_expired"} in reaped and {"reason": "republished"} in reaped

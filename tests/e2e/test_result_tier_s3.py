@@ -132,7 +132,7 @@ def test_a_five_megabyte_result_travels_by_reference(s3_stack: Runner, s3: S3Ser
     # the envelope sizes and the reads by tier are exported
     sizes = metric_samples(s3_stack.state, "worker", "noetl_event_result_bytes_count")
     assert sum(sizes.values()) >= 2
-    resolved = metric_samples(s3_stack.state, "worker", "noetl_reference_resolve_ms_count")
+    resolved = metric_samples(s3_stack.state, "worker", "noetl_reference_resolve_seconds_count")
     assert any('tier="s3"' in k and v > 0 for k, v in resolved.items()), resolved
 
 

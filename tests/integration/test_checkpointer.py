@@ -10,7 +10,7 @@ transaction fenced on its own lease: a stale epoch (or another member) writes no
 The log grows through the engine's own statements (fence -> append -> finish_batch on the
 api lease row), so test writes and the running engine's batches serialise on that row
 exactly as two engine batches do. Each test owns a shard id nobody else uses and deletes
-what it wrote. Nothing here depends on ``noetl_checkpoint_age_ms``'s value."""
+what it wrote. Nothing here depends on ``noetl_checkpoint_age_seconds``'s value."""
 
 from __future__ import annotations
 

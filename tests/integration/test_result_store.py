@@ -48,7 +48,7 @@ from noetl_store import (
     make_result_store,
     trace,
 )
-from noetl_store._metrics import CACHE, RESOLVE_MS, WRITES
+from noetl_store._metrics import CACHE, RESOLVE_SECONDS, WRITES
 
 pytestmark = pytest.mark.integration
 
@@ -338,10 +338,10 @@ async def test_kv_cache_serves_hits_and_a_purge_changes_nothing_but_latency(pool
     expected = {i: {"n": n} for n, i in enumerate(ids)}
     assert await store.get_many(ids) == expected  # misses, now cached
     hits = _count(CACHE, "kv", "hit")
-    resolved_kv = RESOLVE_MS.labels("kv")._sum.get()
+    resolved_kv = RESOLVE_SECONDS.labels("kv")._sum.get()
     assert await store.get_many(ids) == expected
     assert _count(CACHE, "kv", "hit") == hits + 5
-    assert RESOLVE_MS.labels("kv")._sum.get() > resolved_kv
+    assert RESOLVE_SECONDS.labels("kv")._sum.get() > resolved_kv
     too_large = _count(CACHE, "kv", "too_large")
     assert await store.get(big) == {"blob": "y" * 5000}
     assert _count(CACHE, "kv", "too_large") == too_large + 1

@@ -18,7 +18,7 @@ after a tick went by (the barrier still outstanding) asks for the next barrier a
 the last request is an interval old. An idle, fully sealed shard costs one tick per
 interval and nothing in between.
 
-``noetl_checkpoint_age_ms{shard}`` (seed 004 section 12) is the age of the oldest event of
+``noetl_checkpoint_age_seconds{shard}`` (seed 004 section 12) is the age of the oldest event of
 the shard not yet covered by a sealed checkpoint, 0 when everything is sealed. It is
 computed when scraped: the oldest unsealed event's ``created_at`` is read from the log
 (on a tick, after a seal), and the engine's append hint on ``noetl.projector.{shard}``
@@ -49,7 +49,7 @@ from noetl_proto.v1 import messages_pb2
 
 logger = logging.getLogger(__name__)
 
-AGE = Gauge("noetl_checkpoint_age_ms",
+AGE = Gauge("noetl_checkpoint_age_seconds",
             "Age of the shard's oldest event not yet covered by a sealed checkpoint (0 when all are sealed)",
             ["shard"])
 forget_on_loss("checkpointer", AGE)
@@ -89,16 +89,16 @@ class ShardCheckpointer:
         # the sealed shard_seq it was read for (None: an estimate from the engine's hint)
         self._oldest: float | None = None
         self._oldest_for: int | None = None
-        AGE.labels(str(shard)).set_function(self.age_ms)
+        AGE.labels(str(shard)).set_function(self.age_seconds)
 
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
 
-    def age_ms(self) -> float:
+    def age_seconds(self) -> float:
         """The gauge's value, computed when scraped."""
         oldest = self._oldest
-        return 0.0 if oldest is None else max(0.0, (time.monotonic() - oldest) * 1000)
+        return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
 
     async def run(self) -> None:
         subs = []
@@ -144,7 +144,7 @@ class ShardCheckpointer:
                     await sub.unsubscribe()
             # this member no longer follows the shard: its gauge keeps the last value until
             # the shard's series is removed (forget_on_loss) or a new owner takes it
-            last = self.age_ms()
+            last = self.age_seconds()
             AGE.labels(str(self.shard)).set_function(lambda: last)
 
     # ------------------------------------------------------------ hints

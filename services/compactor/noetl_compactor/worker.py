@@ -18,7 +18,7 @@ from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
 
 from .compaction import BatchResult, Compaction
-from .metrics import BARRIERS, EVENTS, EVENTS_PER_SECOND, EXECUTIONS
+from .metrics import BARRIERS, BATCH_SECONDS, EVENTS, EXECUTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ class ShardCompactor:
                           batch_events=self.batch_events)
 
     async def run(self) -> None:
-        EVENTS_PER_SECOND.labels(str(self.shard)).set(0)
+        for counter in (EXECUTIONS, EVENTS, BARRIERS, BATCH_SECONDS):  # exported from the start (0)
+            counter.labels(str(self.shard))
         if not self.enabled:
             await self._stop.wait()
             return
@@ -81,7 +82,6 @@ class ShardCompactor:
         EXECUTIONS.labels(shard).inc(result.executions)
         EVENTS.labels(shard).inc(result.events)
         BARRIERS.labels(shard).inc(result.barriers)
-        if result.seconds > 0:
-            EVENTS_PER_SECOND.labels(shard).set((result.events + result.barriers) / result.seconds)
+        BATCH_SECONDS.labels(shard).inc(max(result.seconds, 0.0))
         logger.info("compactor shard %s: %d execution(s) compacted, %d event(s) deleted (+%d barrier) "
                     "in %.3fs", self.shard, result.executions, result.events, result.barriers, result.seconds)

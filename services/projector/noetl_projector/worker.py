@@ -27,7 +27,8 @@ from noetl_flow.projection import fold
 logger = logging.getLogger(__name__)
 
 SYSTEM_EVENTS = frozenset({EventType.CHECKPOINT_COMMITTED})
-LAG = Gauge("noetl_projection_lag_ms", "Age of the newest projected event when it was projected", ["shard"])
+LAG = Gauge("noetl_projection_lag_seconds", "Age of the newest projected event when it was projected",
+            ["shard"])
 forget_on_loss("projector", LAG)
 MAX_LAG_MS = 2**31 - 1  # projection_checkpoint.lag_ms is an int (~24.8 days)
 PROJECTED = Counter("noetl_projected_events_total", "Events folded into the read models", ["shard"])
@@ -107,7 +108,7 @@ class ShardProjector:
             lag = int((datetime.now(UTC) - last["created_at"]).total_seconds() * 1000)
             lag = min(max(lag, 0), MAX_LAG_MS)
             await read_models.advance(conn, self.shard, int(last["shard_seq"]), lag)
-        LAG.labels(str(self.shard)).set(lag)
+        LAG.labels(str(self.shard)).set(lag / 1000)
         PROJECTED.labels(str(self.shard)).inc(len(events))
         if barrier:
             await natsio.hint(self.nc, natsio.checkpointer_subject(self.shard))
