@@ -76,7 +76,7 @@ PYTHON_IMAGE ?=
 OFFLINE ?=
 IMAGES_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 
-.PHONY: images base-image deploy-tools dashboards chart-files check-deploy
+.PHONY: images base-image check-images deploy-tools dashboards chart-files check-deploy
 
 ## make images: build the seven role images with Docker, podman or buildah (DRY_RUN=1 only prints the
 ## commands; OFFLINE=1: pip in the build asks no index). With no engine it says so and fails.
@@ -89,6 +89,14 @@ images:
 ## localhost/noetl-base:bookworm), for building without a registry; kept until removed (FORCE=1 remakes it)
 base-image:
 	sh deploy/docker/base-image.sh
+
+## make check-images: build the seven images with podman (the local base when no registry answers) and
+## check them for real: entry point, uid, no compiler/pip/source; then the seven roles run from their
+## mounted images (chroot as uid 10001) against a local Postgres and NATS and run a playbook (as root)
+check-images: install
+	$(MAKE) --no-print-directory images ENGINE=podman
+	NOETL_CHECK_IMAGES=1 IMAGE_REPOSITORY="$(IMAGE_REPOSITORY)" IMAGE_TAG="$(IMAGE_TAG)" \
+	  $(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/deploy/test_images.py
 
 ## make deploy-tools: helm, kubernetes-validate, hadolint, CRD validators (into .tools/), prometheus/promtool (apt)
 deploy-tools:
