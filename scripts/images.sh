@@ -18,6 +18,7 @@
 # DRY_RUN=1 prints the build commands only (Docker's when no engine is found).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PATH=$PATH:/usr/sbin:/sbin  # chroot
 
 ROLES=(api shard-manager projector checkpointer compactor reaper worker)
 ENGINE=${ENGINE:-auto}

@@ -11,6 +11,7 @@
 # (debootstrap), debootstrap and podman; DEBIAN_MIRROR picks the archive (default
 # http://deb.debian.org/debian). Does nothing when TAG already exists (FORCE=1 remakes it).
 set -eu
+PATH=$PATH:/usr/sbin:/sbin  # debootstrap, chroot
 tag=${1:-localhost/noetl-base:bookworm}
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 podman=${PODMAN:-podman}
@@ -37,7 +38,7 @@ rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/* "$root"/var/log/* \
        "$root"/debootstrap "$root"/dev/* "$root"/proc/* "$root"/sys/* "$root"/run/* "$root"/tmp/*
 python_version=$(chroot "$root" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 echo "base-image: python $python_version; importing as $tag"
-tar --numeric-owner -C "$root" -c . | "$podman" import \
+tar --numeric-owner -C "$root" -c . | "$podman" import --quiet \
   --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' \
   --message "debootstrap --variant=minbase bookworm + python3 $python_version (deploy/docker/base-image.sh)" \
   - "$tag" >/dev/null
