@@ -110,6 +110,21 @@ def test_builder_installs_from_the_wheelhouse_only_when_asked() -> None:
     assert '--wheel-dir "$wheels" "$src"' in script
 
 
+def test_the_builder_copies_every_source_directory_pyproject_names() -> None:
+    """`pip wheel /src` builds what pyproject.toml's packages.find finds: a package
+    directory added there (e.g. a client package) must be copied into the builder and let
+    in by .dockerignore, or the image silently lacks it."""
+    where = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"]
+    copied = {args.split()[0].rstrip("/") for ins, args in stages()["builder"]
+              if ins == "COPY" and not args.startswith("--from=")}
+    allowed = {ln.strip()[1:].rstrip("/") for ln in (REPO / ".dockerignore").read_text().splitlines()
+               if ln.strip().startswith("!")}
+    for directory in where:
+        top = directory.split("/")[0]
+        assert top in copied, f"pyproject.toml finds packages in {directory}: the builder stage needs `COPY {top}/ {top}/`"
+        assert top in allowed, f"pyproject.toml finds packages in {directory}: .dockerignore needs `!{top}/`"
+
+
 def test_dockerignore_lets_in_exactly_what_the_build_copies() -> None:
     lines = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]

@@ -5,7 +5,8 @@ answers).
 Each image, from its config and its mounted file system (`podman image mount`): the entry
 point is `noetl-<role>` and is on the image's PATH, it runs as uid/gid 10001, and the file
 system holds no compiler, no pip (neither the venv's nor the base Python's, nor ensurepip's
-wheels) and no source tree (no /src, /wheelhouse, pyproject.toml, editable install).
+wheels) and no source tree (no /src, /wheelhouse, pyproject.toml, editable install); its
+noetl-runtime has every top-level package the project builds, and each imports there.
 
 Then the seven roles run from their images: each role process is the image's entry point
 chrooted into its mounted image as the image's user (tests/deploy/imagerole.py: read-only
@@ -21,6 +22,7 @@ $IMAGE_REPOSITORY-<role>:$IMAGE_TAG in podman's store.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -168,6 +170,21 @@ def test_no_compiler_no_pip_no_source_tree(role: str, rootfs: dict[str, Path]) -
         proc = subprocess.run([CHROOT, "--userspec=10001:10001", str(root), python, "-m", "pip", "--version"],
                               capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
         assert proc.returncode != 0 and "No module named pip" in proc.stderr, (python, proc.stdout, proc.stderr)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_every_package_the_project_builds_is_in_the_image_and_imports(role: str, rootfs: dict[str, Path]) -> None:
+    """The image's noetl-runtime has the top-level packages of the project as installed on
+    the host from the same pyproject.toml (whatever its packages.find finds), and each imports."""
+    root = rootfs[role]
+    host = set(importlib.metadata.distribution("noetl-runtime").read_text("top_level.txt").split())
+    found = list(root.glob("opt/noetl/lib/python3*/site-packages/noetl_runtime-*.dist-info/top_level.txt"))
+    assert len(found) == 1, found
+    assert set(found[0].read_text().split()) == host
+    proc = subprocess.run([CHROOT, "--userspec=10001:10001", str(root), "/opt/noetl/bin/python", "-c",
+                           f"import {', '.join(sorted(host))}"], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+    assert proc.returncode == 0, proc.stderr
 
 
 # ---------------------------------------------------------------- the seven roles, run from their images
