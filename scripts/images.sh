@@ -79,7 +79,7 @@ if [ -z "$PYTHON_IMAGE" ]; then
   if [ "$ENGINE" != docker ] && ! base_stored "$REGISTRY_BASE"; then
     if [ -n "${DRY_RUN:-}" ]; then  # no pull for a dry run: what is stored decides
       ! base_stored "$LOCAL_BASE" || PYTHON_IMAGE=$LOCAL_BASE
-    elif ! timeout 120 "${store[@]}" pull -q "$REGISTRY_BASE" >/dev/null 2>&1; then
+    elif ! timeout 300 "${store[@]}" pull -q "$REGISTRY_BASE" >/dev/null 2>&1; then
       say "$REGISTRY_BASE cannot be pulled (no registry); using the local base $LOCAL_BASE"
       PYTHON_IMAGE=$LOCAL_BASE
     fi
@@ -121,6 +121,7 @@ fill_wheelhouse() {
   local pyver glibc machine
   read -r pyver glibc machine < <(image_python) || fail "could not run python3 of $PYTHON_IMAGE"
   [ -n "$machine" ] || fail "could not read python3's version, glibc and machine in $PYTHON_IMAGE"
+  [ -n "$glibc" ] || fail "$PYTHON_IMAGE has no glibc (musl?): the offline build fetches manylinux wheels"
   local abi="cp${pyver/./}" minor=${glibc#*.} platforms=()
   for ((m = minor; m >= 17; m--)); do platforms+=(--platform "manylinux_2_${m}_${machine}"); done
   platforms+=(--platform "manylinux2014_${machine}")
