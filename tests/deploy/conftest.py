@@ -3,7 +3,9 @@
 They need tools `make test` does not install (helm, kubernetes-validate, hadolint, the CRD
 validators, prometheus/promtool: scripts/deploy_tools.sh puts them in .tools/ or installs
 them), so they are collected only when NOETL_CHECK_DEPLOY=1, which `make check-deploy` sets.
-A missing tool is then a failure, never a skip.
+A missing tool is then a failure, never a skip. test_images.py (the built images, run for
+real) is collected only when NOETL_CHECK_IMAGES=1 (`make check-images`, which builds them
+first) or NOETL_CHECK_DEPLOY=1 (where it skips, saying how to run it).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from deploytools import REPO, VALUES, render, run
 # What the Dockerfile copies into the builder stage, besides pyproject.toml.
 DOCKER_COPY_DIRS = ("libs", "services", "deploy/docker")
 
-if os.environ.get("NOETL_CHECK_DEPLOY", "") in ("", "0"):
+_deploy = os.environ.get("NOETL_CHECK_DEPLOY", "") not in ("", "0")
+_images = os.environ.get("NOETL_CHECK_IMAGES", "") not in ("", "0")
+if not _deploy and not _images:
     collect_ignore_glob = ["test_*.py"]
+elif not _deploy:
+    collect_ignore_glob = [p.name for p in Path(__file__).parent.glob("test_*.py") if p.name != "test_images.py"]
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +43,7 @@ def image_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     context = base / "context"
     context.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".ruff_cache", ".pytest_cache",
-                                    "*.egg-info")
+                                    "*.egg-info", "*.whl")
     shutil.copy(REPO / "pyproject.toml", context / "pyproject.toml")
     for sub in DOCKER_COPY_DIRS:
         shutil.copytree(REPO / sub, context / sub, ignore=ignore)

@@ -81,7 +81,12 @@ def test_runtime_stage_is_small_and_non_root() -> None:
     assert all(c.startswith("--from=builder /opt/noetl ") or c.startswith("deploy/docker/healthcheck.py ")
                for c in copies), copies
     runs = " ".join(args for ins, args in runtime if ins == "RUN")
-    for tool_name in ("apt-get", "gcc", "build-essential", "pip "):
+    # the base's pip goes (python:*-slim has one in /usr/local, Debian's python3-venv ensurepip's wheels)
+    assert "-m pip uninstall --quiet --yes pip setuptools wheel" in runs
+    for gone in ("/usr/local/bin/pip3*", "/usr/local/lib/python3*/ensurepip", "/usr/lib/python3*/ensurepip",
+                 "/usr/share/python-wheels"):
+        assert gone in runs, gone
+    for tool_name in ("apt-get", "gcc", "build-essential", "pip install", "pip wheel"):
         assert tool_name not in runs, f"{tool_name} in the runtime stage"
     exposed = " ".join(args for ins, args in runtime if ins == "EXPOSE").split()
     vals = values_of("default")
@@ -90,6 +95,34 @@ def test_runtime_stage_is_small_and_non_root() -> None:
     assert f"NOETL_GRPC_LISTEN=0.0.0.0:{vals['ports']['grpc']}" in env
     assert f"NOETL_METRICS_LISTEN=0.0.0.0:{vals['ports']['metrics']}" in env
     assert any(ins == "HEALTHCHECK" and "healthcheck.py" in args for ins, args in runtime)
+
+
+def test_builder_installs_from_the_wheelhouse_only_when_asked() -> None:
+    builder = stages()["builder"]
+    assert ("ARG", 'WHEELHOUSE=""') in builder  # default: pip asks its index
+    assert ("COPY", "deploy/docker/wheelhouse/ /wheelhouse/") in builder
+    assert (REPO / "deploy" / "docker" / "wheelhouse" / "README.md").exists()  # COPY needs the directory
+    build = next(args for ins, args in builder if ins == "RUN" and "build-venv" in args)
+    assert "rm -rf /tmp/wheels /wheelhouse" in build
+    script = (REPO / "deploy" / "docker" / "build-venv.sh").read_text()
+    assert '--no-index --find-links "$WHEELHOUSE"' in script
+    # the project is built from the copied source, as online: whatever packages pyproject.toml finds
+    assert '--wheel-dir "$wheels" "$src"' in script
+
+
+def test_the_builder_copies_every_source_directory_pyproject_names() -> None:
+    """`pip wheel /src` builds what pyproject.toml's packages.find finds: a package
+    directory added there (e.g. a client package) must be copied into the builder and let
+    in by .dockerignore, or the image silently lacks it."""
+    where = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"]
+    copied = {args.split()[0].rstrip("/") for ins, args in stages()["builder"]
+              if ins == "COPY" and not args.startswith("--from=")}
+    allowed = {ln.strip()[1:].rstrip("/") for ln in (REPO / ".dockerignore").read_text().splitlines()
+               if ln.strip().startswith("!")}
+    for directory in where:
+        top = directory.split("/")[0]
+        assert top in copied, f"pyproject.toml finds packages in {directory}: the builder stage needs `COPY {top}/ {top}/`"
+        assert top in allowed, f"pyproject.toml finds packages in {directory}: .dockerignore needs `!{top}/`"
 
 
 def test_dockerignore_lets_in_exactly_what_the_build_copies() -> None:
@@ -126,19 +159,48 @@ def test_make_images_builds_each_role_target(tmp_path: Path) -> None:
     assert builds == [f"build --target {r} --build-arg VERSION=9.9.9 -t noetl-runtime-{r}:9.9.9 ." for r in ROLES]
 
 
+def _make_images(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["make", "--no-print-directory", "images", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_make_images_without_a_docker_engine_says_so_and_fails(tmp_path: Path) -> None:
     fake, log = _fake_docker(tmp_path, info_ok=False)
-    proc = subprocess.run(["make", "--no-print-directory", "images", f"DOCKER={fake}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = _make_images("ENGINE=docker", f"DOCKER={fake}")
     assert proc.returncode != 0
     assert "cannot reach a Docker engine" in proc.stderr and "Nothing was built" in proc.stderr
     assert not [ln for ln in log.read_text().splitlines() if ln.startswith("build")]
-    proc = subprocess.run(["make", "--no-print-directory", "images", "DOCKER=no-such-docker-here"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = _make_images("ENGINE=docker", "DOCKER=no-such-docker-here")
     assert proc.returncode != 0 and "no 'no-such-docker-here' command" in proc.stderr
-    dry = subprocess.run(["make", "--no-print-directory", "images", "DRY_RUN=1", "DOCKER=no-such-docker-here"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    # auto: no engine at all
+    proc = _make_images(f"DOCKER={fake}", "PODMAN=no-such-podman", "BUILDAH=no-such-buildah")
+    assert proc.returncode != 0, proc.stdout
+    assert "cannot reach a Docker engine" in proc.stderr and "neither podman nor buildah" in proc.stderr
+    assert "Nothing was built" in proc.stderr
+    dry = _make_images("DRY_RUN=1", "DOCKER=no-such-docker-here", "PODMAN=no-such-podman", "BUILDAH=no-such-buildah")
     assert dry.returncode == 0 and dry.stdout.count("no-such-docker-here build --target") == len(ROLES)
+
+
+def test_make_images_falls_back_to_podman_and_builds_offline_on_a_local_base(tmp_path: Path) -> None:
+    fake, _ = _fake_docker(tmp_path, info_ok=False)
+    dry = _make_images("DRY_RUN=1", f"DOCKER={fake}", "PODMAN=/bin/true", "IMAGE_TAG=9.9.9")
+    assert dry.returncode == 0, dry.stderr
+    # the same Dockerfile target per role, with chroot isolation (no OCI runtime needed) and the
+    # docker image format (podman's default, OCI, drops HEALTHCHECK)
+    assert dry.stdout.splitlines() == [
+        f"/bin/true build --format docker --isolation chroot --target {r} --build-arg VERSION=9.9.9 "
+        f"-t noetl-runtime-{r}:9.9.9 ." for r in ROLES]
+    dry = _make_images("DRY_RUN=1", "ENGINE=podman", "PODMAN=podman", "IMAGE_TAG=9.9.9",
+                       "PYTHON_IMAGE=localhost/noetl-base:bookworm")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines()[0] == (
+        "podman build --format docker --isolation chroot --target api --build-arg VERSION=9.9.9 "
+        "--build-arg PYTHON_IMAGE=localhost/noetl-base:bookworm --build-arg WHEELHOUSE=/wheelhouse "
+        "-t noetl-runtime-api:9.9.9 .")
+    dry = _make_images("DRY_RUN=1", "ENGINE=buildah", "BUILDAH=/bin/true", "OFFLINE=1", "IMAGE_TAG=9.9.9")
+    assert dry.stdout.splitlines()[0] == (
+        "/bin/true build --format docker --layers --isolation chroot --target api --build-arg VERSION=9.9.9 "
+        "--build-arg WHEELHOUSE=/wheelhouse -t noetl-runtime-api:9.9.9 .")
 
 
 def test_image_venv_has_every_entry_point_and_no_dev_or_build_tools(image_venv: Path) -> None:
