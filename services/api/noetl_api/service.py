@@ -6,10 +6,9 @@ import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from nats.aio.client import Client as NATS
 
-from noetl_common import natsio
+from noetl_common import natsio, reflection
 from noetl_common.auth import runtime_secret
 from noetl_common.config import (
     CommandSettings,
@@ -178,8 +177,7 @@ class ApiService(Service):
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.claims, self.grants),
                                                             self.worker_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.worker_server)
-        reflection.enable_server_reflection((*self.worker_service_names, health.SERVICE_NAME,
-                                             reflection.SERVICE_NAME), self.worker_server)
+        reflection.enable((*self.worker_service_names, health.SERVICE_NAME), self.worker_server)
 
     def _ready(self) -> ShardTasks:
         """Bind what needs the Join answer (node id, shard ownership); idempotent."""
