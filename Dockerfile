@@ -24,6 +24,7 @@ WORKDIR /src
 COPY deploy/docker/build-venv.sh /usr/local/bin/build-venv
 COPY pyproject.toml ./
 COPY libs/ libs/
+COPY clients/python/ clients/python/
 COPY services/ services/
 RUN sh /usr/local/bin/build-venv /src /opt/noetl /tmp/wheels && rm -rf /tmp/wheels
 

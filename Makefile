@@ -43,8 +43,8 @@ e2e: install
 	$(BIN)/pytest -q -p no:cacheprovider tests/e2e
 
 lint: install
-	$(BIN)/ruff check libs services tests scripts
-	$(BIN)/mypy libs services
+	$(BIN)/ruff check libs services clients tests scripts
+	$(BIN)/mypy libs services clients/python
 	cd proto && ../$(BIN)/buf lint
 
 proto: install
@@ -53,7 +53,7 @@ proto: install
 ## the committed generated code must match the protos
 proto-check: install
 	@$(BIN)/python scripts/gen_proto.py >/dev/null 2>&1
-	@git diff --quiet -- libs/noetl_proto || { echo "libs/noetl_proto is stale: run 'make proto' and commit"; git --no-pager diff --stat -- libs/noetl_proto; exit 1; }
+	@git diff --quiet -- clients/python/noetl_proto || { echo "clients/python/noetl_proto is stale: run 'make proto' and commit"; git --no-pager diff --stat -- clients/python/noetl_proto; exit 1; }
 
 clean:
 	-$(BIN)/noetl-rt dev down

@@ -17,7 +17,7 @@ import pytest
 from deploytools import REPO, VALUES, render, run
 
 # What the Dockerfile copies into the builder stage, besides pyproject.toml.
-DOCKER_COPY_DIRS = ("libs", "services", "deploy/docker")
+DOCKER_COPY_DIRS = ("libs", "clients/python", "services", "deploy/docker")
 
 if os.environ.get("NOETL_CHECK_DEPLOY", "") in ("", "0"):
     collect_ignore_glob = ["test_*.py"]
