@@ -11,7 +11,6 @@ iterations, re-entering a loop step, cancelling a running loop.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -34,6 +33,8 @@ from harness import (
 )
 from paginated_server import DATA, TestApi, serve
 from waiting import until_sync
+
+from noetl_client import values
 
 pytestmark = pytest.mark.e2e
 
@@ -424,7 +425,7 @@ def test_failed_iterations_fail_the_loop_step_and_the_execution(runner: Runner) 
     counts = event_counts(runner, out.execution_id, "work")
     assert counts == {"step.enter": 1, "call.done": 3, "call.error": 2, "loop.done": 1}
     done = loop_done_events(runner, out.execution_id)
-    assert json.loads(done[0].result_json)["status"] == "error"
+    assert values.from_struct(done[0].result)["status"] == "error"
     assert "after" not in out.steps and "recover" not in out.steps
 
 

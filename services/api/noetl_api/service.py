@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -51,6 +52,7 @@ from .claims import Claims
 from .concurrency import ConcurrencyServicer
 from .credentials import CredentialStore
 from .deadletters import DeadLetterServicer, DeadLetterStore
+from .decoding import UndecodableRequests
 from .engine.shard import EngineDeps, ShardEngine
 from .grants import CredentialGrants
 from .keyring import Keyring
@@ -105,6 +107,11 @@ class ApiService(Service):
         self.engines: ShardTasks | None = None
         self.worker_server: grpc.aio.Server | None = None
         self.worker_grpc_address = ""
+
+    def server_interceptors(self) -> list[Any]:
+        # innermost: a request protobuf cannot decode (a payload nested too deep) is refused
+        # as INVALID_ARGUMENT saying why (decoding.py)
+        return [*super().server_interceptors(), UndecodableRequests()]
 
     def max_receive_bytes(self) -> int:
         # Twice a playbook and a payload at their limits: a request somewhat over a limit

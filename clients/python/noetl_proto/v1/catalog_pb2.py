@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16noetl/v1/catalog.proto\x12\x08noetl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb6\x01\n\x0c\x43\x61talogEntry\x12\x12\n\ncatalog_id\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\t\x12\x16\n\x0e\x63ontent_sha256\x18\x07 \x01(\t\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"*\n\x17RegisterPlaybookRequest\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\"R\n\x18RegisterPlaybookResponse\x12%\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x16.noetl.v1.CatalogEntry\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"3\n\x12GetPlaybookRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05\"<\n\x13GetPlaybookResponse\x12%\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x16.noetl.v1.CatalogEntry\"R\n\x14ListPlaybooksRequest\x12\x13\n\x0bpath_prefix\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"Y\n\x15ListPlaybooksResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.noetl.v1.CatalogEntry\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"E\n\x14PutCredentialRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tdata_json\x18\x03 \x01(\t\"6\n\x15PutCredentialResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\x18\n\x16ListCredentialsRequest\"\\\n\x0e\x43redentialInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12.\n\nupdated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"H\n\x17ListCredentialsResponse\x12-\n\x0b\x63redentials\x18\x01 \x03(\x0b\x32\x18.noetl.v1.CredentialInfo2\x89\x02\n\x0e\x43\x61talogService\x12Y\n\x10RegisterPlaybook\x12!.noetl.v1.RegisterPlaybookRequest\x1a\".noetl.v1.RegisterPlaybookResponse\x12J\n\x0bGetPlaybook\x12\x1c.noetl.v1.GetPlaybookRequest\x1a\x1d.noetl.v1.GetPlaybookResponse\x12P\n\rListPlaybooks\x12\x1e.noetl.v1.ListPlaybooksRequest\x1a\x1f.noetl.v1.ListPlaybooksResponse2\xbd\x01\n\x11\x43redentialService\x12P\n\rPutCredential\x12\x1e.noetl.v1.PutCredentialRequest\x1a\x1f.noetl.v1.PutCredentialResponse\x12V\n\x0fListCredentials\x12 .noetl.v1.ListCredentialsRequest\x1a!.noetl.v1.ListCredentialsResponseB}\n\x0bio.noetl.v1B\x0c\x43\x61talogProtoP\x01Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\xa2\x02\x03NXX\xaa\x02\x08Noetl.V1\xca\x02\x08Noetl\\V1\xea\x02\tNoetl::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16noetl/v1/catalog.proto\x12\x08noetl.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb6\x01\n\x0c\x43\x61talogEntry\x12\x12\n\ncatalog_id\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\t\x12\x16\n\x0e\x63ontent_sha256\x18\x07 \x01(\t\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"*\n\x17RegisterPlaybookRequest\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\"R\n\x18RegisterPlaybookResponse\x12%\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x16.noetl.v1.CatalogEntry\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"3\n\x12GetPlaybookRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05\"<\n\x13GetPlaybookResponse\x12%\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x16.noetl.v1.CatalogEntry\"R\n\x14ListPlaybooksRequest\x12\x13\n\x0bpath_prefix\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"Y\n\x15ListPlaybooksResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.noetl.v1.CatalogEntry\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"j\n\x14PutCredentialRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12%\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructJ\x04\x08\x03\x10\x04R\tdata_json\"6\n\x15PutCredentialResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\x18\n\x16ListCredentialsRequest\"\\\n\x0e\x43redentialInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12.\n\nupdated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"H\n\x17ListCredentialsResponse\x12-\n\x0b\x63redentials\x18\x01 \x03(\x0b\x32\x18.noetl.v1.CredentialInfo2\x89\x02\n\x0e\x43\x61talogService\x12Y\n\x10RegisterPlaybook\x12!.noetl.v1.RegisterPlaybookRequest\x1a\".noetl.v1.RegisterPlaybookResponse\x12J\n\x0bGetPlaybook\x12\x1c.noetl.v1.GetPlaybookRequest\x1a\x1d.noetl.v1.GetPlaybookResponse\x12P\n\rListPlaybooks\x12\x1e.noetl.v1.ListPlaybooksRequest\x1a\x1f.noetl.v1.ListPlaybooksResponse2\xbd\x01\n\x11\x43redentialService\x12P\n\rPutCredential\x12\x1e.noetl.v1.PutCredentialRequest\x1a\x1f.noetl.v1.PutCredentialResponse\x12V\n\x0fListCredentials\x12 .noetl.v1.ListCredentialsRequest\x1a!.noetl.v1.ListCredentialsResponseB}\n\x0bio.noetl.v1B\x0c\x43\x61talogProtoP\x01Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\xa2\x02\x03NXX\xaa\x02\x08Noetl.V1\xca\x02\x08Noetl\\V1\xea\x02\tNoetl::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +34,32 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noetl.v1.catalog_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\013io.noetl.v1B\014CatalogProtoP\001Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\242\002\003NXX\252\002\010Noetl.V1\312\002\010Noetl\\V1\352\002\tNoetl::V1'
-  _globals['_CATALOGENTRY']._serialized_start=70
-  _globals['_CATALOGENTRY']._serialized_end=252
-  _globals['_REGISTERPLAYBOOKREQUEST']._serialized_start=254
-  _globals['_REGISTERPLAYBOOKREQUEST']._serialized_end=296
-  _globals['_REGISTERPLAYBOOKRESPONSE']._serialized_start=298
-  _globals['_REGISTERPLAYBOOKRESPONSE']._serialized_end=380
-  _globals['_GETPLAYBOOKREQUEST']._serialized_start=382
-  _globals['_GETPLAYBOOKREQUEST']._serialized_end=433
-  _globals['_GETPLAYBOOKRESPONSE']._serialized_start=435
-  _globals['_GETPLAYBOOKRESPONSE']._serialized_end=495
-  _globals['_LISTPLAYBOOKSREQUEST']._serialized_start=497
-  _globals['_LISTPLAYBOOKSREQUEST']._serialized_end=579
-  _globals['_LISTPLAYBOOKSRESPONSE']._serialized_start=581
-  _globals['_LISTPLAYBOOKSRESPONSE']._serialized_end=670
-  _globals['_PUTCREDENTIALREQUEST']._serialized_start=672
-  _globals['_PUTCREDENTIALREQUEST']._serialized_end=741
-  _globals['_PUTCREDENTIALRESPONSE']._serialized_start=743
-  _globals['_PUTCREDENTIALRESPONSE']._serialized_end=797
-  _globals['_LISTCREDENTIALSREQUEST']._serialized_start=799
-  _globals['_LISTCREDENTIALSREQUEST']._serialized_end=823
-  _globals['_CREDENTIALINFO']._serialized_start=825
-  _globals['_CREDENTIALINFO']._serialized_end=917
-  _globals['_LISTCREDENTIALSRESPONSE']._serialized_start=919
-  _globals['_LISTCREDENTIALSRESPONSE']._serialized_end=991
-  _globals['_CATALOGSERVICE']._serialized_start=994
-  _globals['_CATALOGSERVICE']._serialized_end=1259
-  _globals['_CREDENTIALSERVICE']._serialized_start=1262
-  _globals['_CREDENTIALSERVICE']._serialized_end=1451
+  _globals['_CATALOGENTRY']._serialized_start=100
+  _globals['_CATALOGENTRY']._serialized_end=282
+  _globals['_REGISTERPLAYBOOKREQUEST']._serialized_start=284
+  _globals['_REGISTERPLAYBOOKREQUEST']._serialized_end=326
+  _globals['_REGISTERPLAYBOOKRESPONSE']._serialized_start=328
+  _globals['_REGISTERPLAYBOOKRESPONSE']._serialized_end=410
+  _globals['_GETPLAYBOOKREQUEST']._serialized_start=412
+  _globals['_GETPLAYBOOKREQUEST']._serialized_end=463
+  _globals['_GETPLAYBOOKRESPONSE']._serialized_start=465
+  _globals['_GETPLAYBOOKRESPONSE']._serialized_end=525
+  _globals['_LISTPLAYBOOKSREQUEST']._serialized_start=527
+  _globals['_LISTPLAYBOOKSREQUEST']._serialized_end=609
+  _globals['_LISTPLAYBOOKSRESPONSE']._serialized_start=611
+  _globals['_LISTPLAYBOOKSRESPONSE']._serialized_end=700
+  _globals['_PUTCREDENTIALREQUEST']._serialized_start=702
+  _globals['_PUTCREDENTIALREQUEST']._serialized_end=808
+  _globals['_PUTCREDENTIALRESPONSE']._serialized_start=810
+  _globals['_PUTCREDENTIALRESPONSE']._serialized_end=864
+  _globals['_LISTCREDENTIALSREQUEST']._serialized_start=866
+  _globals['_LISTCREDENTIALSREQUEST']._serialized_end=890
+  _globals['_CREDENTIALINFO']._serialized_start=892
+  _globals['_CREDENTIALINFO']._serialized_end=984
+  _globals['_LISTCREDENTIALSRESPONSE']._serialized_start=986
+  _globals['_LISTCREDENTIALSRESPONSE']._serialized_end=1058
+  _globals['_CATALOGSERVICE']._serialized_start=1061
+  _globals['_CATALOGSERVICE']._serialized_end=1326
+  _globals['_CREDENTIALSERVICE']._serialized_start=1329
+  _globals['_CREDENTIALSERVICE']._serialized_end=1518
 # @@protoc_insertion_point(module_scope)

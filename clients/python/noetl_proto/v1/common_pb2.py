@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15noetl/v1/common.proto\x12\x08noetl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"<\n\x0fResultReference\x12\x0e\n\x06ref_id\x18\x01 \x01(\x03\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0b\n\x03uri\x18\x03 \x01(\t\"\xa1\x01\n\tErrorInfo\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\tretryable\x18\x04 \x01(\x08\x12\x14\n\x0c\x64\x65tails_json\x18\x05 \x01(\t\x12\x16\n\x0e\x65xception_type\x18\x06 \x01(\t\x12\x11\n\ttraceback\x18\x07 \x01(\t\x12\x13\n\x0bstatus_code\x18\x08 \x01(\x05\"\xb7\x01\n\x0eResultEnvelope\x12\x0e\n\x06status\x18\x01 \x01(\t\x12,\n\treference\x18\x02 \x01(\x0b\x32\x19.noetl.v1.ResultReference\x12-\n\nparent_ref\x18\x03 \x01(\x0b\x32\x19.noetl.v1.ResultReference\x12\x14\n\x0c\x63ontext_json\x18\x04 \x01(\t\x12\"\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x13.noetl.v1.ErrorInfo\"\xe8\x01\n\x0b\x45ventRecord\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x03\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\x03\x12\x10\n\x08shard_id\x18\x03 \x01(\x05\x12\x11\n\tshard_seq\x18\x04 \x01(\x03\x12\x12\n\nevent_type\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\t\x12\x12\n\ncommand_id\x18\x07 \x01(\t\x12\x13\n\x0bresult_json\x18\x08 \x01(\t\x12\x11\n\tmeta_json\x18\t \x01(\t\x12.\n\ncreated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xcc\x01\n\x0f\x45xecutionStatus\x12 \n\x1c\x45XECUTION_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45XECUTION_STATUS_PENDING\x10\x01\x12\x1c\n\x18\x45XECUTION_STATUS_RUNNING\x10\x02\x12\x1e\n\x1a\x45XECUTION_STATUS_COMPLETED\x10\x03\x12\x1b\n\x17\x45XECUTION_STATUS_FAILED\x10\x04\x12\x1e\n\x1a\x45XECUTION_STATUS_CANCELLED\x10\x05*\xc2\x01\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13STEP_STATUS_PENDING\x10\x01\x12\x17\n\x13STEP_STATUS_RUNNING\x10\x02\x12\x19\n\x15STEP_STATUS_COMPLETED\x10\x03\x12\x16\n\x12STEP_STATUS_FAILED\x10\x04\x12\x17\n\x13STEP_STATUS_SKIPPED\x10\x05\x12\x19\n\x15STEP_STATUS_CANCELLED\x10\x06\x42|\n\x0bio.noetl.v1B\x0b\x43ommonProtoP\x01Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\xa2\x02\x03NXX\xaa\x02\x08Noetl.V1\xca\x02\x08Noetl\\V1\xea\x02\tNoetl::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15noetl/v1/common.proto\x12\x08noetl.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"<\n\x0fResultReference\x12\x0e\n\x06ref_id\x18\x01 \x01(\x03\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0b\n\x03uri\x18\x03 \x01(\t\"\xc9\x01\n\tErrorInfo\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\tretryable\x18\x04 \x01(\x08\x12(\n\x07\x64\x65tails\x18\t \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x16\n\x0e\x65xception_type\x18\x06 \x01(\t\x12\x11\n\ttraceback\x18\x07 \x01(\t\x12\x13\n\x0bstatus_code\x18\x08 \x01(\x05J\x04\x08\x05\x10\x06R\x0c\x64\x65tails_json\"\xb7\x01\n\x0eResultEnvelope\x12\x0e\n\x06status\x18\x01 \x01(\t\x12,\n\treference\x18\x02 \x01(\x0b\x32\x19.noetl.v1.ResultReference\x12-\n\nparent_ref\x18\x03 \x01(\x0b\x32\x19.noetl.v1.ResultReference\x12\x14\n\x0c\x63ontext_json\x18\x04 \x01(\t\x12\"\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x13.noetl.v1.ErrorInfo\"\xb4\x02\n\x0b\x45ventRecord\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x03\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\x03\x12\x10\n\x08shard_id\x18\x03 \x01(\x05\x12\x11\n\tshard_seq\x18\x04 \x01(\x03\x12\x12\n\nevent_type\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\t\x12\x12\n\ncommand_id\x18\x07 \x01(\t\x12\'\n\x06result\x18\x0b \x01(\x0b\x32\x17.google.protobuf.Struct\x12%\n\x04meta\x18\x0c \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\ncreated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\nR\x0bresult_jsonR\tmeta_json*\xcc\x01\n\x0f\x45xecutionStatus\x12 \n\x1c\x45XECUTION_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45XECUTION_STATUS_PENDING\x10\x01\x12\x1c\n\x18\x45XECUTION_STATUS_RUNNING\x10\x02\x12\x1e\n\x1a\x45XECUTION_STATUS_COMPLETED\x10\x03\x12\x1b\n\x17\x45XECUTION_STATUS_FAILED\x10\x04\x12\x1e\n\x1a\x45XECUTION_STATUS_CANCELLED\x10\x05*\xc2\x01\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13STEP_STATUS_PENDING\x10\x01\x12\x17\n\x13STEP_STATUS_RUNNING\x10\x02\x12\x19\n\x15STEP_STATUS_COMPLETED\x10\x03\x12\x16\n\x12STEP_STATUS_FAILED\x10\x04\x12\x17\n\x13STEP_STATUS_SKIPPED\x10\x05\x12\x19\n\x15STEP_STATUS_CANCELLED\x10\x06\x42|\n\x0bio.noetl.v1B\x0b\x43ommonProtoP\x01Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\xa2\x02\x03NXX\xaa\x02\x08Noetl.V1\xca\x02\x08Noetl\\V1\xea\x02\tNoetl::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +34,16 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noetl.v1.common_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\013io.noetl.v1B\013CommonProtoP\001Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\242\002\003NXX\252\002\010Noetl.V1\312\002\010Noetl\\V1\352\002\tNoetl::V1'
-  _globals['_EXECUTIONSTATUS']._serialized_start=716
-  _globals['_EXECUTIONSTATUS']._serialized_end=920
-  _globals['_STEPSTATUS']._serialized_start=923
-  _globals['_STEPSTATUS']._serialized_end=1117
-  _globals['_RESULTREFERENCE']._serialized_start=68
-  _globals['_RESULTREFERENCE']._serialized_end=128
-  _globals['_ERRORINFO']._serialized_start=131
-  _globals['_ERRORINFO']._serialized_end=292
-  _globals['_RESULTENVELOPE']._serialized_start=295
-  _globals['_RESULTENVELOPE']._serialized_end=478
-  _globals['_EVENTRECORD']._serialized_start=481
-  _globals['_EVENTRECORD']._serialized_end=713
+  _globals['_EXECUTIONSTATUS']._serialized_start=862
+  _globals['_EXECUTIONSTATUS']._serialized_end=1066
+  _globals['_STEPSTATUS']._serialized_start=1069
+  _globals['_STEPSTATUS']._serialized_end=1263
+  _globals['_RESULTREFERENCE']._serialized_start=98
+  _globals['_RESULTREFERENCE']._serialized_end=158
+  _globals['_ERRORINFO']._serialized_start=161
+  _globals['_ERRORINFO']._serialized_end=362
+  _globals['_RESULTENVELOPE']._serialized_start=365
+  _globals['_RESULTENVELOPE']._serialized_end=548
+  _globals['_EVENTRECORD']._serialized_start=551
+  _globals['_EVENTRECORD']._serialized_end=859
 # @@protoc_insertion_point(module_scope)

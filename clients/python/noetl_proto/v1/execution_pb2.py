@@ -22,11 +22,12 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from noetl_proto.v1 import common_pb2 as noetl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18noetl/v1/execution.proto\x12\x08noetl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15noetl/v1/common.proto\",\n\x0bPlaybookRef\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05\"\x9b\x02\n\x16SubmitExecutionRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x15.noetl.v1.PlaybookRefH\x00\x12\x17\n\rplaybook_yaml\x18\x02 \x01(\tH\x00\x12\x14\n\x0cpayload_json\x18\x03 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x1b\n\x13parent_execution_id\x18\x06 \x01(\x03\x12+\n\x0cparent_claim\x18\x07 \x01(\x0b\x32\x15.noetl.v1.ParentClaim\x12$\n\x08priority\x18\x08 \x01(\x0e\x32\x12.noetl.v1.PriorityB\n\n\x08playbook\"Z\n\x0bParentClaim\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x13\n\x0b\x63laim_token\x18\x04 \x01(\t\"\x88\x01\n\x17SubmitExecutionResponse\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x10\n\x08shard_id\x18\x02 \x01(\x05\x12\x15\n\rplaybook_path\x18\x03 \x01(\t\x12\x18\n\x10playbook_version\x18\x04 \x01(\x05\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x05 \x01(\x08\"\xc9\x02\n\tStepState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06status\x18\x02 \x01(\x0e\x32\x14.noetl.v1.StepStatus\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\x05\x12-\n\nresult_ref\x18\x04 \x01(\x0b\x32\x19.noetl.v1.ResultReference\x12\x13\n\x0bresult_json\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12.\n\nstarted_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06visits\x18\t \x01(\x05\x12$\n\x04loop\x18\n \x01(\x0b\x32\x16.noetl.v1.LoopProgress\x12\x0f\n\x07waiting\x18\x0b \x01(\t\";\n\x0cLoopProgress\x12\r\n\x05total\x18\x01 \x01(\x03\x12\x0c\n\x04\x64one\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\"\xa8\x03\n\tExecution\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x10\n\x08shard_id\x18\x02 \x01(\x05\x12\x15\n\rplaybook_path\x18\x03 \x01(\t\x12\x18\n\x10playbook_version\x18\x04 \x01(\x05\x12)\n\x06status\x18\x05 \x01(\x0e\x32\x19.noetl.v1.ExecutionStatus\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\"\n\x05steps\x18\n \x03(\x0b\x32\x13.noetl.v1.StepState\x12\x1b\n\x13parent_execution_id\x18\x0b \x01(\x03\x12\x16\n\x0elast_shard_seq\x18\x0c \x01(\x03\x12\x10\n\x08rerun_of\x18\r \x01(\x03\x12\x0f\n\x07waiting\x18\x0e \x01(\t\"D\n\x13GetExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x17\n\x0finclude_results\x18\x02 \x01(\x08\">\n\x14GetExecutionResponse\x12&\n\texecution\x18\x01 \x01(\x0b\x32\x13.noetl.v1.Execution\"\x80\x01\n\x15ListExecutionsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.noetl.v1.ExecutionStatus\x12\x15\n\rplaybook_path\x18\x04 \x01(\t\"Z\n\x16ListExecutionsResponse\x12\'\n\nexecutions\x18\x01 \x03(\x0b\x32\x13.noetl.v1.Execution\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"F\n\x15WatchExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x17\n\x0finclude_results\x18\x02 \x01(\x08\"@\n\x16WatchExecutionResponse\x12&\n\texecution\x18\x01 \x01(\x0b\x32\x13.noetl.v1.Execution\"k\n\x16\x43\x61ncelExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\x0cparent_claim\x18\x03 \x01(\x0b\x32\x15.noetl.v1.ParentClaim\"+\n\x17\x43\x61ncelExecutionResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"S\n\x10GetEventsRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x03\x12\x11\n\tpage_size\x18\x03 \x01(\x05\"g\n\x11GetEventsResponse\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.noetl.v1.EventRecord\x12+\n\x07read_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"5\n\x0fGetTraceRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\t\"\xd2\x01\n\nTraceEntry\x12\x0e\n\x06ref_id\x18\x01 \x01(\x03\x12\x15\n\rparent_ref_id\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0b\n\x03uri\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04task\x18\x06 \x01(\t\x12\x12\n\ncommand_id\x18\x07 \x01(\t\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04step\x18\t \x01(\t\x12\x0e\n\x06sha256\x18\n \x01(\t\"P\n\x10GetTraceResponse\x12%\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x14.noetl.v1.TraceEntry\x12\x15\n\rfrom_manifest\x18\x02 \x01(\x08\"A\n\x16ListQuarantinedRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x11\n\tpage_size\x18\x02 \x01(\x05\"\xca\x01\n\x10QuarantinedInput\x12\x15\n\rquarantine_id\x18\x01 \x01(\x03\x12\x10\n\x08shard_id\x18\x02 \x01(\x05\x12\x14\n\x0c\x65xecution_id\x18\x03 \x01(\x03\x12\x12\n\ninput_kind\x18\x04 \x01(\t\x12\x12\n\nstream_seq\x18\x05 \x01(\x03\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"E\n\x17ListQuarantinedResponse\x12*\n\x06inputs\x18\x01 \x03(\x0b\x32\x1a.noetl.v1.QuarantinedInput\"r\n\x15RerunExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x11\n\tfrom_step\x18\x02 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\"\xc2\x01\n\x16RerunExecutionResponse\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x10\n\x08shard_id\x18\x02 \x01(\x05\x12\x15\n\rplaybook_path\x18\x03 \x01(\t\x12\x18\n\x10playbook_version\x18\x04 \x01(\x05\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x05 \x01(\x08\x12\x10\n\x08rerun_of\x18\x06 \x01(\x03\x12\x13\n\x0brerun_steps\x18\x07 \x03(\t\x12\x12\n\nkept_steps\x18\x08 \x03(\t*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x11\n\rPRIORITY_HIGH\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x10\n\x0cPRIORITY_LOW\x10\x03\x32\xf3\x05\n\x10\x45xecutionService\x12V\n\x0fSubmitExecution\x12 .noetl.v1.SubmitExecutionRequest\x1a!.noetl.v1.SubmitExecutionResponse\x12M\n\x0cGetExecution\x12\x1d.noetl.v1.GetExecutionRequest\x1a\x1e.noetl.v1.GetExecutionResponse\x12S\n\x0eListExecutions\x12\x1f.noetl.v1.ListExecutionsRequest\x1a .noetl.v1.ListExecutionsResponse\x12U\n\x0eWatchExecution\x12\x1f.noetl.v1.WatchExecutionRequest\x1a .noetl.v1.WatchExecutionResponse0\x01\x12V\n\x0f\x43\x61ncelExecution\x12 .noetl.v1.CancelExecutionRequest\x1a!.noetl.v1.CancelExecutionResponse\x12\x44\n\tGetEvents\x12\x1a.noetl.v1.GetEventsRequest\x1a\x1b.noetl.v1.GetEventsResponse\x12\x41\n\x08GetTrace\x12\x19.noetl.v1.GetTraceRequest\x1a\x1a.noetl.v1.GetTraceResponse\x12V\n\x0fListQuarantined\x12 .noetl.v1.ListQuarantinedRequest\x1a!.noetl.v1.ListQuarantinedResponse\x12S\n\x0eRerunExecution\x12\x1f.noetl.v1.RerunExecutionRequest\x1a .noetl.v1.RerunExecutionResponseB\x7f\n\x0bio.noetl.v1B\x0e\x45xecutionProtoP\x01Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\xa2\x02\x03NXX\xaa\x02\x08Noetl.V1\xca\x02\x08Noetl\\V1\xea\x02\tNoetl::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18noetl/v1/execution.proto\x12\x08noetl.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15noetl/v1/common.proto\",\n\x0bPlaybookRef\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05\"\xc3\x02\n\x16SubmitExecutionRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x15.noetl.v1.PlaybookRefH\x00\x12\x17\n\rplaybook_yaml\x18\x02 \x01(\tH\x00\x12(\n\x07payload\x18\t \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x1b\n\x13parent_execution_id\x18\x06 \x01(\x03\x12+\n\x0cparent_claim\x18\x07 \x01(\x0b\x32\x15.noetl.v1.ParentClaim\x12$\n\x08priority\x18\x08 \x01(\x0e\x32\x12.noetl.v1.PriorityB\n\n\x08playbookJ\x04\x08\x03\x10\x04R\x0cpayload_json\"Z\n\x0bParentClaim\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x13\n\x0b\x63laim_token\x18\x04 \x01(\t\"\x88\x01\n\x17SubmitExecutionResponse\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x10\n\x08shard_id\x18\x02 \x01(\x05\x12\x15\n\rplaybook_path\x18\x03 \x01(\t\x12\x18\n\x10playbook_version\x18\x04 \x01(\x05\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x05 \x01(\x08\"\xef\x02\n\tStepState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06status\x18\x02 \x01(\x0e\x32\x14.noetl.v1.StepStatus\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\x05\x12-\n\nresult_ref\x18\x04 \x01(\x0b\x32\x19.noetl.v1.ResultReference\x12&\n\x06result\x18\x0c \x01(\x0b\x32\x16.google.protobuf.Value\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12.\n\nstarted_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06visits\x18\t \x01(\x05\x12$\n\x04loop\x18\n \x01(\x0b\x32\x16.noetl.v1.LoopProgress\x12\x0f\n\x07waiting\x18\x0b \x01(\tJ\x04\x08\x05\x10\x06R\x0bresult_json\";\n\x0cLoopProgress\x12\r\n\x05total\x18\x01 \x01(\x03\x12\x0c\n\x04\x64one\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\"\xa8\x03\n\tExecution\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x10\n\x08shard_id\x18\x02 \x01(\x05\x12\x15\n\rplaybook_path\x18\x03 \x01(\t\x12\x18\n\x10playbook_version\x18\x04 \x01(\x05\x12)\n\x06status\x18\x05 \x01(\x0e\x32\x19.noetl.v1.ExecutionStatus\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\"\n\x05steps\x18\n \x03(\x0b\x32\x13.noetl.v1.StepState\x12\x1b\n\x13parent_execution_id\x18\x0b \x01(\x03\x12\x16\n\x0elast_shard_seq\x18\x0c \x01(\x03\x12\x10\n\x08rerun_of\x18\r \x01(\x03\x12\x0f\n\x07waiting\x18\x0e \x01(\t\"D\n\x13GetExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x17\n\x0finclude_results\x18\x02 \x01(\x08\">\n\x14GetExecutionResponse\x12&\n\texecution\x18\x01 \x01(\x0b\x32\x13.noetl.v1.Execution\"\x80\x01\n\x15ListExecutionsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.noetl.v1.ExecutionStatus\x12\x15\n\rplaybook_path\x18\x04 \x01(\t\"Z\n\x16ListExecutionsResponse\x12\'\n\nexecutions\x18\x01 \x03(\x0b\x32\x13.noetl.v1.Execution\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"F\n\x15WatchExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x17\n\x0finclude_results\x18\x02 \x01(\x08\"@\n\x16WatchExecutionResponse\x12&\n\texecution\x18\x01 \x01(\x0b\x32\x13.noetl.v1.Execution\"k\n\x16\x43\x61ncelExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\x0cparent_claim\x18\x03 \x01(\x0b\x32\x15.noetl.v1.ParentClaim\"+\n\x17\x43\x61ncelExecutionResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"S\n\x10GetEventsRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x03\x12\x11\n\tpage_size\x18\x03 \x01(\x05\"g\n\x11GetEventsResponse\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.noetl.v1.EventRecord\x12+\n\x07read_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"5\n\x0fGetTraceRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\t\"\xd2\x01\n\nTraceEntry\x12\x0e\n\x06ref_id\x18\x01 \x01(\x03\x12\x15\n\rparent_ref_id\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0b\n\x03uri\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04task\x18\x06 \x01(\t\x12\x12\n\ncommand_id\x18\x07 \x01(\t\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04step\x18\t \x01(\t\x12\x0e\n\x06sha256\x18\n \x01(\t\"P\n\x10GetTraceResponse\x12%\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x14.noetl.v1.TraceEntry\x12\x15\n\rfrom_manifest\x18\x02 \x01(\x08\"A\n\x16ListQuarantinedRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x11\n\tpage_size\x18\x02 \x01(\x05\"\xca\x01\n\x10QuarantinedInput\x12\x15\n\rquarantine_id\x18\x01 \x01(\x03\x12\x10\n\x08shard_id\x18\x02 \x01(\x05\x12\x14\n\x0c\x65xecution_id\x18\x03 \x01(\x03\x12\x12\n\ninput_kind\x18\x04 \x01(\t\x12\x12\n\nstream_seq\x18\x05 \x01(\x03\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"E\n\x17ListQuarantinedResponse\x12*\n\x06inputs\x18\x01 \x03(\x0b\x32\x1a.noetl.v1.QuarantinedInput\"r\n\x15RerunExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x11\n\tfrom_step\x18\x02 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\"\xc2\x01\n\x16RerunExecutionResponse\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x10\n\x08shard_id\x18\x02 \x01(\x05\x12\x15\n\rplaybook_path\x18\x03 \x01(\t\x12\x18\n\x10playbook_version\x18\x04 \x01(\x05\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x05 \x01(\x08\x12\x10\n\x08rerun_of\x18\x06 \x01(\x03\x12\x13\n\x0brerun_steps\x18\x07 \x03(\t\x12\x12\n\nkept_steps\x18\x08 \x03(\t*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x11\n\rPRIORITY_HIGH\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x10\n\x0cPRIORITY_LOW\x10\x03\x32\xf3\x05\n\x10\x45xecutionService\x12V\n\x0fSubmitExecution\x12 .noetl.v1.SubmitExecutionRequest\x1a!.noetl.v1.SubmitExecutionResponse\x12M\n\x0cGetExecution\x12\x1d.noetl.v1.GetExecutionRequest\x1a\x1e.noetl.v1.GetExecutionResponse\x12S\n\x0eListExecutions\x12\x1f.noetl.v1.ListExecutionsRequest\x1a .noetl.v1.ListExecutionsResponse\x12U\n\x0eWatchExecution\x12\x1f.noetl.v1.WatchExecutionRequest\x1a .noetl.v1.WatchExecutionResponse0\x01\x12V\n\x0f\x43\x61ncelExecution\x12 .noetl.v1.CancelExecutionRequest\x1a!.noetl.v1.CancelExecutionResponse\x12\x44\n\tGetEvents\x12\x1a.noetl.v1.GetEventsRequest\x1a\x1b.noetl.v1.GetEventsResponse\x12\x41\n\x08GetTrace\x12\x19.noetl.v1.GetTraceRequest\x1a\x1a.noetl.v1.GetTraceResponse\x12V\n\x0fListQuarantined\x12 .noetl.v1.ListQuarantinedRequest\x1a!.noetl.v1.ListQuarantinedResponse\x12S\n\x0eRerunExecution\x12\x1f.noetl.v1.RerunExecutionRequest\x1a .noetl.v1.RerunExecutionResponseB\x7f\n\x0bio.noetl.v1B\x0e\x45xecutionProtoP\x01Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\xa2\x02\x03NXX\xaa\x02\x08Noetl.V1\xca\x02\x08Noetl\\V1\xea\x02\tNoetl::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,58 +35,58 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noetl.v1.execution_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\013io.noetl.v1B\016ExecutionProtoP\001Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\242\002\003NXX\252\002\010Noetl.V1\312\002\010Noetl\\V1\352\002\tNoetl::V1'
-  _globals['_PRIORITY']._serialized_start=3322
-  _globals['_PRIORITY']._serialized_end=3416
-  _globals['_PLAYBOOKREF']._serialized_start=94
-  _globals['_PLAYBOOKREF']._serialized_end=138
-  _globals['_SUBMITEXECUTIONREQUEST']._serialized_start=141
-  _globals['_SUBMITEXECUTIONREQUEST']._serialized_end=424
-  _globals['_PARENTCLAIM']._serialized_start=426
-  _globals['_PARENTCLAIM']._serialized_end=516
-  _globals['_SUBMITEXECUTIONRESPONSE']._serialized_start=519
-  _globals['_SUBMITEXECUTIONRESPONSE']._serialized_end=655
-  _globals['_STEPSTATE']._serialized_start=658
-  _globals['_STEPSTATE']._serialized_end=987
-  _globals['_LOOPPROGRESS']._serialized_start=989
-  _globals['_LOOPPROGRESS']._serialized_end=1048
-  _globals['_EXECUTION']._serialized_start=1051
-  _globals['_EXECUTION']._serialized_end=1475
-  _globals['_GETEXECUTIONREQUEST']._serialized_start=1477
-  _globals['_GETEXECUTIONREQUEST']._serialized_end=1545
-  _globals['_GETEXECUTIONRESPONSE']._serialized_start=1547
-  _globals['_GETEXECUTIONRESPONSE']._serialized_end=1609
-  _globals['_LISTEXECUTIONSREQUEST']._serialized_start=1612
-  _globals['_LISTEXECUTIONSREQUEST']._serialized_end=1740
-  _globals['_LISTEXECUTIONSRESPONSE']._serialized_start=1742
-  _globals['_LISTEXECUTIONSRESPONSE']._serialized_end=1832
-  _globals['_WATCHEXECUTIONREQUEST']._serialized_start=1834
-  _globals['_WATCHEXECUTIONREQUEST']._serialized_end=1904
-  _globals['_WATCHEXECUTIONRESPONSE']._serialized_start=1906
-  _globals['_WATCHEXECUTIONRESPONSE']._serialized_end=1970
-  _globals['_CANCELEXECUTIONREQUEST']._serialized_start=1972
-  _globals['_CANCELEXECUTIONREQUEST']._serialized_end=2079
-  _globals['_CANCELEXECUTIONRESPONSE']._serialized_start=2081
-  _globals['_CANCELEXECUTIONRESPONSE']._serialized_end=2124
-  _globals['_GETEVENTSREQUEST']._serialized_start=2126
-  _globals['_GETEVENTSREQUEST']._serialized_end=2209
-  _globals['_GETEVENTSRESPONSE']._serialized_start=2211
-  _globals['_GETEVENTSRESPONSE']._serialized_end=2314
-  _globals['_GETTRACEREQUEST']._serialized_start=2316
-  _globals['_GETTRACEREQUEST']._serialized_end=2369
-  _globals['_TRACEENTRY']._serialized_start=2372
-  _globals['_TRACEENTRY']._serialized_end=2582
-  _globals['_GETTRACERESPONSE']._serialized_start=2584
-  _globals['_GETTRACERESPONSE']._serialized_end=2664
-  _globals['_LISTQUARANTINEDREQUEST']._serialized_start=2666
-  _globals['_LISTQUARANTINEDREQUEST']._serialized_end=2731
-  _globals['_QUARANTINEDINPUT']._serialized_start=2734
-  _globals['_QUARANTINEDINPUT']._serialized_end=2936
-  _globals['_LISTQUARANTINEDRESPONSE']._serialized_start=2938
-  _globals['_LISTQUARANTINEDRESPONSE']._serialized_end=3007
-  _globals['_RERUNEXECUTIONREQUEST']._serialized_start=3009
-  _globals['_RERUNEXECUTIONREQUEST']._serialized_end=3123
-  _globals['_RERUNEXECUTIONRESPONSE']._serialized_start=3126
-  _globals['_RERUNEXECUTIONRESPONSE']._serialized_end=3320
-  _globals['_EXECUTIONSERVICE']._serialized_start=3419
-  _globals['_EXECUTIONSERVICE']._serialized_end=4174
+  _globals['_PRIORITY']._serialized_start=3430
+  _globals['_PRIORITY']._serialized_end=3524
+  _globals['_PLAYBOOKREF']._serialized_start=124
+  _globals['_PLAYBOOKREF']._serialized_end=168
+  _globals['_SUBMITEXECUTIONREQUEST']._serialized_start=171
+  _globals['_SUBMITEXECUTIONREQUEST']._serialized_end=494
+  _globals['_PARENTCLAIM']._serialized_start=496
+  _globals['_PARENTCLAIM']._serialized_end=586
+  _globals['_SUBMITEXECUTIONRESPONSE']._serialized_start=589
+  _globals['_SUBMITEXECUTIONRESPONSE']._serialized_end=725
+  _globals['_STEPSTATE']._serialized_start=728
+  _globals['_STEPSTATE']._serialized_end=1095
+  _globals['_LOOPPROGRESS']._serialized_start=1097
+  _globals['_LOOPPROGRESS']._serialized_end=1156
+  _globals['_EXECUTION']._serialized_start=1159
+  _globals['_EXECUTION']._serialized_end=1583
+  _globals['_GETEXECUTIONREQUEST']._serialized_start=1585
+  _globals['_GETEXECUTIONREQUEST']._serialized_end=1653
+  _globals['_GETEXECUTIONRESPONSE']._serialized_start=1655
+  _globals['_GETEXECUTIONRESPONSE']._serialized_end=1717
+  _globals['_LISTEXECUTIONSREQUEST']._serialized_start=1720
+  _globals['_LISTEXECUTIONSREQUEST']._serialized_end=1848
+  _globals['_LISTEXECUTIONSRESPONSE']._serialized_start=1850
+  _globals['_LISTEXECUTIONSRESPONSE']._serialized_end=1940
+  _globals['_WATCHEXECUTIONREQUEST']._serialized_start=1942
+  _globals['_WATCHEXECUTIONREQUEST']._serialized_end=2012
+  _globals['_WATCHEXECUTIONRESPONSE']._serialized_start=2014
+  _globals['_WATCHEXECUTIONRESPONSE']._serialized_end=2078
+  _globals['_CANCELEXECUTIONREQUEST']._serialized_start=2080
+  _globals['_CANCELEXECUTIONREQUEST']._serialized_end=2187
+  _globals['_CANCELEXECUTIONRESPONSE']._serialized_start=2189
+  _globals['_CANCELEXECUTIONRESPONSE']._serialized_end=2232
+  _globals['_GETEVENTSREQUEST']._serialized_start=2234
+  _globals['_GETEVENTSREQUEST']._serialized_end=2317
+  _globals['_GETEVENTSRESPONSE']._serialized_start=2319
+  _globals['_GETEVENTSRESPONSE']._serialized_end=2422
+  _globals['_GETTRACEREQUEST']._serialized_start=2424
+  _globals['_GETTRACEREQUEST']._serialized_end=2477
+  _globals['_TRACEENTRY']._serialized_start=2480
+  _globals['_TRACEENTRY']._serialized_end=2690
+  _globals['_GETTRACERESPONSE']._serialized_start=2692
+  _globals['_GETTRACERESPONSE']._serialized_end=2772
+  _globals['_LISTQUARANTINEDREQUEST']._serialized_start=2774
+  _globals['_LISTQUARANTINEDREQUEST']._serialized_end=2839
+  _globals['_QUARANTINEDINPUT']._serialized_start=2842
+  _globals['_QUARANTINEDINPUT']._serialized_end=3044
+  _globals['_LISTQUARANTINEDRESPONSE']._serialized_start=3046
+  _globals['_LISTQUARANTINEDRESPONSE']._serialized_end=3115
+  _globals['_RERUNEXECUTIONREQUEST']._serialized_start=3117
+  _globals['_RERUNEXECUTIONREQUEST']._serialized_end=3231
+  _globals['_RERUNEXECUTIONRESPONSE']._serialized_start=3234
+  _globals['_RERUNEXECUTIONRESPONSE']._serialized_end=3428
+  _globals['_EXECUTIONSERVICE']._serialized_start=3527
+  _globals['_EXECUTIONSERVICE']._serialized_end=4282
 # @@protoc_insertion_point(module_scope)

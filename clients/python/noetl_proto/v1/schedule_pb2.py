@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17noetl/v1/schedule.proto\x12\x08noetl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa0\x03\n\x08Schedule\x12\x13\n\x0bschedule_id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x15\n\rplaybook_path\x18\x03 \x01(\t\x12\x18\n\x10playbook_version\x18\x04 \x01(\x05\x12\x14\n\x0cpayload_json\x18\x05 \x01(\t\x12\x0c\n\x04\x63ron\x18\x06 \x01(\t\x12\x11\n\ttime_zone\x18\x07 \x01(\t\x12\x13\n\x0binterval_ms\x18\x08 \x01(\x03\x12)\n\x08\x63\x61tch_up\x18\t \x01(\x0e\x32\x17.noetl.v1.CatchUpPolicy\x12\x0e\n\x06paused\x18\n \x01(\x08\x12\x10\n\x08shard_id\x18\x0b \x01(\x05\x12-\n\tnext_runs\x18\x0c \x03(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ncreated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tlast_tick\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11last_execution_id\x18\x0f \x01(\x03\"\xda\x01\n\x12\x41\x64\x64ScheduleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rplaybook_path\x18\x02 \x01(\t\x12\x18\n\x10playbook_version\x18\x03 \x01(\x05\x12\x14\n\x0cpayload_json\x18\x04 \x01(\t\x12\x0c\n\x04\x63ron\x18\x05 \x01(\t\x12\x11\n\ttime_zone\x18\x06 \x01(\t\x12\x13\n\x0binterval_ms\x18\x07 \x01(\x03\x12)\n\x08\x63\x61tch_up\x18\x08 \x01(\x0e\x32\x17.noetl.v1.CatchUpPolicy\x12\x0e\n\x06paused\x18\t \x01(\x08\";\n\x13\x41\x64\x64ScheduleResponse\x12$\n\x08schedule\x18\x01 \x01(\x0b\x32\x12.noetl.v1.Schedule\")\n\x14ListSchedulesRequest\x12\x11\n\tnext_runs\x18\x01 \x01(\x05\">\n\x15ListSchedulesResponse\x12%\n\tschedules\x18\x01 \x03(\x0b\x32\x12.noetl.v1.Schedule\"$\n\x14PauseScheduleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"=\n\x15PauseScheduleResponse\x12$\n\x08schedule\x18\x01 \x01(\x0b\x32\x12.noetl.v1.Schedule\"%\n\x15ResumeScheduleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\">\n\x16ResumeScheduleResponse\x12$\n\x08schedule\x18\x01 \x01(\x0b\x32\x12.noetl.v1.Schedule\"%\n\x15\x44\x65leteScheduleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x16\x44\x65leteScheduleResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08*}\n\rCatchUpPolicy\x12\x1f\n\x1b\x43\x41TCH_UP_POLICY_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41TCH_UP_POLICY_SKIP\x10\x01\x12\x18\n\x14\x43\x41TCH_UP_POLICY_ONCE\x10\x02\x12\x17\n\x13\x43\x41TCH_UP_POLICY_ALL\x10\x03\x32\xab\x03\n\x0fScheduleService\x12J\n\x0b\x41\x64\x64Schedule\x12\x1c.noetl.v1.AddScheduleRequest\x1a\x1d.noetl.v1.AddScheduleResponse\x12P\n\rListSchedules\x12\x1e.noetl.v1.ListSchedulesRequest\x1a\x1f.noetl.v1.ListSchedulesResponse\x12P\n\rPauseSchedule\x12\x1e.noetl.v1.PauseScheduleRequest\x1a\x1f.noetl.v1.PauseScheduleResponse\x12S\n\x0eResumeSchedule\x12\x1f.noetl.v1.ResumeScheduleRequest\x1a .noetl.v1.ResumeScheduleResponse\x12S\n\x0e\x44\x65leteSchedule\x12\x1f.noetl.v1.DeleteScheduleRequest\x1a .noetl.v1.DeleteScheduleResponseB~\n\x0bio.noetl.v1B\rScheduleProtoP\x01Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\xa2\x02\x03NXX\xaa\x02\x08Noetl.V1\xca\x02\x08Noetl\\V1\xea\x02\tNoetl::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17noetl/v1/schedule.proto\x12\x08noetl.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc8\x03\n\x08Schedule\x12\x13\n\x0bschedule_id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x15\n\rplaybook_path\x18\x03 \x01(\t\x12\x18\n\x10playbook_version\x18\x04 \x01(\x05\x12(\n\x07payload\x18\x10 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0c\n\x04\x63ron\x18\x06 \x01(\t\x12\x11\n\ttime_zone\x18\x07 \x01(\t\x12\x13\n\x0binterval_ms\x18\x08 \x01(\x03\x12)\n\x08\x63\x61tch_up\x18\t \x01(\x0e\x32\x17.noetl.v1.CatchUpPolicy\x12\x0e\n\x06paused\x18\n \x01(\x08\x12\x10\n\x08shard_id\x18\x0b \x01(\x05\x12-\n\tnext_runs\x18\x0c \x03(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ncreated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tlast_tick\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11last_execution_id\x18\x0f \x01(\x03J\x04\x08\x05\x10\x06R\x0cpayload_json\"\x82\x02\n\x12\x41\x64\x64ScheduleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rplaybook_path\x18\x02 \x01(\t\x12\x18\n\x10playbook_version\x18\x03 \x01(\x05\x12(\n\x07payload\x18\n \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0c\n\x04\x63ron\x18\x05 \x01(\t\x12\x11\n\ttime_zone\x18\x06 \x01(\t\x12\x13\n\x0binterval_ms\x18\x07 \x01(\x03\x12)\n\x08\x63\x61tch_up\x18\x08 \x01(\x0e\x32\x17.noetl.v1.CatchUpPolicy\x12\x0e\n\x06paused\x18\t \x01(\x08J\x04\x08\x04\x10\x05R\x0cpayload_json\";\n\x13\x41\x64\x64ScheduleResponse\x12$\n\x08schedule\x18\x01 \x01(\x0b\x32\x12.noetl.v1.Schedule\")\n\x14ListSchedulesRequest\x12\x11\n\tnext_runs\x18\x01 \x01(\x05\">\n\x15ListSchedulesResponse\x12%\n\tschedules\x18\x01 \x03(\x0b\x32\x12.noetl.v1.Schedule\"$\n\x14PauseScheduleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"=\n\x15PauseScheduleResponse\x12$\n\x08schedule\x18\x01 \x01(\x0b\x32\x12.noetl.v1.Schedule\"%\n\x15ResumeScheduleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\">\n\x16ResumeScheduleResponse\x12$\n\x08schedule\x18\x01 \x01(\x0b\x32\x12.noetl.v1.Schedule\"%\n\x15\x44\x65leteScheduleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x16\x44\x65leteScheduleResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08*}\n\rCatchUpPolicy\x12\x1f\n\x1b\x43\x41TCH_UP_POLICY_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41TCH_UP_POLICY_SKIP\x10\x01\x12\x18\n\x14\x43\x41TCH_UP_POLICY_ONCE\x10\x02\x12\x17\n\x13\x43\x41TCH_UP_POLICY_ALL\x10\x03\x32\xab\x03\n\x0fScheduleService\x12J\n\x0b\x41\x64\x64Schedule\x12\x1c.noetl.v1.AddScheduleRequest\x1a\x1d.noetl.v1.AddScheduleResponse\x12P\n\rListSchedules\x12\x1e.noetl.v1.ListSchedulesRequest\x1a\x1f.noetl.v1.ListSchedulesResponse\x12P\n\rPauseSchedule\x12\x1e.noetl.v1.PauseScheduleRequest\x1a\x1f.noetl.v1.PauseScheduleResponse\x12S\n\x0eResumeSchedule\x12\x1f.noetl.v1.ResumeScheduleRequest\x1a .noetl.v1.ResumeScheduleResponse\x12S\n\x0e\x44\x65leteSchedule\x12\x1f.noetl.v1.DeleteScheduleRequest\x1a .noetl.v1.DeleteScheduleResponseB~\n\x0bio.noetl.v1B\rScheduleProtoP\x01Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\xa2\x02\x03NXX\xaa\x02\x08Noetl.V1\xca\x02\x08Noetl\\V1\xea\x02\tNoetl::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +34,30 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noetl.v1.schedule_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\013io.noetl.v1B\rScheduleProtoP\001Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\242\002\003NXX\252\002\010Noetl.V1\312\002\010Noetl\\V1\352\002\tNoetl::V1'
-  _globals['_CATCHUPPOLICY']._serialized_start=1164
-  _globals['_CATCHUPPOLICY']._serialized_end=1289
-  _globals['_SCHEDULE']._serialized_start=71
-  _globals['_SCHEDULE']._serialized_end=487
-  _globals['_ADDSCHEDULEREQUEST']._serialized_start=490
-  _globals['_ADDSCHEDULEREQUEST']._serialized_end=708
-  _globals['_ADDSCHEDULERESPONSE']._serialized_start=710
-  _globals['_ADDSCHEDULERESPONSE']._serialized_end=769
-  _globals['_LISTSCHEDULESREQUEST']._serialized_start=771
-  _globals['_LISTSCHEDULESREQUEST']._serialized_end=812
-  _globals['_LISTSCHEDULESRESPONSE']._serialized_start=814
-  _globals['_LISTSCHEDULESRESPONSE']._serialized_end=876
-  _globals['_PAUSESCHEDULEREQUEST']._serialized_start=878
-  _globals['_PAUSESCHEDULEREQUEST']._serialized_end=914
-  _globals['_PAUSESCHEDULERESPONSE']._serialized_start=916
-  _globals['_PAUSESCHEDULERESPONSE']._serialized_end=977
-  _globals['_RESUMESCHEDULEREQUEST']._serialized_start=979
-  _globals['_RESUMESCHEDULEREQUEST']._serialized_end=1016
-  _globals['_RESUMESCHEDULERESPONSE']._serialized_start=1018
-  _globals['_RESUMESCHEDULERESPONSE']._serialized_end=1080
-  _globals['_DELETESCHEDULEREQUEST']._serialized_start=1082
-  _globals['_DELETESCHEDULEREQUEST']._serialized_end=1119
-  _globals['_DELETESCHEDULERESPONSE']._serialized_start=1121
-  _globals['_DELETESCHEDULERESPONSE']._serialized_end=1162
-  _globals['_SCHEDULESERVICE']._serialized_start=1292
-  _globals['_SCHEDULESERVICE']._serialized_end=1719
+  _globals['_CATCHUPPOLICY']._serialized_start=1274
+  _globals['_CATCHUPPOLICY']._serialized_end=1399
+  _globals['_SCHEDULE']._serialized_start=101
+  _globals['_SCHEDULE']._serialized_end=557
+  _globals['_ADDSCHEDULEREQUEST']._serialized_start=560
+  _globals['_ADDSCHEDULEREQUEST']._serialized_end=818
+  _globals['_ADDSCHEDULERESPONSE']._serialized_start=820
+  _globals['_ADDSCHEDULERESPONSE']._serialized_end=879
+  _globals['_LISTSCHEDULESREQUEST']._serialized_start=881
+  _globals['_LISTSCHEDULESREQUEST']._serialized_end=922
+  _globals['_LISTSCHEDULESRESPONSE']._serialized_start=924
+  _globals['_LISTSCHEDULESRESPONSE']._serialized_end=986
+  _globals['_PAUSESCHEDULEREQUEST']._serialized_start=988
+  _globals['_PAUSESCHEDULEREQUEST']._serialized_end=1024
+  _globals['_PAUSESCHEDULERESPONSE']._serialized_start=1026
+  _globals['_PAUSESCHEDULERESPONSE']._serialized_end=1087
+  _globals['_RESUMESCHEDULEREQUEST']._serialized_start=1089
+  _globals['_RESUMESCHEDULEREQUEST']._serialized_end=1126
+  _globals['_RESUMESCHEDULERESPONSE']._serialized_start=1128
+  _globals['_RESUMESCHEDULERESPONSE']._serialized_end=1190
+  _globals['_DELETESCHEDULEREQUEST']._serialized_start=1192
+  _globals['_DELETESCHEDULEREQUEST']._serialized_end=1229
+  _globals['_DELETESCHEDULERESPONSE']._serialized_start=1231
+  _globals['_DELETESCHEDULERESPONSE']._serialized_end=1272
+  _globals['_SCHEDULESERVICE']._serialized_start=1402
+  _globals['_SCHEDULESERVICE']._serialized_end=1829
 # @@protoc_insertion_point(module_scope)
