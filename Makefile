@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test install proto proto-check lint unit integration e2e down status clean
+.PHONY: run test install proto proto-check proto-breaking lint unit integration e2e down status clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ proto: install
 proto-check: install
 	@$(BIN)/python scripts/gen_proto.py >/dev/null 2>&1
 	@git diff --quiet -- clients/python/noetl_proto || { echo "clients/python/noetl_proto is stale: run 'make proto' and commit"; git --no-pager diff --stat -- clients/python/noetl_proto; exit 1; }
+
+## make proto-breaking [PROTO_BASE=REF]: buf's breaking-change check of proto/ against a git ref
+## (default main); the breaks accepted on purpose are recorded in proto/BREAKING.md
+PROTO_BASE ?= main
+proto-breaking: install
+	$(BIN)/buf breaking proto --against '.git#ref=$(PROTO_BASE),subdir=proto'
 
 clean:
 	-$(BIN)/noetl-rt dev down
