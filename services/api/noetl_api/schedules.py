@@ -31,7 +31,7 @@ def schedule_pb(row: dict[str, Any], runs: int = 3) -> schedule_pb2.Schedule:
     spec = spec_of(row)
     out = schedule_pb2.Schedule(
         schedule_id=row["schedule_id"], name=row["name"], playbook_path=row["catalog_path"],
-        playbook_version=row["catalog_version"], payload=values.to_struct(row["payload"], default=str), cron=spec.cron,
+        playbook_version=row["catalog_version"], payload=values.to_struct(row["payload"], default=str, too_deep="json"), cron=spec.cron,
         time_zone=spec.time_zone, interval_ms=spec.interval_ms, catch_up=_POLICY_PB[parse_catch_up(row["catch_up"])],
         paused=row["paused"], shard_id=row["shard_id"], last_execution_id=row.get("last_execution_id") or 0)
     set_timestamp(out.created_at, row["created_at"])
