@@ -107,3 +107,44 @@ def test_client_config_reads_the_clis_environment() -> None:
     assert (config.target, config.token, config.ca_file) == ("h:1", "t", "/ca.crt")
     with pytest.raises(noetl_client.ConfigError, match="NOETL_API"):
         noetl_client.ClientConfig.from_env({})
+
+
+def reference_value(obj: Any) -> struct_pb2.Value:
+    """The Value protobuf's own Python API builds (the encoder writes bytes directly)."""
+    v = struct_pb2.Value()
+    if isinstance(obj, dict):
+        v.struct_value.SetInParent()
+        for k, item in obj.items():
+            v.struct_value.fields[k].CopyFrom(reference_value(item))
+    elif isinstance(obj, list):
+        v.list_value.SetInParent()
+        for item in obj:
+            v.list_value.values.add().CopyFrom(reference_value(item))
+    elif obj is None:
+        v.null_value = struct_pb2.NULL_VALUE
+    elif isinstance(obj, bool):
+        v.bool_value = obj
+    elif isinstance(obj, int | float):
+        v.number_value = obj
+    else:
+        v.string_value = obj
+    return v
+
+
+def test_the_encoder_writes_what_protobufs_own_api_builds() -> None:
+    import random
+
+    rnd = random.Random(7)
+
+    def gen(depth: int) -> Any:
+        makers = [lambda: None, lambda: True, lambda: False, lambda: rnd.randint(-(2**53), 2**53),
+                  lambda: rnd.uniform(-1e9, 1e9),
+                  lambda: "".join(rnd.choice("aé€\U0001f600\n\"") for _ in range(rnd.randrange(5))),
+                  lambda: [], lambda: {f"k{i}é": gen(depth + 1) for i in range(rnd.randrange(4))},
+                  lambda: [gen(depth + 1) for _ in range(rnd.randrange(4))]]
+        return makers[rnd.randrange(len(makers) if depth < 6 else 7)]()
+
+    for _ in range(300):
+        obj = gen(0)
+        assert values.to_value(obj) == reference_value(obj), obj
+        assert values.from_value(values.to_value(obj)) == obj
