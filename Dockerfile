@@ -34,6 +34,7 @@ COPY deploy/docker/build-venv.sh /usr/local/bin/build-venv
 COPY deploy/docker/wheelhouse/ /wheelhouse/
 COPY pyproject.toml ./
 COPY libs/ libs/
+COPY clients/python/ clients/python/
 COPY services/ services/
 RUN sh /usr/local/bin/build-venv /src /opt/noetl /tmp/wheels && rm -rf /tmp/wheels /wheelhouse
 

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test install proto proto-check lint unit integration e2e down status clean
+.PHONY: run test install proto proto-check proto-breaking lint unit integration e2e down status clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,8 +43,8 @@ e2e: install
 	$(BIN)/pytest -q -p no:cacheprovider tests/e2e
 
 lint: install
-	$(BIN)/ruff check libs services tests scripts
-	$(BIN)/mypy libs services
+	$(BIN)/ruff check libs services clients tests scripts
+	$(BIN)/mypy libs services clients/python
 	cd proto && ../$(BIN)/buf lint
 
 proto: install
@@ -53,7 +53,13 @@ proto: install
 ## the committed generated code must match the protos
 proto-check: install
 	@$(BIN)/python scripts/gen_proto.py >/dev/null 2>&1
-	@git diff --quiet -- libs/noetl_proto || { echo "libs/noetl_proto is stale: run 'make proto' and commit"; git --no-pager diff --stat -- libs/noetl_proto; exit 1; }
+	@git diff --quiet -- clients/python/noetl_proto || { echo "clients/python/noetl_proto is stale: run 'make proto' and commit"; git --no-pager diff --stat -- clients/python/noetl_proto; exit 1; }
+
+## make proto-breaking [PROTO_BASE=REF]: buf's breaking-change check of proto/ against a git ref
+## (default main); the breaks accepted on purpose are recorded in proto/BREAKING.md
+PROTO_BASE ?= main
+proto-breaking: install
+	$(BIN)/buf breaking proto --against '.git#ref=$(PROTO_BASE),subdir=proto'
 
 clean:
 	-$(BIN)/noetl-rt dev down

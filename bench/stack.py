@@ -15,7 +15,6 @@ import contextlib
 import fcntl
 import functools
 import glob
-import json
 import os
 import re
 import shutil
@@ -36,6 +35,7 @@ import psycopg
 from noetl_cli import devstack, localstack
 from noetl_cli.client import Api
 from noetl_cli.supervise import ServiceProcess, target_of
+from noetl_client import step_result, values
 from noetl_common import grpcretry, natsio
 from noetl_proto.v1 import common_pb2, execution_pb2
 
@@ -314,7 +314,7 @@ class BenchStack:
         execution however many calls it takes: ``grpcretry.call_keyed``)."""
         api = api or self.client
         request = execution_pb2.SubmitExecutionRequest(
-            playbook_yaml=playbook, payload_json=json.dumps(dict(payload or {})), timeout_seconds=timeout,
+            playbook_yaml=playbook, payload=values.to_struct(dict(payload or {})), timeout_seconds=timeout,
             idempotency_key=f"bench-{uuid.uuid4()}")
         resp = grpcretry.call_keyed(lambda left: api.executions.SubmitExecution(request, timeout=left), request,
                                     timeout=60)
@@ -361,7 +361,7 @@ class BenchStack:
         api = api or self.client
         ex = api.executions.GetExecution(execution_pb2.GetExecutionRequest(
             execution_id=execution_id, include_results=True), timeout=120).execution
-        return {s.name: json.loads(s.result_json) if s.result_json else None for s in ex.steps}
+        return {s.name: step_result(s) for s in ex.steps}
 
     def cancel(self, execution_id: int, reason: str = "bench timeout") -> None:
         with contextlib.suppress(Exception):

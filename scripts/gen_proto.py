@@ -1,4 +1,5 @@
-"""Generate Python code (with type stubs) from proto/noetl/v1 into libs/noetl_proto/v1.
+"""Generate Python code (with type stubs) from proto/noetl/v1 into clients/python/noetl_proto/v1
+(the client package noetl-runtime-client; the runtime ships the same modules).
 
 protoc names modules after the proto package (`noetl.v1`); the PyPI name `noetl`
 belongs to another project, so imports are rewritten to `noetl_proto.v1`.
@@ -17,7 +18,7 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
-OUT = ROOT / "libs" / "noetl_proto" / "v1"
+OUT = ROOT / "clients" / "python" / "noetl_proto" / "v1"
 IMPORT_RE = re.compile(r"^from noetl\.v1 import", re.MULTILINE)
 IMPORT_RE2 = re.compile(r"^import noetl\.v1\.", re.MULTILINE)
 

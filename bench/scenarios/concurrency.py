@@ -14,7 +14,6 @@ and counted. Every execution's final value is checked."""
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import grpc
 import psycopg
 
+from noetl_client import values
 from noetl_proto.v1 import execution_pb2
 
 from ..playbooks import THREE_STEPS, three_steps_expected
@@ -101,7 +101,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         with Meter(ctx) as meter:
             t0 = time.monotonic()
             # one key per submission, the same on its resubmissions: never two executions of one
-            requests = [execution_pb2.SubmitExecutionRequest(playbook_yaml=THREE_STEPS, payload_json=json.dumps(
+            requests = [execution_pb2.SubmitExecutionRequest(playbook_yaml=THREE_STEPS, payload=values.to_struct(
                 {"seed": s}), idempotency_key=f"bench-{uuid.uuid4()}") for s in seeds]
             futures = [stack.client.executions.SubmitExecution.future(r, timeout=120) for r in requests]
             ids: list[int] = []

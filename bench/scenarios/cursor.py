@@ -7,10 +7,10 @@ and none failed."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
+from noetl_client import values
 from noetl_proto.v1 import catalog_pb2
 
 from ..playbooks import cursor_drain
@@ -25,7 +25,7 @@ CREDENTIAL = "bench_pg"
 def run(ctx: Ctx) -> dict[str, Any]:
     stack, n, width = ctx.stack, ctx.plan.cursor_rows, ctx.plan.cursor_width
     stack.client.credentials.PutCredential(catalog_pb2.PutCredentialRequest(
-        name=CREDENTIAL, kind="postgres", data_json=json.dumps({"dsn": stack.st.postgres_dsn})), timeout=10)
+        name=CREDENTIAL, kind="postgres", data=values.to_struct({"dsn": stack.st.postgres_dsn})), timeout=10)
     playbook = cursor_drain(WORK, SINK, CREDENTIAL, width)
     _tables(ctx, 50)
     ctx.progress.start("cursor drain: warm-up (50 rows)", 50, "rows")

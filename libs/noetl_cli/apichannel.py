@@ -26,16 +26,10 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from noetl_client import ApiError, Client
 from noetl_common import grpcclient, grpcretry
 from noetl_common.errors import ConfigError, NoetlError, Overloaded, Unavailable
-from noetl_proto.v1 import (
-    auth_pb2_grpc,
-    catalog_pb2_grpc,
-    concurrency_pb2_grpc,
-    execution_pb2_grpc,
-    schedule_pb2_grpc,
-    shard_manager_pb2_grpc,
-)
+from noetl_proto.v1 import shard_manager_pb2_grpc
 
 T = TypeVar("T")
 
@@ -82,8 +76,10 @@ WithApi = Callable[[Any, Callable[["Api"], int]], int]
 
 class Api:
     """Stubs of the services over one channel to ``target`` (the api's, or with
-    ``what="shard-manager"`` the shard-manager's). The first call first asks the
-    server's grpc.health.v1 (every role serves it), for at most ``connect_timeout``."""
+    ``what="shard-manager"`` the shard-manager's): a ``noetl_client.Client`` (its channel:
+    TLS, token, retries; its calls: ``client``), plus the stubs the client package does
+    not carry (health, shard-manager). The first call first asks the server's
+    grpc.health.v1 (every role serves it), for at most ``connect_timeout``."""
 
     def __init__(self, target: str, source: str = "", what: str = "api",
                  connect_timeout: float | None = None, token: str = "", ca_file: str = "") -> None:
@@ -91,38 +87,26 @@ class Api:
         self.source = source
         self.what = what
         self.connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
-        options = [
-            # round robin over replicas; transparent retries on UNAVAILABLE of the idempotent
-            # methods only, as noetl_common.grpcutil.channel does for the roles
-            ("grpc.service_config", grpcretry.service_config()),
-            ("grpc.enable_retries", 1),
-            # a replica that froze is dropped within seconds, and the call goes to another
-            *grpcclient.CLIENT_KEEPALIVE_OPTIONS,
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ]
-        # TLS trusting ca_file when given (the local stack's CA, NOETL_TLS_CA_FILE); a replica
-        # list (ipv4:H:P1,H:P2) is verified as H
-        if ca_file and (name := grpcclient.tls_target_name(target)):
-            options.append(("grpc.ssl_target_name_override", name))
-        self._raw_channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(_read_ca(ca_file)),
-                                                 options=options) if ca_file
-                             else grpc.insecure_channel(target, options=options))
-        # every call carries the token (bearer metadata) when there is one
-        self.channel = (grpc.intercept_channel(self._raw_channel, grpcclient.SyncClientAuth(token)) if token
-                        else self._raw_channel)
+        # the client package's channel: round robin over replicas, transparent retries on
+        # UNAVAILABLE of the idempotent methods only, keepalive (a replica that froze is
+        # dropped within seconds), TLS trusting ca_file when given (the local stack's CA,
+        # NOETL_TLS_CA_FILE), the token (bearer metadata) on every call
+        self.client = Client(target, token=token, root_certificates=_read_ca(ca_file) if ca_file else None,
+                             timeout=RPC_TIMEOUT)
+        self.channel = self.client.channel
         self._connected = False
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.executions = execution_pb2_grpc.ExecutionServiceStub(self.channel)
-        self.catalog = catalog_pb2_grpc.CatalogServiceStub(self.channel)
-        self.credentials = catalog_pb2_grpc.CredentialServiceStub(self.channel)
+        self.executions = self.client.executions
+        self.catalog = self.client.catalog
+        self.credentials = self.client.credentials
         self.shard_manager = shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
-        self.tokens = auth_pb2_grpc.AuthServiceStub(self.channel)
-        self.schedules = schedule_pb2_grpc.ScheduleServiceStub(self.channel)
-        self.concurrency = concurrency_pb2_grpc.ConcurrencyServiceStub(self.channel)
+        self.tokens = self.client.tokens
+        self.schedules = self.client.schedules
+        self.concurrency = self.client.concurrency
+        self.dead_letters = self.client.dead_letters
 
     def close(self) -> None:
-        self._raw_channel.close()
+        self.client.close()
 
     def __enter__(self) -> Api:
         return self
@@ -156,14 +140,22 @@ class Api:
                               f"{self.connect_timeout:g}s (a stopped or overloaded process, or the network)")
         self._connected = True
 
-    def error(self, exc: grpc.RpcError, timeout: float = RPC_TIMEOUT) -> NoetlError:
-        """The project error for an RpcError (see the module docstring). For UNAVAILABLE
-        the health service is asked (briefly) whether the server itself is reachable."""
-        code = exc.code()  # type: ignore[attr-defined]
+    def error(self, exc: grpc.RpcError | ApiError, timeout: float = RPC_TIMEOUT) -> NoetlError:
+        """The project error for an RpcError, or the client package's ``ApiError`` of one
+        (see the module docstring). For UNAVAILABLE the health service is asked (briefly)
+        whether the server itself is reachable."""
+        if isinstance(exc, ApiError) and isinstance(exc.__cause__, grpc.RpcError):
+            exc = exc.__cause__
+        if isinstance(exc, ApiError):
+            code, details = exc.code, exc.details
+        else:
+            code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
         answered = code != grpc.StatusCode.UNAVAILABLE or self.answers(min(2.0, self.connect_timeout)) is None
-        described = describe_failure(code, exc.details(), answered=answered,  # type: ignore[attr-defined]
-                                     what=self.what, target=self.target, source=self.source, timeout=timeout)
-        return described if described is not None else grpcclient.translate(exc)
+        described = describe_failure(code, details, answered=answered, what=self.what, target=self.target,
+                                     source=self.source, timeout=timeout)
+        if described is not None:
+            return described
+        return grpcclient.translate(exc) if isinstance(exc, grpc.RpcError) else NoetlError(details)
 
     def call(self, fn: Callable[..., T], request: Any, timeout: float = RPC_TIMEOUT) -> T:
         self.connect()

@@ -17,31 +17,21 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-import grpc
-
+from noetl_client import ApiError, submit_request, values
 from noetl_common.errors import InvalidInput, NoetlError, NotFound
-from noetl_common.grpcretry import grpc_transient
 from noetl_common.vocab import ExecutionStatus
 from noetl_proto.v1 import catalog_pb2, common_pb2, execution_pb2, shard_manager_pb2
 
 from . import output
-from .apichannel import RPC_TIMEOUT, Api
+from .apichannel import Api
 from .output import CliError, eprint
 
-POLL_INTERVAL = 0.2
-TRANSIENT_GRACE = 30.0
 
-
-def _poll_again(exc: grpc.RpcError) -> bool:
-    """A poll worth repeating: a transient failure (the api restarting, one slow poll;
-    ``grpcretry``), or NOT_FOUND: the read model not yet showing a fresh submission."""
-    return grpc_transient(exc) or exc.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
-
-
-def parse_payload(text: str | None) -> str:
-    """Validate ``--payload``: a JSON object; returns its canonical text ('' when absent)."""
+def parse_payload(text: str | None) -> dict[str, Any] | None:
+    """Validate ``--payload``: a JSON object that a Struct can carry (docs/CLIENTS.md "JSON
+    values and numbers"); None when absent."""
     if text is None or text == "":
-        return ""
+        return None
     try:
         value = json.loads(text)
     except ValueError as exc:
@@ -49,7 +39,11 @@ def parse_payload(text: str | None) -> str:
     if not isinstance(value, dict):
         raise CliError(f"--payload must be a JSON object ({{...}}), got {type(value).__name__}: {text.strip()[:60]}",
                        code=2)
-    return json.dumps(value)
+    try:
+        values.to_struct(value)
+    except ValueError as exc:
+        raise CliError(f"--payload: {exc}", code=2) from None
+    return value
 
 
 def parse_execution_id(text: str) -> int:
@@ -78,8 +72,9 @@ def read_file(path: str) -> str:
 
 
 class Follower:
-    """Follows an execution to a terminal state: WatchExecution, falling back to polling
-    GetExecution when the stream breaks. ``on_change`` gets each new snapshot."""
+    """Follows an execution to a terminal state (``noetl_client.Client.watch``:
+    WatchExecution, falling back to polling GetExecution when the stream breaks).
+    ``on_change`` gets each snapshot."""
 
     def __init__(self, api: Api, execution_id: int, deadline: float | None,
                  on_change: Callable[[execution_pb2.Execution], None]) -> None:
@@ -88,55 +83,17 @@ class Follower:
         self.deadline = deadline
         self.on_change = on_change
 
-    def remaining(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.monotonic()
-
-    def _watch(self) -> Iterator[execution_pb2.Execution]:
-        stream = self.api.executions.WatchExecution(
-            execution_pb2.WatchExecutionRequest(execution_id=self.execution_id), timeout=self.remaining())
-        try:
-            for resp in stream:
-                yield resp.execution
-        finally:
-            stream.cancel()
-
     def follow(self) -> execution_pb2.Execution | None:
         """The terminal snapshot, or None when the deadline passed first."""
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         try:
-            for execution in self._watch():
+            for execution in self.api.client.watch(self.execution_id, timeout=timeout, changes_only=False):
                 self.on_change(execution)
                 if output.is_terminal(execution):
                     return execution
-        except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT,  # type: ignore[attr-defined]
-                              grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
-                raise self.api.error(exc) from exc
-        # The stream broke or ended early: poll the read model instead.
-        return self._poll()
-
-    def _poll(self) -> execution_pb2.Execution | None:
-        trouble_since: float | None = None
-        while True:
-            remaining = self.remaining()
-            if remaining is not None and remaining <= 0:
-                return None
-            timeout = RPC_TIMEOUT if remaining is None else max(0.1, min(RPC_TIMEOUT, remaining))
-            try:
-                resp = self.api.executions.GetExecution(
-                    execution_pb2.GetExecutionRequest(execution_id=self.execution_id), timeout=timeout)
-            except grpc.RpcError as exc:
-                if not _poll_again(exc):  # give up on anything else, and after a grace
-                    raise self.api.error(exc) from exc
-                trouble_since = trouble_since or time.monotonic()
-                if time.monotonic() - trouble_since > TRANSIENT_GRACE:
-                    raise self.api.error(exc) from exc
-                time.sleep(POLL_INTERVAL)
-                continue
-            trouble_since = None
-            self.on_change(resp.execution)
-            if output.is_terminal(resp.execution):
-                return resp.execution
-            time.sleep(POLL_INTERVAL)
+        except ApiError as exc:
+            raise self.api.error(exc) from exc
+        return None
 
 
 def parse_playbook_ref(text: str) -> execution_pb2.PlaybookRef:
@@ -157,7 +114,7 @@ def parse_playbook_ref(text: str) -> execution_pb2.PlaybookRef:
 
 
 def run(api: Api, playbook_yaml: str = "", *, ref: execution_pb2.PlaybookRef | None = None,
-        payload_json: str = "", as_json: bool = False, timeout: float | None = None,
+        payload: dict[str, Any] | None = None, as_json: bool = False, timeout: float | None = None,
         idempotency_key: str = "", detach: bool = False, priority: str = "") -> int:
     """``noetl-rt run``: submit (a playbook's text, or a registered one by ``ref``), then
     follow with live progress on stderr and print the outcome, or with ``detach`` print
@@ -165,14 +122,10 @@ def run(api: Api, playbook_yaml: str = "", *, ref: execution_pb2.PlaybookRef | N
     ``read_file``, ``parse_playbook_ref``) before any RPC. The submission carries
     ``idempotency_key``, or a fresh one: repeated on a transient failure, it never makes
     two executions."""
-    request = execution_pb2.SubmitExecutionRequest(
-        payload_json=payload_json, timeout_seconds=timeout or 0.0,
-        idempotency_key=idempotency_key or f"cli-{uuid.uuid4()}",
-        priority=execution_pb2.Priority.Value(f"PRIORITY_{(priority or 'unspecified').upper()}"))
-    if ref is not None:
-        request.ref.CopyFrom(ref)
-    else:
-        request.playbook_yaml = playbook_yaml
+    request = submit_request(playbook_yaml if ref is None else None, path=ref.path if ref is not None else None,
+                             version=ref.version if ref is not None else 0, payload=payload,
+                             idempotency_key=idempotency_key or f"cli-{uuid.uuid4()}",
+                             timeout_seconds=timeout or 0.0, priority=priority or None)
     try:
         submitted = api.call_keyed(api.executions.SubmitExecution, request)
     except InvalidInput as exc:
@@ -482,7 +435,7 @@ def read_credential(kind: str, *, from_file: str | None = None, username: str | 
 def credential_add(api: Api, name: str, kind: str, fields: dict[str, Any]) -> int:
     try:
         resp = api.call(api.credentials.PutCredential,
-                        catalog_pb2.PutCredentialRequest(name=name, kind=kind, data_json=json.dumps(fields)))
+                        catalog_pb2.PutCredentialRequest(name=name, kind=kind, data=values.to_struct(fields)))
     except InvalidInput as exc:
         raise CliError(str(exc), code=2) from None
     print(f"credential {resp.name or name} {'created' if resp.created else 'updated'}")

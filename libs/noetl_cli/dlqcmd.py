@@ -13,6 +13,7 @@ import json
 import time
 from typing import Any
 
+from noetl_client import values
 from noetl_common.errors import NoetlError
 from noetl_common.vocab import EventType, ExecutionStatus
 from noetl_proto.v1 import deadletter_pb2, deadletter_pb2_grpc
@@ -72,8 +73,8 @@ def dead_letter_dict(d: deadletter_pb2.DeadLetter) -> dict[str, Any]:
         error["traceback"] = err.traceback
     if err.status_code:
         error["status_code"] = err.status_code
-    if err.details_json:
-        error["details"] = json.loads(err.details_json)
+    if err.HasField("details"):
+        error["details"] = values.from_struct(err.details)
     return {"dead_letter_id": d.dead_letter_id, "execution_id": d.execution_id, "shard_id": d.shard_id,
             "playbook_path": d.playbook_path, "command_id": d.command_id, "step": d.step,
             "loop_instance": d.loop_instance or None, "loop_index": d.loop_index if d.loop_instance else None,

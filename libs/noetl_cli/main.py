@@ -314,13 +314,13 @@ def _against(home: Path, resolved: Resolved, fn: Callable[[client.Api], int], ne
 
 def _run(args: argparse.Namespace) -> int:
     # Validate everything local before resolving or contacting the api.
-    payload_json = client.parse_payload(args.payload)
+    payload = client.parse_payload(args.payload)
     if (args.file is None) == (args.path is None):
         raise CliError("give a playbook file or --path PATH[@VERSION] (one of them)", code=2)
     ref = client.parse_playbook_ref(args.path) if args.path is not None else None
     content = client.read_file(args.file) if args.file is not None else ""
     return _with_api(args, lambda api: client.run(
-        api, content, ref=ref, payload_json=payload_json, as_json=args.json, timeout=args.timeout,
+        api, content, ref=ref, payload=payload, as_json=args.json, timeout=args.timeout,
         idempotency_key=args.idempotency_key, detach=args.detach, priority=args.priority or ""),
         needs=("postgres", "nats"))
 

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from noetl_client import step_result, values
 from noetl_common.vocab import PUBLIC_TERMINAL, ExecutionStatus, StepViewStatus
 from noetl_proto.v1 import common_pb2, execution_pb2, shard_manager_pb2
 
@@ -80,14 +81,9 @@ def is_terminal(execution: execution_pb2.Execution) -> bool:
     return execution_status(execution.status) in TERMINAL
 
 
-def parse_json_text(text: str) -> Any:
-    """JSON text -> value; '' -> None; text that is not JSON is returned as is."""
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def struct_or_none(message: Any, field: str) -> dict[str, Any] | None:
+    """``message.field`` (a Struct) as a dict; None when it is unset."""
+    return values.from_struct(getattr(message, field)) if message.HasField(field) else None
 
 
 def timestamp(ts: Timestamp) -> str | None:
@@ -103,7 +99,7 @@ def execution_json(execution: execution_pb2.Execution, *, error: str | None = No
     """The ``run --json`` document: execution_id, status, steps {name: {status, result}}, error."""
     steps: dict[str, dict[str, Any]] = {}
     for step in execution.steps:
-        steps[step.name] = {"status": step_status(step.status), "result": parse_json_text(step.result_json)}
+        steps[step.name] = {"status": step_status(step.status), "result": step_result(step)}
         if step.HasField("loop"):
             steps[step.name]["loop"] = {"total": step.loop.total, "done": step.loop.done, "failed": step.loop.failed}
         if step.waiting:  # queued with no live worker that may take it (worker pools)
@@ -231,7 +227,7 @@ def execution_summary(execution: execution_pb2.Execution, *, error: str | None =
                 extra = f"{extra}  waiting: {s.waiting}"
             lines.append(f"  {s.name.ljust(width)}  {paint(step_status(s.status), colour)}{extra}")
             lines.extend("      " + ln for ln in more)  # a python task's traceback
-    results = [(s.name, parse_json_text(s.result_json)) for s in execution.steps if s.result_json]
+    results = [(s.name, step_result(s)) for s in execution.steps if s.HasField("result")]
     for name, value in results:
         lines.append(f"result of {name}:")
         lines.extend("  " + ln for ln in pretty_value(value).splitlines())
@@ -251,7 +247,7 @@ def _short(value: Any, limit: int = 100) -> str:
 
 def event_short_result(event: common_pb2.EventRecord) -> str:
     """``status ctx={...}`` or ``status ref=db:7`` from a result envelope, else the raw text cut short."""
-    env = parse_json_text(event.result_json)
+    env = struct_or_none(event, "result")
     if not isinstance(env, dict):
         return _short(env)
     parts = []
@@ -324,7 +320,7 @@ def event_json(event: common_pb2.EventRecord) -> dict[str, Any]:
     return {
         "event_id": str(event.event_id), "shard_id": event.shard_id, "shard_seq": event.shard_seq,
         "event_type": event.event_type, "step": event.step or None, "command_id": event.command_id or None,
-        "result": parse_json_text(event.result_json), "meta": parse_json_text(event.meta_json),
+        "result": struct_or_none(event, "result"), "meta": values.from_struct(event.meta),
         "created_at": timestamp(event.created_at),
     }
 

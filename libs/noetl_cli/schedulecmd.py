@@ -12,11 +12,13 @@ import argparse
 import json
 from typing import Any
 
+from noetl_client import values
 from noetl_common.schedules import CatchUp
 from noetl_proto.v1 import schedule_pb2
 
 from . import output
 from .apichannel import Api, WithApi
+from .client import parse_payload
 
 POLICIES = {CatchUp.SKIP.value: schedule_pb2.CATCH_UP_POLICY_SKIP, CatchUp.ONCE.value: schedule_pb2.CATCH_UP_POLICY_ONCE,
             CatchUp.ALL.value: schedule_pb2.CATCH_UP_POLICY_ALL}
@@ -55,7 +57,7 @@ def add_parsers(sub: Any, with_api: argparse.ArgumentParser, run: WithApi) -> No
 
 def schedule_dict(s: schedule_pb2.Schedule) -> dict[str, Any]:
     return {"schedule_id": s.schedule_id, "name": s.name, "playbook_path": s.playbook_path,
-            "playbook_version": s.playbook_version, "payload": json.loads(s.payload_json or "{}"),
+            "playbook_version": s.playbook_version, "payload": values.from_struct(s.payload),
             "cron": s.cron, "time_zone": s.time_zone, "interval_ms": s.interval_ms,
             "catch_up": _POLICY_NAMES.get(s.catch_up, CatchUp.SKIP.value), "paused": s.paused, "shard_id": s.shard_id,
             "next_runs": [t.ToJsonString() for t in s.next_runs],
@@ -71,7 +73,7 @@ def _when(s: dict[str, Any]) -> str:
 
 def add(api: Api, a: argparse.Namespace) -> int:
     request = schedule_pb2.AddScheduleRequest(
-        name=a.name, playbook_path=a.path, playbook_version=a.version, payload_json=a.payload,
+        name=a.name, playbook_path=a.path, playbook_version=a.version, payload=values.to_struct(parse_payload(a.payload)),
         cron=a.cron or "", time_zone=a.tz if a.cron else "", interval_ms=round((a.every or 0) * 1000),
         catch_up=POLICIES[a.catch_up], paused=a.paused)
     s = schedule_dict(api.call(api.schedules.AddSchedule, request).schedule)

@@ -15,6 +15,17 @@ from typing import Any, TypeVar
 
 import grpc
 
+# one definition of the client side (keepalive, the token's metadata, TLS names, the
+# blocking channel's token interceptor), in the client package; re-exported here
+from noetl_client.channel import (  # noqa: F401
+    CLIENT_KEEPALIVE_OPTIONS,
+    KEEPALIVE_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    METADATA_KEY,
+    SyncClientAuth,
+    tls_target_name,
+)
+
 from .errors import (
     ConfigError,
     Conflict,
@@ -30,27 +41,6 @@ from .errors import (
 
 S = TypeVar("S")
 
-METADATA_KEY = "authorization"
-
-# A peer that stops answering (SIGSTOP, a VM pause, a partition) still holds its TCP
-# connections open: only HTTP/2 keepalive pings tell. While a call is in flight, a ping
-# goes out after KEEPALIVE_MS without data and the connection is dropped when its ack
-# does not come within KEEPALIVE_TIMEOUT_MS, so the call fails UNAVAILABLE, is retried on
-# another replica, and round robin stops picking the frozen one (its reconnect never
-# completes the HTTP/2 handshake).
-KEEPALIVE_MS = 2_000
-KEEPALIVE_TIMEOUT_MS = 2_000
-CLIENT_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 0),
-    ("grpc.http2.max_pings_without_data", 0),
-    # One ping is outstanding at a time: any ping (a BDP probe right after a call too) must
-    # time out as fast as a keepalive ping, or it holds the keepalive back for its default
-    # minute (measured: a frozen replica held every call routed to it for the call's
-    # whole deadline).
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-]
 # Servers accept those pings (the default policy answers a ping more often than every
 # 5 minutes without data with GOAWAY "too_many_pings").
 SERVER_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
@@ -59,18 +49,6 @@ SERVER_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_ping_strikes", 0),
 ]
-
-
-def tls_target_name(target: str) -> str:
-    """The name to verify the servers of an address-list target by (``ipv4:H:P1,H:P2``:
-    gRPC would check the whole list as one name); "" for other targets (gRPC checks the
-    target's own host)."""
-    scheme, _, addresses = target.partition(":")
-    if scheme not in ("ipv4", "ipv6") or not addresses:
-        return ""
-    first = addresses.split(",")[0]
-    host = first.rsplit(":", 1)[0] if first.count(":") == 1 or first.startswith("[") else first
-    return host.strip("[]")
 
 
 def read_file(path: str) -> bytes:
@@ -153,30 +131,3 @@ class _TranslatedStream:
             raise translate(exc) from exc
 
 
-class SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """The blocking-channel twin (``grpc.intercept_channel(channel, SyncClientAuth(token))``)."""
-
-    def __init__(self, token: str) -> None:
-        self._md = (METADATA_KEY, f"Bearer {token}")
-
-    def _details(self, details: Any) -> Any:
-        return _SyncDetails(details.method, details.timeout, [*(details.metadata or ()), self._md],
-                            details.credentials, getattr(details, "wait_for_ready", None),
-                            getattr(details, "compression", None))
-
-    def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        return continuation(self._details(client_call_details), request)
-
-
-class _SyncDetails(grpc.ClientCallDetails):
-    def __init__(self, method: str, timeout: Any, metadata: Any, credentials: Any, wait_for_ready: Any,
-                 compression: Any) -> None:
-        self.method = method
-        self.timeout = timeout
-        self.metadata = metadata
-        self.credentials = credentials
-        self.wait_for_ready = wait_for_ready
-        self.compression = compression

@@ -20,13 +20,12 @@ from typing import Any, ClassVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Gauge, start_http_server
 
 from noetl_proto.v1 import shard_manager_pb2 as sm_pb2
 from noetl_proto.v1 import shard_manager_pb2_grpc as sm_grpc
 
-from . import auth, faults, grpcmetrics, grpcutil, harden, metrics, tracing
+from . import auth, faults, grpcmetrics, grpcutil, harden, metrics, reflection, tracing
 from .config import AuthSettings, CoreSettings, ShardSettings, TlsSettings, TracingSettings, load
 from .db import Pool, make_pool
 from .errors import ConfigError, NoetlError
@@ -217,8 +216,7 @@ class Service:
         self.server, self.grpc_address = self.new_server(self.core.grpc_listen, "NOETL_GRPC_LISTEN")
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.add_servicers(self.server)
-        names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
+        reflection.enable((*self.service_names, health.SERVICE_NAME), self.server)
         await self.server.start()
         if self.core.health_listen:
             # plaintext, health only (probes cannot speak TLS): nothing else is served here

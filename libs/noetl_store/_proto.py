@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from noetl_client import values
 from noetl_proto.v1 import common_pb2
 
 from ._envelope import error_info, is_secret_key
@@ -16,7 +17,8 @@ from ._envelope import error_info, is_secret_key
 def envelope_to_proto(env: Mapping[str, Any], *, error_details: Mapping[str, Any] | None = None
                       ) -> common_pb2.ResultEnvelope:
     """The protobuf form of an envelope dict; ``error_details`` (traceback, SQLSTATE, ...)
-    travels in ``ErrorInfo.details_json``."""
+    travels in ``ErrorInfo.details`` (a Struct: errors are rare, and dead letters show it to
+    clients); the context stays JSON text (``context_json``: every result carries one)."""
     pb = common_pb2.ResultEnvelope(status=str(env.get("status") or ""),
                                    context_json=json.dumps(env.get("context") or {}, separators=(",", ":")))
     ref = env.get("reference")
@@ -33,7 +35,7 @@ def envelope_to_proto(env: Mapping[str, Any], *, error_details: Mapping[str, Any
         pb.error.CopyFrom(common_pb2.ErrorInfo(
             code=str(err.get("code") or ""), message=str(err.get("message") or ""),
             kind=str(err.get("kind") or ""), retryable=bool(err.get("retryable")),
-            details_json=json.dumps(dict(error_details), default=str) if error_details else "",
+            details=values.to_struct(dict(error_details), default=str, too_deep="json") if error_details else None,
             exception_type=str(err.get("exception_type") or ""), traceback=str(err.get("traceback") or ""),
             status_code=int(err.get("status_code") or 0)))
     return pb
@@ -47,7 +49,7 @@ def envelope_from_proto(pb: common_pb2.ResultEnvelope) -> dict[str, Any]:
     context[, error: {code, message, kind, type, retryable[, exception_type, traceback,
     status_code]}]}``. An empty status reads as
     ``"ok"``; a reference without a ``ref_id`` (0) reads as absent; ``error`` is present
-    only when the message carries one (its ``details_json`` stays out of events).
+    only when the message carries one (its ``details`` stay out of events).
     Context keys that look like credentials are dropped here too: a worker in another
     language may not filter them.
     """

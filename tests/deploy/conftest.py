@@ -19,7 +19,7 @@ import pytest
 from deploytools import REPO, VALUES, render, run
 
 # What the Dockerfile copies into the builder stage, besides pyproject.toml.
-DOCKER_COPY_DIRS = ("libs", "services", "deploy/docker")
+DOCKER_COPY_DIRS = ("libs", "clients/python", "services", "deploy/docker")
 
 _deploy = os.environ.get("NOETL_CHECK_DEPLOY", "") not in ("", "0")
 _images = os.environ.get("NOETL_CHECK_IMAGES", "") not in ("", "0")

@@ -52,6 +52,7 @@ from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_cli.client import Api
+from noetl_client import values
 from noetl_proto.v1 import catalog_pb2, common_pb2, execution_pb2, schedule_pb2
 
 pytestmark = pytest.mark.timeout(1500)
@@ -107,7 +108,7 @@ def submit(api: Api, text: str, payload: dict[str, Any] | None = None, *, retry_
     def admitted() -> int | None:
         try:
             return int(api.executions.SubmitExecution(execution_pb2.SubmitExecutionRequest(
-                playbook_yaml=text, payload_json=json.dumps(payload or {})), timeout=30).execution_id)
+                playbook_yaml=text, payload=values.to_struct(payload or {})), timeout=30).execution_id)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
                 raise
@@ -134,7 +135,7 @@ def provoke_rejections(api: Api, text: str, attempts: int = 6) -> int:
         for _ in range(12):
             try:
                 admitted.append(int(api.executions.SubmitExecution(execution_pb2.SubmitExecutionRequest(
-                    playbook_yaml=text, payload_json="{}"), timeout=30).execution_id))
+                    playbook_yaml=text), timeout=30).execution_id))
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
                     raise

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import re
 import shutil
@@ -27,6 +26,7 @@ from waiting import until_sync
 from noetl_cli import devstack
 from noetl_cli.client import Api
 from noetl_cli.supervise import ServiceProcess, target_of
+from noetl_client import values
 from noetl_common import natsio
 from noetl_flow.projection import ExecutionView, fold
 from noetl_proto.v1 import catalog_pb2
@@ -66,7 +66,7 @@ def stack_for(prefix: str, scale: dict[str, int], env: dict[str, str] | None = N
         dsn = state.postgres_dsn
         for name in CREDENTIALS:
             runner.api.credentials.PutCredential(catalog_pb2.PutCredentialRequest(
-                name=name, kind="postgres", data_json=json.dumps({"dsn": dsn})), timeout=10)
+                name=name, kind="postgres", data=values.to_struct({"dsn": dsn})), timeout=10)
         yield runner
     finally:
         runner.api.close()

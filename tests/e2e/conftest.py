@@ -3,7 +3,6 @@ per session, with the credentials the conformance playbooks name."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -16,6 +15,7 @@ from harness import CREDENTIALS, Runner, start_stack
 
 from noetl_cli import devstack
 from noetl_cli.client import Api
+from noetl_client import values
 from noetl_proto.v1 import catalog_pb2
 
 
@@ -29,7 +29,7 @@ def stack() -> Iterator[devstack.StackState]:
         dsn = state.postgres_dsn
         for name in CREDENTIALS:
             api.credentials.PutCredential(catalog_pb2.PutCredentialRequest(
-                name=name, kind="postgres", data_json=json.dumps({"dsn": dsn})), timeout=10)
+                name=name, kind="postgres", data=values.to_struct({"dsn": dsn})), timeout=10)
         api.close()
         yield state
     finally:

@@ -4,7 +4,6 @@ and a small gRPC client that runs playbooks and returns resolved results."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import uuid
@@ -19,6 +18,7 @@ from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_cli.client import Api
+from noetl_client import step_result, values
 from noetl_common import grpcretry
 from noetl_proto.v1 import common_pb2, execution_pb2
 
@@ -65,7 +65,7 @@ class Runner:
         """Submit with ``key`` (or a fresh one), repeated on a transient failure as the
         project's clients do (``grpcretry.call_keyed``): one execution however many calls."""
         request = execution_pb2.SubmitExecutionRequest(
-            playbook_yaml=text, payload_json=json.dumps(payload or {}), idempotency_key=key or f"e2e-{uuid.uuid4()}",
+            playbook_yaml=text, payload=values.to_struct(payload or {}), idempotency_key=key or f"e2e-{uuid.uuid4()}",
             timeout_seconds=timeout)
         return grpcretry.call_keyed(lambda left: self.api.executions.SubmitExecution(request, timeout=left), request,
                                     timeout=30)
@@ -77,7 +77,7 @@ class Runner:
             ).execution
             assert ex.status in TERMINAL, f"{common_pb2.ExecutionStatus.Name(ex.status)} {[s.name for s in ex.steps]}"
             steps = {s.name: {"status": common_pb2.StepStatus.Name(s.status).removeprefix("STEP_STATUS_"),
-                              "result": json.loads(s.result_json) if s.result_json else None,
+                              "result": step_result(s),
                               "error": s.error, "visits": s.visits, "attempts": s.attempts}
                      for s in ex.steps}
             return Outcome(execution_id, common_pb2.ExecutionStatus.Name(ex.status).removeprefix(
@@ -137,7 +137,7 @@ def put_credential(runner: Runner, name: str) -> None:
     from noetl_proto.v1 import catalog_pb2
 
     runner.api.credentials.PutCredential(catalog_pb2.PutCredentialRequest(
-        name=name, kind="postgres", data_json=json.dumps({"dsn": runner.state.postgres_dsn})), timeout=10)
+        name=name, kind="postgres", data=values.to_struct({"dsn": runner.state.postgres_dsn})), timeout=10)
 
 
 def register_playbook(runner: Runner, playbook: Path) -> Any:
@@ -179,7 +179,7 @@ def command_counts(runner: Runner, execution_id: int) -> dict[str, int]:
 
 
 def meta(event: Any) -> dict[str, Any]:
-    return json.loads(event.meta_json) if event.meta_json else {}
+    return values.from_struct(event.meta)
 
 
 def worker_busy(state: devstack.StackState) -> float:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from harness import Runner
+
+from noetl_client import values
 
 pytestmark = pytest.mark.e2e
 
@@ -29,12 +32,18 @@ def counts(runner: Runner) -> Iterator[None]:
     assert after == before
 
 
-def rejected(runner: Runner, text: str, payload_json: str = "{}") -> str:
+def rejected(runner: Runner, text: str, payload: dict[str, Any] | None = None, *, raw: bytes | None = None) -> str:
+    """Submit and expect INVALID_ARGUMENT; returns its message. ``raw``: the request's
+    bytes, sent as they are (what a client with a broken encoder would send)."""
     from noetl_proto.v1 import execution_pb2
 
     with pytest.raises(grpc.RpcError) as info:
-        runner.api.executions.SubmitExecution(execution_pb2.SubmitExecutionRequest(
-            playbook_yaml=text, payload_json=payload_json), timeout=30)
+        if raw is not None:
+            runner.api.channel.unary_unary("/noetl.v1.ExecutionService/SubmitExecution",
+                                           request_serializer=lambda b: b)(raw, timeout=30)
+        else:
+            runner.api.executions.SubmitExecution(execution_pb2.SubmitExecutionRequest(
+                playbook_yaml=text, payload=values.to_struct(payload or {})), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()  # type: ignore[attr-defined]
     return str(info.value.details())  # type: ignore[attr-defined]
 
@@ -49,10 +58,14 @@ def test_unknown_tool_kind(runner: Runner, counts: None) -> None:
     assert "workflow[0].tool" in msg and "unknown tool kind 'fortran'" in msg
 
 
-def test_payload_not_an_object(runner: Runner, counts: None) -> None:
+def test_a_request_protobuf_cannot_decode_is_refused_saying_why(runner: Runner, counts: None) -> None:
+    from noetl_proto.v1 import execution_pb2
+
     ok = HEADER + "workflow:\n  - step: start\n    tool: {kind: noop}\n"
-    assert "payload must be a JSON object, got list" in rejected(runner, ok, "[1, 2]")
-    assert "payload is not valid JSON" in rejected(runner, ok, "{nope")
+    good = execution_pb2.SubmitExecutionRequest(playbook_yaml=ok).SerializeToString()
+    # field 9 (payload, a Struct) holding bytes that are not a Struct
+    broken = good + bytes([0x4A, 3, 0xFF, 0xFF, 0xFF])
+    assert "the request could not be decoded" in rejected(runner, ok, raw=broken)
 
 
 def test_input_naming_a_variable_that_does_not_exist_is_caught_at_submit(runner: Runner, counts: None) -> None:

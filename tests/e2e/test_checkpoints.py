@@ -4,13 +4,14 @@ event carries meta.epoch_id."""
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 
 import pytest
 from harness import Runner
 from waiting import until_sync
+
+from noetl_client import values
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +40,7 @@ def test_barrier_is_appended_once_per_epoch_and_sealed(runner: Runner) -> None:
                        " WHERE event_type = 'checkpoint.committed' GROUP BY 1 HAVING count(*) > 1")
     assert dupes == []
     # every event of the execution carries the checkpoint epoch it was appended in
-    assert all("epoch_id" in json.loads(e.meta_json) for e in events)
+    assert all("epoch_id" in values.from_struct(e.meta) for e in events)
     # the projection had passed the barrier when it was sealed
     projected = runner.sql("SELECT last_shard_seq FROM noetl.projection_checkpoint WHERE shard_id = %s", (shard,))
     assert projected[0][0] >= sealed_seq

@@ -13,6 +13,7 @@ from harness import Outcome, Runner, cancel
 from waiting import until_sync
 
 from noetl_cli.client import Api
+from noetl_client import values
 from noetl_proto.v1 import catalog_pb2, common_pb2, concurrency_pb2, execution_pb2
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +47,7 @@ def register(runner: Runner, path: str) -> None:
 
 def submit(runner: Runner, path: str, payload: dict[str, object] | None = None) -> int:
     return runner.api.executions.SubmitExecution(execution_pb2.SubmitExecutionRequest(
-        ref=execution_pb2.PlaybookRef(path=path), payload_json=json.dumps(payload or {})), timeout=30).execution_id
+        ref=execution_pb2.PlaybookRef(path=path), payload=values.to_struct(payload or {})), timeout=30).execution_id
 
 
 def get(runner: Runner, eid: int) -> execution_pb2.Execution:

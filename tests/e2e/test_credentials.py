@@ -31,6 +31,7 @@ from harness import REPO, Runner
 from psycopg import sql as pgsql
 from waiting import until_sync
 
+from noetl_client import values
 from noetl_common.redact import MASK
 from noetl_common.tracing import read_jsonl
 from noetl_proto.v1 import catalog_pb2, execution_pb2
@@ -171,7 +172,7 @@ def add_credentials(runner: Runner) -> None:
               "dbname": parts.get("dbname"), "password": PG_PASSWORD, "sslmode": parts.get("sslmode"),
               "sslrootcert": parts.get("sslrootcert")}
     runner.api.credentials.PutCredential(catalog_pb2.PutCredentialRequest(
-        name="e2e_pg", kind="postgres", data_json=json.dumps(fields)), timeout=10)
+        name="e2e_pg", kind="postgres", data=values.to_struct(fields)), timeout=10)
     # the CLI, reading the token from stdin: it never is in the process's arguments
     env = {**os.environ, "NOETL_API": runner.state.api, "NOETL_TOKEN": runner.state.tokens.get("admin", ""),
            "NOETL_TLS_CA_FILE": runner.state.ca_file}
@@ -211,7 +212,7 @@ def test_a_run_with_credentials_leaves_no_secret_behind(runner: Runner, echo: Ec
         execution_id=eid, include_results=True), timeout=10)
     assert found_in(str(results)) == [] and MASK in str(results)
     events = runner.events(eid)
-    assert found_in("".join(e.result_json + e.meta_json for e in events)) == []
+    assert found_in("".join(json.dumps(values.from_struct(e.result)) + json.dumps(values.from_struct(e.meta)) for e in events)) == []
     tables = {
         "event": "SELECT e::text FROM noetl.event e WHERE execution_id = %s",
         "command": "SELECT c::text FROM noetl.command c WHERE execution_id = %s",

@@ -11,6 +11,8 @@ import secrets
 import pytest
 from harness import Runner
 
+from noetl_client import values
+
 pytestmark = pytest.mark.e2e
 
 PLAYBOOK = """
@@ -69,5 +71,5 @@ def test_duckdb_attaches_postgres_through_stored_credentials(runner: Runner) -> 
     # by reference: the events carry the reference, never the rows
     done = [e for e in runner.events(out.execution_id) if e.event_type == "call.done" and e.step == "crunch"]
     assert done
-    envelope = json.loads(done[0].result_json)
-    assert envelope["reference"]["ref_id"] and "rows" not in envelope and "even" not in done[0].result_json
+    envelope = values.from_struct(done[0].result)
+    assert envelope["reference"]["ref_id"] and "rows" not in envelope and "even" not in json.dumps(envelope)

@@ -6,10 +6,10 @@ submitted meanwhile completes, and no role grows beyond its documented memory bo
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -17,6 +17,7 @@ from chaos import HEADER, Db, stack_for
 from harness import Runner
 from waiting import until_sync
 
+from noetl_client import values
 from noetl_proto.v1 import execution_pb2
 
 pytestmark = pytest.mark.e2e
@@ -49,14 +50,40 @@ def canary_completes(runner: Runner, eid: int) -> None:
     assert out.status == "COMPLETED" and out.result("start") == 42, (out.status, out.error)
 
 
-def refused(runner: Runner, text: str, payload: str = "{}", *, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
-            ) -> str:
-    """Submit and expect a refusal with ``code``; returns its message."""
+def refused(runner: Runner, text: str, payload: dict[str, Any] | None = None, *, raw_payload: bytes = b"",
+            code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> str:
+    """Submit and expect a refusal with ``code``; returns its message. ``raw_payload``: the
+    payload field's bytes as a hostile client sends them (no encoder refuses them first)."""
+    request = execution_pb2.SubmitExecutionRequest(playbook_yaml=text, payload=values.to_struct(payload or {}))
     with pytest.raises(grpc.RpcError) as info:
-        runner.api.executions.SubmitExecution(execution_pb2.SubmitExecutionRequest(
-            playbook_yaml=text, payload_json=payload), timeout=60)
+        if raw_payload:
+            raw = request.SerializeToString() + _field(9, raw_payload)
+            runner.api.channel.unary_unary("/noetl.v1.ExecutionService/SubmitExecution",
+                                           request_serializer=lambda b: b)(raw, timeout=60)
+        else:
+            runner.api.executions.SubmitExecution(request, timeout=60)
     assert info.value.code() == code, (info.value.code(), info.value.details())
     return str(info.value.details())
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    out, n = bytearray([number << 3 | 2]), len(payload)
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out) + payload
+
+
+def nested_struct(depth: int) -> bytes:
+    """The bytes of a Struct nesting ``depth`` objects ({"a": {"a": ...}}), built on the
+    wire: no encoder (and no Python recursion) in the way."""
+    inner = b""
+    for _ in range(depth - 1):
+        value = _field(5, inner)  # Value.struct_value
+        inner = _field(1, _field(1, b"a") + _field(2, value))  # Struct.fields entry {key, value}
+    return inner
 
 
 def catalog_has(db: Db, path: str) -> bool:
@@ -68,16 +95,18 @@ def catalog_has(db: Db, path: str) -> bool:
 
 def test_an_oversized_payload_is_refused_naming_the_limit(runner: Runner, db: Db) -> None:
     c = canary(runner)
-    message = refused(runner, CANARY, json.dumps({"blob": "x" * (10 * 1024 * 1024)}))
+    message = refused(runner, CANARY, {"blob": "x" * (10 * 1024 * 1024)})
     assert "NOETL_LIMIT_PAYLOAD_BYTES=4194304" in message and "payload is" in message, message
     canary_completes(runner, c)
 
 
-def test_deeply_nested_payloads_are_refused_before_decoding(runner: Runner) -> None:
+def test_deeply_nested_payloads_are_refused_by_the_decoder(runner: Runner) -> None:
+    """protobuf's decoder stops at 100 message levels (about 32 JSON levels of a Struct,
+    below NOETL_LIMIT_NESTING_DEPTH's default): the api says so, as INVALID_ARGUMENT."""
     c = canary(runner)
-    for depth in (10_000, 900):
-        message = refused(runner, CANARY, "[" * depth + "]" * depth)
-        assert "NOETL_LIMIT_NESTING_DEPTH" in message and str(depth) in message, message
+    for depth in (10_000, 900, 40):
+        message = refused(runner, CANARY, raw_payload=nested_struct(depth))
+        assert "could not be decoded" in message and "nests deeper" in message, message
     canary_completes(runner, c)
 
 

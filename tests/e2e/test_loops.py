@@ -11,7 +11,6 @@ iterations, re-entering a loop step, cancelling a running loop.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -35,6 +34,8 @@ from harness import (
 )
 from paginated_server import DATA, TestApi, serve
 from waiting import until_sync
+
+from noetl_client import values
 
 pytestmark = pytest.mark.e2e
 
@@ -430,7 +431,7 @@ def test_failed_iterations_fail_the_loop_step_and_the_execution(runner: Runner) 
                         " AND step = 'work' AND event_type = 'call.error'", (out.execution_id,))[0][0]
     assert failed == 2  # the failed iterations, whether they ran alone or in a batch
     done = loop_done_events(runner, out.execution_id)
-    assert json.loads(done[0].result_json)["status"] == "error"
+    assert values.from_struct(done[0].result)["status"] == "error"
     assert "after" not in out.steps and "recover" not in out.steps
 
 

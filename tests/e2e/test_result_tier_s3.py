@@ -11,7 +11,6 @@ free loopback ports) and whose api and workers read them back.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -26,6 +25,7 @@ from waiting import until_sync
 
 from noetl_cli import devstack
 from noetl_cli.localstack import S3Server, start_s3
+from noetl_client import values
 
 pytestmark = pytest.mark.e2e
 
@@ -110,7 +110,7 @@ def test_a_five_megabyte_result_travels_by_reference(s3_stack: Runner, s3: S3Ser
     ref_id, tier, uri, size, sha = rows[0]
     assert tier == "s3" and uri == f"s3://{BUCKET}/e2e/{out.execution_id}/{ref_id}.json" and size > 5_000_000
     assert s3_stack.sql("SELECT count(*) FROM noetl.result_payload WHERE ref_id = %s", (ref_id,))[0][0] == 0
-    accepted = [json.loads(e.result_json) for e in s3_stack.events(out.execution_id)
+    accepted = [values.from_struct(e.result) for e in s3_stack.events(out.execution_id)
                 if e.event_type == "call.done" and e.step == "big"]
     assert accepted[0]["reference"] == {"ref_id": ref_id, "type": "s3", "uri": uri}
 
@@ -157,7 +157,7 @@ def test_an_s3_outage_while_persisting_is_reference_not_available(s3_stack: Runn
     assert out.status == "FAILED"
     assert out.steps["slow"]["status"] == "FAILED"
     assert "REFERENCE_NOT_AVAILABLE" in out.steps["slow"]["error"] or "S3" in out.steps["slow"]["error"]
-    errors = [json.loads(e.result_json) for e in s3_stack.events(sub.execution_id)
+    errors = [values.from_struct(e.result) for e in s3_stack.events(sub.execution_id)
               if e.event_type == "call.error" and e.step == "slow"]
     assert len(errors) == 1
     assert errors[0]["status"] == "error" and errors[0]["reference"] is None

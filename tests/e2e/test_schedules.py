@@ -31,6 +31,7 @@ from harness import Runner, metric_sum, register_playbook
 from waiting import until_sync
 
 from noetl_cli.apichannel import Api
+from noetl_client import values
 from noetl_proto.v1 import schedule_pb2
 
 pytestmark = pytest.mark.e2e
@@ -182,7 +183,10 @@ def test_a_tick_the_api_refuses_is_recorded_and_not_retried(runner: Runner, db: 
 def _add(api: Api, **fields: Any) -> grpc.RpcError:
     request = schedule_pb2.AddScheduleRequest(name="bad", playbook_path="tests/schedules/tick", interval_ms=1000)
     for key, value in fields.items():
-        setattr(request, key, value)
+        if key == "payload":
+            request.payload.CopyFrom(values.to_struct(value))
+        else:
+            setattr(request, key, value)
     with pytest.raises(grpc.RpcError) as err:
         api.schedules.AddSchedule(request, timeout=10)
     return err.value
@@ -193,7 +197,7 @@ def _add(api: Api, **fields: Any) -> grpc.RpcError:
     ({"interval_ms": 0, "cron": "* * * * *", "time_zone": "Mars/Olympus"}, "time_zone: unknown time zone"),
     ({"interval_ms": 200}, "interval: 0.2s is below the minimum of 1s (NOETL_SCHEDULE_MIN_INTERVAL_SEC)"),
     ({"playbook_path": "tests/schedules/nope"}, "playbook_path: playbook 'tests/schedules/nope' not found"),
-    ({"payload_json": "[1]"}, "payload: payload must be a JSON object"),
+    ({"payload": {"blob": "x" * (4 * 1024 * 1024 + 1)}}, "payload: payload is"),
 ])
 def test_add_refuses_bad_schedules_naming_the_field(runner: Runner, fields: dict[str, Any], message: str) -> None:
     err = _add(runner.api, **fields)

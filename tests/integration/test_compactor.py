@@ -5,7 +5,6 @@ empty partitions are dropped, and the benchmark helper measures events/s per sha
 
 from __future__ import annotations
 
-import json
 import random
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -89,7 +88,7 @@ async def test_compaction_writes_manifests_deletes_events_and_keeps_the_trace(po
     # the read models stay: GetExecution keeps answering, with results
     view = await queries.execution(target.execution_id, include_results=True)
     assert view["status"] == "COMPLETED" and {s["step"] for s in view["steps"]} == set(target.steps)
-    assert all(json.loads(s["result_json"])["step"] == s["step"] for s in view["steps"])
+    assert all(s["result"]["step"] == s["step"] for s in view["steps"])
 
     manifest = (await sql(pool, "SELECT * FROM noetl.manifest WHERE execution_id = %s", (target.execution_id,)))[0]
     assert (manifest["shard_id"], manifest["status"], manifest["event_count"]) == (SHARD, "COMPLETED", 12)

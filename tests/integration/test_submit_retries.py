@@ -9,7 +9,6 @@ keys as the api does (a repeated key answers the first execution, deduplicated).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 
 from noetl_cli import client
 from noetl_cli.apichannel import Api, CannotServe
+from noetl_client import values
 from noetl_common import grpcclient, grpcutil
 from noetl_common.errors import Unavailable
 from noetl_common.retry import retry_keyed
@@ -54,7 +54,7 @@ class LosesTheFirstAnswer(execution_pb2_grpc.ExecutionServiceServicer):
 
     def _execution(self, execution_id: int) -> execution_pb2.Execution:
         return execution_pb2.Execution(execution_id=execution_id, status=COMPLETED, steps=[execution_pb2.StepState(
-            name="end", status=common_pb2.STEP_STATUS_COMPLETED, result_json=json.dumps({"child": execution_id}))])
+            name="end", status=common_pb2.STEP_STATUS_COMPLETED, result=values.to_value({"child": execution_id}))])
 
     async def GetExecution(self, request: execution_pb2.GetExecutionRequest,
                            context: grpc.aio.ServicerContext) -> execution_pb2.GetExecutionResponse:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -111,13 +110,14 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_parse_payload() -> None:
-    assert parse_payload(None) == ""
-    assert json.loads(parse_payload('{"a": [1, 2]}')) == {"a": [1, 2]}
+    assert parse_payload(None) is None
+    assert parse_payload('{"a": [1, 2]}') == {"a": [1, 2]}
 
 
 @pytest.mark.parametrize(("text", "fragment"), [
     ("[1, 2]", "must be a JSON object"), ('"s"', "got str"), ("3", "got int"), ("null", "got NoneType"),
-    ("{nope", "not valid JSON"),
+    ("{nope", "not valid JSON"), ("[" * 40 + "]" * 40, "must be a JSON object"),
+    ('{"a":' * 33 + "1" + "}" * 33, "nests deeper than 32 levels"),
 ])
 def test_bad_payload(text: str, fragment: str) -> None:
     with pytest.raises(CliError) as exc:

@@ -16,6 +16,7 @@ import pytest
 
 from noetl_cli import client
 from noetl_cli.main import main
+from noetl_client import values
 from noetl_proto.v1 import (
     catalog_pb2,
     catalog_pb2_grpc,
@@ -31,8 +32,9 @@ def snapshot(status: int, steps: dict[str, int], results: bool = False) -> execu
     ex = execution_pb2.Execution(execution_id=EXEC_ID, shard_id=1, playbook_path="tests/fake",
                                  playbook_version=1, status=status)  # type: ignore[arg-type]
     for name, st in steps.items():
-        ex.steps.add(name=name, status=st,  # type: ignore[arg-type]
-                     result_json=json.dumps({"step": name}) if results else "")
+        s = ex.steps.add(name=name, status=st)  # type: ignore[arg-type]
+        if results:
+            s.result.CopyFrom(values.to_value({"step": name}))
     if status == common_pb2.EXECUTION_STATUS_FAILED:
         ex.error = "step end failed"
     return ex
@@ -94,7 +96,7 @@ class Executions(execution_pb2_grpc.ExecutionServiceServicer):
     def GetEvents(self, request: Any, context: Any) -> Any:
         events = [common_pb2.EventRecord(event_id=i, execution_id=EXEC_ID, shard_seq=100 + i,
                                          event_type="call.done", step=f"s{i}", command_id=f"c{i}",
-                                         result_json=json.dumps({"status": "ok", "context": {"i": i}}))
+                                         result=values.to_struct({"status": "ok", "context": {"i": i}}))
                   for i in range(1, 6)]
         page = [e for e in events if e.event_id > request.after_event_id][: request.page_size]
         return execution_pb2.GetEventsResponse(events=page)
@@ -172,7 +174,7 @@ def test_run_json_prints_exactly_one_document(api: tuple[str, Fake], playbook: P
         "error": None,
     }
     req = fake.submits[0]
-    assert json.loads(req.payload_json) == {"x": 1}
+    assert values.from_struct(req.payload) == {"x": 1}
     assert req.timeout_seconds == 20 and req.idempotency_key == "k" and "tests/fake" in req.playbook_yaml
     # live progress on stderr, in order
     err = captured.err.splitlines()
@@ -278,15 +280,15 @@ def test_playbooks_and_credentials(api: tuple[str, Fake], playbook: Path, tmp_pa
     # the secret comes from stdin or a file, never from argv
     monkeypatch.setattr("sys.stdin", io.StringIO("host=db password=s3cret\n"))
     assert main(["--api", target, "credential", "add", "pg", "--kind", "postgres"]) == 0
-    assert json.loads(fake.credentials[-1].data_json) == {"dsn": "host=db password=s3cret"}
+    assert values.from_struct(fake.credentials[-1].data) == {"dsn": "host=db password=s3cret"}
     secret = tmp_path / "tok.json"
     secret.write_text('{"token": "t0ken-value"}')
     assert main(["--api", target, "credential", "add", "tok", "--kind", "http_bearer", "--from-file", str(secret)]) == 0
     assert fake.credentials[-1].kind == "http_bearer"
-    assert json.loads(fake.credentials[-1].data_json) == {"token": "t0ken-value"}
+    assert values.from_struct(fake.credentials[-1].data) == {"token": "t0ken-value"}
     monkeypatch.setattr("sys.stdin", io.StringIO("pa55word"))
     assert main(["--api", target, "credential", "add", "svc", "--kind", "http_basic", "--username", "bob"]) == 0
-    assert json.loads(fake.credentials[-1].data_json) == {"password": "pa55word", "username": "bob"}
+    assert values.from_struct(fake.credentials[-1].data) == {"password": "pa55word", "username": "bob"}
     capsys.readouterr()
     sent = len(fake.credentials)
     for argv in (["--dsn", "host=db password=s3cret"], ["--data", '{"token": "t"}'], ["s3cret"]):

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from noetl_cli import output
+from noetl_client import values
 from noetl_proto.v1 import common_pb2, execution_pb2, shard_manager_pb2
 
 
@@ -17,9 +18,9 @@ def make_execution(status: int = common_pb2.EXECUTION_STATUS_COMPLETED, error: s
     ex.created_at.FromSeconds(1_700_000_000)
     ex.started_at.FromSeconds(1_700_000_000)
     ex.ended_at.FromMilliseconds(1_700_000_001_500)
-    ex.steps.add(name="start", status=common_pb2.STEP_STATUS_COMPLETED, result_json='{"greeting": "hi", "n": 2}')
-    ex.steps.add(name="fetch", status=common_pb2.STEP_STATUS_FAILED, error="boom", result_json="")
-    ex.steps.add(name="end", status=common_pb2.STEP_STATUS_SKIPPED, result_json="not json")
+    ex.steps.add(name="start", status=common_pb2.STEP_STATUS_COMPLETED, result=values.to_value({"greeting": "hi", "n": 2}))
+    ex.steps.add(name="fetch", status=common_pb2.STEP_STATUS_FAILED, error="boom")
+    ex.steps.add(name="end", status=common_pb2.STEP_STATUS_SKIPPED, result=values.to_value("not json"))
     return ex
 
 
@@ -78,7 +79,7 @@ def test_summary() -> None:
 
 def test_summary_truncates_big_results() -> None:
     ex = execution_pb2.Execution(execution_id=1, status=common_pb2.EXECUTION_STATUS_COMPLETED)
-    ex.steps.add(name="big", status=common_pb2.STEP_STATUS_COMPLETED, result_json=json.dumps("x" * 10_000))
+    ex.steps.add(name="big", status=common_pb2.STEP_STATUS_COMPLETED, result=values.to_value("x" * 10_000))
     assert "more characters; use --json" in output.execution_summary(ex)
 
 
@@ -93,9 +94,9 @@ def test_progress_lines() -> None:
 def test_event_line_and_json() -> None:
     ev = common_pb2.EventRecord(
         event_id=11, execution_id=1, shard_id=2, shard_seq=42, event_type="call.done", step="start",
-        command_id="c-1", meta_json='{"epoch_id": 3}',
-        result_json=json.dumps({"status": "ok", "reference": {"ref_id": 7, "type": "db", "uri": "pg://x/7"},
-                                "context": {"n": 2}}))
+        command_id="c-1", meta=values.to_struct({"epoch_id": 3}),
+        result=values.to_struct({"status": "ok", "reference": {"ref_id": 7, "type": "db", "uri": "pg://x/7"},
+                                 "context": {"n": 2}}))
     line = output.event_line(ev)
     assert line.split()[:4] == ["42", "call.done", "start", "c-1"]
     assert line.endswith('ok ref=db:7 ctx={"n":2}')

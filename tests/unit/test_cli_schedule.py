@@ -6,6 +6,7 @@ import pytest
 
 from noetl_cli.main import build_parser
 from noetl_cli.schedulecmd import schedule_dict
+from noetl_client import values
 from noetl_proto.v1 import schedule_pb2
 
 
@@ -35,7 +36,7 @@ def test_changes_name_the_schedule(action: str) -> None:
 
 
 def test_schedule_dict_shows_policy_and_next_runs() -> None:
-    s = schedule_pb2.Schedule(name="n", playbook_path="p", interval_ms=1500, payload_json='{"a": 1}',
+    s = schedule_pb2.Schedule(name="n", playbook_path="p", interval_ms=1500, payload=values.to_struct({"a": 1}),
                               catch_up=schedule_pb2.CATCH_UP_POLICY_ALL)
     s.next_runs.add().FromJsonString("2026-01-01T00:00:01Z")
     d = schedule_dict(s)

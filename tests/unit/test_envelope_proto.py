@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from noetl_client import values
 from noetl_proto.v1 import common_pb2
 from noetl_store import envelope, envelope_from_proto, envelope_to_proto
 
@@ -31,7 +32,7 @@ def test_defaults_empty_status_and_unset_references() -> None:
 
 def test_error_carries_its_fields_and_no_details() -> None:
     pb = common_pb2.ResultEnvelope(status="error", error=common_pb2.ErrorInfo(
-        code="TOOL_ERROR", message="boom", kind="schema", retryable=True, details_json='{"secret_detail": "x"}'))
+        code="TOOL_ERROR", message="boom", kind="schema", retryable=True, details=values.to_struct({"secret_detail": "x"})))
     env = envelope_from_proto(pb)
     assert set(env) == V3_KEYS | {"error"}
     assert env["error"] == {"code": "TOOL_ERROR", "message": "boom", "kind": "schema", "type": "schema",

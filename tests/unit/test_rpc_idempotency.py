@@ -56,7 +56,7 @@ def test_every_rpc_is_classified_exactly_once() -> None:
     classified = [m for group in CLASSES.values() for m in group]
     assert len(classified) == len(set(classified)), "a method is in two classes"
     unclassified = methods - set(classified)
-    assert not unclassified, f"classify these RPCs in noetl_common/grpcretry.py: {sorted(unclassified)}"
+    assert not unclassified, f"classify these RPCs in clients/python/noetl_client/retries.py: {sorted(unclassified)}"
     assert set(classified) - methods == OUTSIDE_PROTOS, "a classified method no proto defines"
 
 

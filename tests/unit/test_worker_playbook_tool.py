@@ -19,6 +19,7 @@ from waiting import until
 from noetl_api.catalog import parse
 from noetl_api.static_checks import playbook_refs
 from noetl_api.submissions import Submitter
+from noetl_client import values
 from noetl_common.errors import NotFound, PlaybookInvalid, ToolError
 from noetl_proto.v1 import common_pb2, execution_pb2, execution_pb2_grpc, messages_pb2
 from noetl_store import MemoryResultStore, envelope_from_proto
@@ -35,9 +36,11 @@ TERMINAL = (COMPLETED, FAILED, CANCELLED)
 
 def step(name: str, value: Any = None, *, ended: int = 0,
          status: int = common_pb2.STEP_STATUS_COMPLETED) -> execution_pb2.StepState:
-    return execution_pb2.StepState(name=name, status=status,  # type: ignore[arg-type]
-                                   result_json=json.dumps(value) if value is not None else "",
-                                   ended_at=Timestamp(seconds=1_700_000_000 + ended))
+    state = execution_pb2.StepState(name=name, status=status,  # type: ignore[arg-type]
+                                    ended_at=Timestamp(seconds=1_700_000_000 + ended))
+    if value is not None:
+        state.result.CopyFrom(values.to_value(value))
+    return state
 
 
 SCORER_STEPS = [step("start", {"status": "initialized"}, ended=1),
@@ -95,7 +98,7 @@ class FakeExecutions(execution_pb2_grpc.ExecutionServiceServicer):
         ex.CopyFrom(self.executions[child])
         if not include_results:
             for s in ex.steps:
-                s.result_json = ""
+                s.ClearField("result")
         return ex
 
     async def GetExecution(self, request: execution_pb2.GetExecutionRequest,
@@ -170,7 +173,7 @@ async def test_pipeline_runs_the_child_and_later_tasks_read_its_value(api: tuple
     assert (await store.get(env["parent_ref"]["ref_id"]))["score_category"] == "Mid-Level"
     [submit] = fake.submits
     assert submit.ref.path == "fixtures/child" and submit.ref.version == 0
-    assert json.loads(submit.payload_json) == {"user_data": {"name": "Alice", "age": 28}, "execution_context": 123}
+    assert values.from_struct(submit.payload) == {"user_data": {"name": "Alice", "age": 28}, "execution_context": 123}
     assert submit.parent_execution_id == 123 and submit.timeout_seconds == 0
     assert submit.idempotency_key == "123:process_users:1:0#save_profile"
 

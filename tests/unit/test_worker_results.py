@@ -12,6 +12,7 @@ from uuid import UUID
 import pytest
 
 import noetl_store
+from noetl_client import values
 from noetl_common.errors import NotFound
 from noetl_store import (
     CachedResultStore,
@@ -94,7 +95,7 @@ def test_envelope_proto_round_trip() -> None:
     env = envelope("error", Reference(9, "db", "pg://result_payload/9"), Reference(8, "db", "u"),
                    {"a": 1}, {"code": "TOOL_ERROR", "message": "x", "kind": "ValueError", "retryable": False})
     pb = envelope_to_proto(env, error_details={"traceback": "tb"})
-    assert json.loads(pb.error.details_json) == {"traceback": "tb"}
+    assert values.from_struct(pb.error.details) == {"traceback": "tb"}
     assert pb.parent_ref.ref_id == 8
     assert envelope_from_proto(pb) == env
     ok = envelope("ok", None, None, 5)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from noetl_client import values
 from noetl_common.errors import Unavailable
 from noetl_proto.v1 import messages_pb2
 from noetl_store import MemoryResultStore, envelope_from_proto
@@ -148,7 +149,7 @@ async def test_python_error_carries_traceback_in_details(tools: Tools) -> None:
     assert env["error"] == {"code": "TOOL_ERROR", "message": "Random failure (value: 3)", "kind": "unknown",
                             "type": "unknown", "exception_type": "Exception", "retryable": False}
     assert "Traceback" in traceback and "Exception: Random failure (value: 3)" in traceback
-    assert "Traceback" in json.loads(result.envelope.error.details_json)["traceback"]
+    assert "Traceback" in values.from_struct(result.envelope.error.details)["traceback"]
 
 
 async def test_python_errors_are_classified_the_way_upstream_policies_test_them(tools: Tools) -> None:

@@ -11,13 +11,13 @@ by the engine when it applies it (what it refuses then is recorded in the row's
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 import grpc
 from nats.js import JetStreamContext
 
+from noetl_client import values
 from noetl_common import auth, natsio
 from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import Conflict, InvalidInput, NoetlError, NotFound
@@ -42,7 +42,7 @@ _SELECT = (
     " LEFT JOIN noetl.redrive_request r ON r.dead_letter_id = d.dead_letter_id"
     " LEFT JOIN noetl.execution x ON x.execution_id = d.execution_id"
 )
-# ErrorInfo's own fields; anything else the error carries goes to details_json
+# ErrorInfo's own fields; anything else the error carries goes to details
 _ERROR_FIELDS = ("code", "message", "kind", "retryable", "exception_type", "traceback", "status_code")
 
 
@@ -54,7 +54,7 @@ def error_pb(error: dict[str, Any]) -> common_pb2.ErrorInfo:
         retryable=bool(error.get("retryable")), exception_type=str(error.get("exception_type") or ""),
         traceback=str(error.get("traceback") or ""),
         status_code=status_code if isinstance(status_code, int) and not isinstance(status_code, bool) else 0,
-        details_json=json.dumps(details, default=str) if details else "")
+        details=values.to_struct(details, default=str, too_deep="json") if details else None)
 
 
 def dead_letter_pb(row: dict[str, Any]) -> deadletter_pb2.DeadLetter:

@@ -4,7 +4,6 @@ from the references (or, once compacted, from the execution's manifest)."""
 from __future__ import annotations
 
 import builtins
-import json
 from typing import Any
 
 from noetl_common import pools
@@ -70,7 +69,8 @@ class Queries:
             values = await self._results.get_many(refs) if refs else {}
             for s in steps:
                 ref = s.get("result_ref_id")
-                s["result_json"] = json.dumps(values.get(ref), default=str) if ref in values else ""
+                if ref in values:  # "result" absent: no result (a present None is a JSON null)
+                    s["result"] = values[ref]
         return {**row, "steps": steps}
 
     async def submitted_by(self, execution_id: int) -> int | None:

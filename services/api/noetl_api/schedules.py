@@ -3,11 +3,11 @@ firing in the reaper; docs/ARCHITECTURE.md "Schedules")."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import grpc
 
+from noetl_client import values
 from noetl_common import auth
 from noetl_common.config import LimitSettings, ScheduleSettings
 from noetl_common.errors import InvalidInput, NotFound
@@ -31,7 +31,7 @@ def schedule_pb(row: dict[str, Any], runs: int = 3) -> schedule_pb2.Schedule:
     spec = spec_of(row)
     out = schedule_pb2.Schedule(
         schedule_id=row["schedule_id"], name=row["name"], playbook_path=row["catalog_path"],
-        playbook_version=row["catalog_version"], payload_json=json.dumps(row["payload"]), cron=spec.cron,
+        playbook_version=row["catalog_version"], payload=values.to_struct(row["payload"], default=str, too_deep="json"), cron=spec.cron,
         time_zone=spec.time_zone, interval_ms=spec.interval_ms, catch_up=_POLICY_PB[parse_catch_up(row["catch_up"])],
         paused=row["paused"], shard_id=row["shard_id"], last_execution_id=row.get("last_execution_id") or 0)
     set_timestamp(out.created_at, row["created_at"])
@@ -67,7 +67,7 @@ class ScheduleServicer(schedule_pb2_grpc.ScheduleServiceServicer):
         spec = Spec(cron=request.cron.strip(), time_zone=request.time_zone.strip() or "UTC",
                     interval_ms=request.interval_ms).validate(self._settings.min_interval_sec)
         try:
-            payload = parse_payload(request.payload_json, self._limits)
+            payload = parse_payload(request.payload, self._limits)
         except InvalidInput as exc:
             raise InvalidInput(f"payload: {exc}") from exc
         if not request.playbook_path:

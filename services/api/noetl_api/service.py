@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from nats.aio.client import Client as NATS
 
-from noetl_common import natsio
+from noetl_common import natsio, reflection
 from noetl_common.auth import runtime_secret
 from noetl_common.config import (
     CommandSettings,
@@ -52,6 +52,7 @@ from .claims import Claims
 from .concurrency import ConcurrencyServicer
 from .credentials import CredentialStore
 from .deadletters import DeadLetterServicer, DeadLetterStore
+from .decoding import UndecodableRequests
 from .engine.shard import EngineDeps, ShardEngine
 from .grants import CredentialGrants
 from .keyring import Keyring
@@ -106,6 +107,11 @@ class ApiService(Service):
         self.engines: ShardTasks | None = None
         self.worker_server: grpc.aio.Server | None = None
         self.worker_grpc_address = ""
+
+    def server_interceptors(self) -> list[Any]:
+        # innermost: a request protobuf cannot decode (a payload nested too deep) is refused
+        # as INVALID_ARGUMENT saying why (decoding.py)
+        return [*super().server_interceptors(), UndecodableRequests()]
 
     def max_receive_bytes(self) -> int:
         # Twice a playbook and a payload at their limits: a request somewhat over a limit
@@ -178,8 +184,7 @@ class ApiService(Service):
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.claims, self.grants),
                                                             self.worker_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.worker_server)
-        reflection.enable_server_reflection((*self.worker_service_names, health.SERVICE_NAME,
-                                             reflection.SERVICE_NAME), self.worker_server)
+        reflection.enable((*self.worker_service_names, health.SERVICE_NAME), self.worker_server)
 
     def _ready(self) -> ShardTasks:
         """Bind what needs the Join answer (node id, shard ownership); idempotent."""

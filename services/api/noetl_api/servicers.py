@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf import struct_pb2
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter
 
+from noetl_client import values
 from noetl_common import auth, natsio
 from noetl_common.errors import (
     InvalidInput,
@@ -52,6 +54,19 @@ for _outcome in ("started", "deduplicated"):
     RERUNS.labels(_outcome)  # the series exist (0) from the start
 
 
+def json_value(value: Any) -> struct_pb2.Value:
+    """A JSON value (a step's result) as the client API sends it: numbers and depth as
+    ``noetl_client.values`` says; a container nested deeper than a Value can carry is sent
+    as its JSON text (docs/CLIENTS.md "JSON values and numbers")."""
+    return values.to_value(value, default=str, too_deep="json")
+
+
+def json_struct(value: Any) -> struct_pb2.Struct:
+    """A JSON object (an event's envelope or meta) as a Struct; anything else is wrapped
+    as ``{"value": ...}`` (never the case for what the engine records)."""
+    return values.to_struct(value if isinstance(value, dict) else {"value": value}, default=str, too_deep="json")
+
+
 def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
     ex = execution_pb2.Execution(
         execution_id=row["execution_id"], shard_id=row["shard_id"] or 0,
@@ -66,7 +81,9 @@ def _execution_pb(row: dict[str, Any]) -> execution_pb2.Execution:
     for s in row.get("steps", []):
         step = ex.steps.add(name=s["step"], status=common_pb2.StepStatus.Value(StepViewStatus(s["status"]).proto_name),
                             attempts=s["attempts"] or 0, visits=s["visits"] or 0, error=s.get("error") or "",
-                            result_json=s.get("result_json") or "", waiting=s.get("waiting") or "")
+                            waiting=s.get("waiting") or "")
+        if "result" in s:
+            step.result.CopyFrom(json_value(s["result"]))
         if s.get("result_ref_id"):
             step.result_ref.CopyFrom(common_pb2.ResultReference(ref_id=s["result_ref_id"],
                                                                 type=s.get("result_tier") or "",
@@ -136,7 +153,7 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
         sub = await self._submitter.submit(
             playbook_yaml=request.playbook_yaml if which == "playbook_yaml" else "",
             path=request.ref.path if which == "ref" else "", version=request.ref.version if which == "ref" else 0,
-            payload_json=request.payload_json, idempotency_key=request.idempotency_key,
+            payload=request.payload, idempotency_key=request.idempotency_key,
             timeout_sec=request.timeout_seconds, parent_execution_id=request.parent_execution_id,
             priority=PRIORITY_NAMES.get(request.priority, ""))
         return execution_pb2.SubmitExecutionResponse(
@@ -234,9 +251,9 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
         for r in rows:
             ev = out.events.add(event_id=r["event_id"], execution_id=r["execution_id"], shard_id=r["shard_id"],
                                 shard_seq=r["shard_seq"], event_type=r["event_type"], step=r["step"] or "",
-                                command_id=r["command_id"] or "",
-                                result_json=json.dumps(r["result"]) if r["result"] is not None else "",
-                                meta_json=json.dumps(r["meta"] or {}))
+                                command_id=r["command_id"] or "", meta=json_struct(r["meta"] or {}))
+            if r["result"] is not None:
+                ev.result.CopyFrom(json_struct(r["result"]))
             set_timestamp(ev.created_at, r["created_at"])
         return out
 
@@ -283,11 +300,7 @@ class CredentialServicer(catalog_pb2_grpc.CredentialServiceServicer):
 
     async def PutCredential(self, request: catalog_pb2.PutCredentialRequest,
                             context: grpc.aio.ServicerContext) -> catalog_pb2.PutCredentialResponse:
-        try:
-            data = json.loads(request.data_json or "{}")
-        except json.JSONDecodeError as exc:  # the position only: never the text, which holds the secret
-            raise InvalidInput(f"data_json is not valid JSON (line {exc.lineno}, column {exc.colno})") from None
-        created = await self._store.put(request.name, request.kind, data)
+        created = await self._store.put(request.name, request.kind, values.from_struct(request.data))
         return catalog_pb2.PutCredentialResponse(name=request.name, created=created)
 
     async def ListCredentials(self, request: catalog_pb2.ListCredentialsRequest,

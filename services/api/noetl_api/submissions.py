@@ -12,14 +12,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf import struct_pb2
 from nats.js import JetStreamContext
 
+from noetl_client import values
 from noetl_common import auth, natsio, tracing
 from noetl_common.config import LimitSettings
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import InvalidInput, NoetlError, NotFound, PlaybookInvalid
 from noetl_common.ids import SnowflakeGenerator, shard_for
-from noetl_common.limits import check, check_json_depth, exceeded
+from noetl_common.limits import check, check_depth, exceeded
 from noetl_common.pools import priority_problem
 from noetl_common.vocab import submit_msg_id
 from noetl_db import requests
@@ -42,19 +44,22 @@ class Submission:
     deduplicated: bool
 
 
-def parse_payload(text: str, limits: LimitSettings | None = None) -> dict[str, Any]:
-    """A submission's payload: a JSON object within NOETL_LIMIT_PAYLOAD_BYTES and
-    NOETL_LIMIT_NESTING_DEPTH (the depth measured on the text, before decoding)."""
-    if not text.strip():
-        return {}
-    check_json_depth(text, limits, what="payload")
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"payload is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
-    if not isinstance(value, dict):
-        raise InvalidInput(f"payload must be a JSON object, got {type(value).__name__}")
+def parse_payload(struct: struct_pb2.Struct, limits: LimitSettings | None = None) -> dict[str, Any]:
+    """A submission's payload (``SubmitExecutionRequest.payload``, ``AddScheduleRequest.payload``)
+    as a dict: within NOETL_LIMIT_PAYLOAD_BYTES (its encoded size) and
+    NOETL_LIMIT_NESTING_DEPTH. Numbers read as ``noetl_client.values`` reads them."""
+    check(struct.ByteSize(), "payload_bytes", limits, "payload", unit="bytes")
+    value = values.from_struct(struct)
+    check_depth(value, limits, what="payload")
     return value
+
+
+async def decode_payload(struct: struct_pb2.Struct, limits: LimitSettings | None = None) -> tuple[dict[str, Any], int]:
+    """``parse_payload`` off the event loop when the payload is large; (payload, its size)."""
+    size = struct.ByteSize()
+    payload = (await asyncio.to_thread(parse_payload, struct, limits) if size > 64 * 1024
+               else parse_payload(struct, limits))
+    return payload, size
 
 
 # The result-store "task" of a workload stored by reference (NOETL_LIMIT_INLINE_WORKLOAD_BYTES).
@@ -87,13 +92,10 @@ class Submitter:
         self._shards = shard_count
         self._default_timeout = default_timeout_sec
 
-    async def submit(self, *, playbook_yaml: str = "", path: str = "", version: int = 0, payload_json: str = "",
-                     idempotency_key: str = "", timeout_sec: float = 0.0, parent_execution_id: int = 0,
-                     parent_step: str = "", priority: str = "") -> Submission:
-        size = len(payload_json.encode())
-        check(size, "payload_bytes", self._limits, "payload", unit="bytes")
-        payload = (await asyncio.to_thread(parse_payload, payload_json, self._limits) if size > 64 * 1024
-                   else parse_payload(payload_json, self._limits))
+    async def submit(self, *, playbook_yaml: str = "", path: str = "", version: int = 0,
+                     payload: struct_pb2.Struct | None = None, idempotency_key: str = "", timeout_sec: float = 0.0,
+                     parent_execution_id: int = 0, parent_step: str = "", priority: str = "") -> Submission:
+        fields, size = await decode_payload(payload if payload is not None else struct_pb2.Struct(), self._limits)
         if timeout_sec < 0:
             raise InvalidInput("timeout_seconds must not be negative")
         if priority and (why := priority_problem(priority)):
@@ -110,7 +112,7 @@ class Submitter:
             entry = await self._catalog.get(path, version)
             playbook = (await self._catalog.compiled(entry.catalog_id)).playbook
         # parsing and compiling templates never run on the loop that drives engines and leases
-        playbook, workload, encoded = await asyncio.to_thread(_prepare, playbook_yaml, playbook, payload,
+        playbook, workload, encoded = await asyncio.to_thread(_prepare, playbook_yaml, playbook, fields,
                                                               self._limits)
         await self._check_credentials(playbook, workload)
         await self._check_playbook_refs(playbook)
@@ -121,7 +123,7 @@ class Submitter:
 
         execution_id = self._ids.next_id()
         workload_ref = await self._workload_reference(execution_id, workload, encoded)
-        sub = await self.commit(execution_id, entry, payload, idempotency_key=idempotency_key,
+        sub = await self.commit(execution_id, entry, fields, idempotency_key=idempotency_key,
                                 parent_execution_id=parent_execution_id, parent_step=parent_step,
                                 timeout_sec=timeout_sec, depth=depth, workload_ref=workload_ref, size=size,
                                 priority=priority)

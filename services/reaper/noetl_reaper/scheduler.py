@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Histogram
 
+from noetl_client import values
 from noetl_common.config import ScheduleSettings
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_db.schedules import ScheduleStore, idempotency_key
@@ -131,9 +131,15 @@ class ShardScheduler:
 
     async def _submit(self, tick: dict[str, Any]) -> bool:
         key = idempotency_key(tick["schedule_id"], tick["tick"])
+        try:
+            payload = values.to_struct(tick["payload"], default=str)
+        except ValueError as exc:  # stored before payloads were Structs: deeper than one carries
+            SUBMITTED.labels("refused").inc()
+            await self.store.refused(tick["schedule_id"], tick["tick"], f"INVALID_ARGUMENT: payload: {exc}")
+            return True
         request = execution_pb2.SubmitExecutionRequest(
             ref=execution_pb2.PlaybookRef(path=tick["catalog_path"], version=tick["catalog_version"]),
-            payload_json=json.dumps(tick["payload"]), idempotency_key=key)
+            payload=payload, idempotency_key=key)
         try:
             answer = await self.api.SubmitExecution(request, timeout=self.settings.submit_timeout_sec)
         except grpc.aio.AioRpcError as exc:

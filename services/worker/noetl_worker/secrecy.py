@@ -21,6 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from noetl_client import values
 from noetl_common.errors import NoetlError
 from noetl_common.redact import Redactor, mask_secret_keys
 from noetl_dsl.credrefs import reference_of
@@ -99,7 +100,9 @@ def scrub_call_result(result: messages_pb2.CallResult, redactor: Redactor | None
         env = part.envelope
         env.error.message = redactor.text(env.error.message)
         env.error.traceback = redactor.text(env.error.traceback)
-        env.error.details_json = _scrub_json(env.error.details_json, redactor)
+        if env.error.HasField("details"):
+            env.error.details.CopyFrom(values.to_struct(redactor.value(values.from_struct(env.error.details)),
+                                                        default=str, too_deep="json"))
         env.context_json = _scrub_json(env.context_json, redactor)
         part.set_json = _scrub_json(part.set_json, redactor)
     return result

@@ -31,17 +31,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from google.protobuf import struct_pb2
+
+from noetl_client import values
 from noetl_common import grpcclient
 from noetl_common.errors import InvalidInput, NoetlError, NotFound, Overloaded, ToolError, Unimplemented
 from noetl_common.retry import is_transient, retry_keyed
 from noetl_proto.v1 import common_pb2, execution_pb2, execution_pb2_grpc
-from noetl_store import encode_json
+from noetl_store import json_default
 
 from .call import CallInfo
 from .outcome import INVALID_TASK, PLAYBOOK_FAILED, TIMEOUT, TOOL_ERROR, ErrorDetail, ToolOutcome
@@ -94,18 +96,14 @@ def pick_result(execution: execution_pb2.Execution, return_step: str | None) -> 
                             kind="ValueError")
         chosen: execution_pb2.StepState | None = step
     else:
-        with_value = [s for s in steps if s.status == done and s.result_json]
+        with_value = [s for s in steps if s.status == done and s.HasField("result")]
         chosen = next((s for s in with_value if s.name == END_STEP), None)
         if chosen is None and with_value:
             # Steps are listed by start time; of steps ending in the same instant, the later-listed wins.
             chosen = max(reversed(with_value), key=lambda s: (s.ended_at.seconds, s.ended_at.nanos))
-    if chosen is None or not chosen.result_json:
+    if chosen is None or not chosen.HasField("result"):
         return None
-    try:
-        return json.loads(chosen.result_json)
-    except ValueError as exc:
-        raise ToolError(f"result of step {chosen.name!r} of child execution {execution.execution_id} is not "
-                        f"JSON: {exc}", code=TOOL_ERROR) from exc
+    return values.from_value(chosen.result)
 
 
 class PlaybookTool:
@@ -137,10 +135,15 @@ class PlaybookTool:
                                        f"{fields.get('version')!r}", kind="ValueError")
         return_step = fields.get("return_step")
         return_step = str(return_step) if return_step not in (None, "") else None
+        try:
+            payload = values.to_struct(dict(inputs), default=json_default)
+        except (TypeError, ValueError) as exc:
+            return ToolOutcome.failure(INVALID_TASK, f"playbook task input cannot be the child's payload: {exc}",
+                                       kind="ValueError")
         child = 0
         try:
             async with asyncio.timeout(timeout_sec or None):
-                child = await self._submit(path, version, encode_json(dict(inputs)).decode(), call, timeout_sec)
+                child = await self._submit(path, version, payload, call, timeout_sec)
                 try:
                     execution = await self._follow(child)
                     if execution.status == COMPLETED:
@@ -174,11 +177,11 @@ class PlaybookTool:
 
     # ------------------------------------------------------------ calls
 
-    async def _submit(self, path: str, version: int, payload: str, call: CallInfo | None,
+    async def _submit(self, path: str, version: int, payload: struct_pb2.Struct, call: CallInfo | None,
                       timeout_sec: float | None) -> int:
         # The child cannot usefully outlive the task that waits for it: same timeout.
         request = execution_pb2.SubmitExecutionRequest(
-            ref=execution_pb2.PlaybookRef(path=path, version=version), payload_json=payload,
+            ref=execution_pb2.PlaybookRef(path=path, version=version), payload=payload,
             idempotency_key=call.key if call is not None else f"playbook-tool-{uuid.uuid4()}",
             parent_execution_id=call.execution_id if call is not None else 0,
             timeout_seconds=timeout_sec or 0.0, parent_claim=_parent_claim(call))

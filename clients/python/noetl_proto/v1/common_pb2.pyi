@@ -5,6 +5,7 @@ isort:skip_file
 
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
@@ -108,7 +109,7 @@ class ErrorInfo(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     RETRYABLE_FIELD_NUMBER: _builtins.int
-    DETAILS_JSON_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
     EXCEPTION_TYPE_FIELD_NUMBER: _builtins.int
     TRACEBACK_FIELD_NUMBER: _builtins.int
     STATUS_CODE_FIELD_NUMBER: _builtins.int
@@ -120,14 +121,16 @@ class ErrorInfo(_message.Message):
     "auth", "timeout", "connection", "schema", "db_deadlock", ... ("unknown" otherwise).
     """
     retryable: _builtins.bool
-    details_json: _builtins.str
-    """Extra diagnostics (traceback, SQLSTATE, HTTP status), JSON object text."""
     exception_type: _builtins.str
     """The exception class that carried the error, when there was one (a python task's)."""
     traceback: _builtins.str
     """A python task's traceback (its tail, capped), shown by GetExecution with the error."""
     status_code: _builtins.int
     """The HTTP status of an http task's error response (0: none)."""
+    @_builtins.property
+    def details(self) -> _struct_pb2.Struct:
+        """Extra diagnostics (traceback, SQLSTATE, HTTP status)."""
+
     def __init__(
         self,
         *,
@@ -135,14 +138,14 @@ class ErrorInfo(_message.Message):
         message: _builtins.str = ...,
         kind: _builtins.str = ...,
         retryable: _builtins.bool = ...,
-        details_json: _builtins.str = ...,
+        details: _struct_pb2.Struct | None = ...,
         exception_type: _builtins.str = ...,
         traceback: _builtins.str = ...,
         status_code: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["details", b"details"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details_json", b"details_json", "exception_type", b"exception_type", "kind", b"kind", "message", b"message", "retryable", b"retryable", "status_code", b"status_code", "traceback", b"traceback"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details", "exception_type", b"exception_type", "kind", b"kind", "message", b"message", "retryable", b"retryable", "status_code", b"status_code", "traceback", b"traceback"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -162,7 +165,10 @@ class ResultEnvelope(_message.Message):
     status: _builtins.str
     """"ok", "error", "skipped", "break", ..."""
     context_json: _builtins.str
-    """Small scalars used by `when` and templates, JSON object text. Never secrets."""
+    """Small scalars used by `when` and templates, JSON object text. Never secrets.
+    (JSON text, not a Struct: the message travels worker -> engine on every result, where
+    JSON text is about ten times cheaper to encode and decode; proto/BREAKING.md.)
+    """
     @_builtins.property
     def reference(self) -> Global___ResultReference: ...
     @_builtins.property
@@ -199,8 +205,8 @@ class EventRecord(_message.Message):
     EVENT_TYPE_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     COMMAND_ID_FIELD_NUMBER: _builtins.int
-    RESULT_JSON_FIELD_NUMBER: _builtins.int
-    META_JSON_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    META_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     event_id: _builtins.int
     execution_id: _builtins.int
@@ -209,10 +215,16 @@ class EventRecord(_message.Message):
     event_type: _builtins.str
     step: _builtins.str
     command_id: _builtins.str
-    result_json: _builtins.str
-    """The envelope (JSON object text) or empty."""
-    meta_json: _builtins.str
-    """Event metadata (epoch id, attempt, worker, ...), JSON object text."""
+    @_builtins.property
+    def result(self) -> _struct_pb2.Struct:
+        """The result envelope ({status, reference, parent_ref, context[, error]}); unset when
+        the event has none.
+        """
+
+    @_builtins.property
+    def meta(self) -> _struct_pb2.Struct:
+        """Event metadata (epoch id, attempt, worker, ...)."""
+
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -225,13 +237,13 @@ class EventRecord(_message.Message):
         event_type: _builtins.str = ...,
         step: _builtins.str = ...,
         command_id: _builtins.str = ...,
-        result_json: _builtins.str = ...,
-        meta_json: _builtins.str = ...,
+        result: _struct_pb2.Struct | None = ...,
+        meta: _struct_pb2.Struct | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "meta", b"meta", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "created_at", b"created_at", "event_id", b"event_id", "event_type", b"event_type", "execution_id", b"execution_id", "meta_json", b"meta_json", "result_json", b"result_json", "shard_id", b"shard_id", "shard_seq", b"shard_seq", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "created_at", b"created_at", "event_id", b"event_id", "event_type", b"event_type", "execution_id", b"execution_id", "meta", b"meta", "result", b"result", "shard_id", b"shard_id", "shard_seq", b"shard_seq", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

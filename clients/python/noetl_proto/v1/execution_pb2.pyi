@@ -6,6 +6,7 @@ isort:skip_file
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -72,7 +73,7 @@ class SubmitExecutionRequest(_message.Message):
 
     REF_FIELD_NUMBER: _builtins.int
     PLAYBOOK_YAML_FIELD_NUMBER: _builtins.int
-    PAYLOAD_JSON_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     PARENT_EXECUTION_ID_FIELD_NUMBER: _builtins.int
@@ -80,8 +81,6 @@ class SubmitExecutionRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     playbook_yaml: _builtins.str
     """Inline playbook YAML: registered (or matched by content) in the catalog, then pinned."""
-    payload_json: _builtins.str
-    """Payload merged over the playbook's workload, a JSON object text."""
     idempotency_key: _builtins.str
     timeout_seconds: _builtins.float
     """Execution timeout; 0 = the server default."""
@@ -90,6 +89,12 @@ class SubmitExecutionRequest(_message.Message):
     """Overrides the playbook's and its steps' spec.priority for every command of the run."""
     @_builtins.property
     def ref(self) -> Global___PlaybookRef: ...
+    @_builtins.property
+    def payload(self) -> _struct_pb2.Struct:
+        """Payload merged over the playbook's workload (unset: none). Numbers: docs/CLIENTS.md
+        "JSON values and numbers".
+        """
+
     @_builtins.property
     def parent_claim(self) -> Global___ParentClaim:
         """A worker submits (or cancels) only sub-playbooks of a command it holds: the claim of
@@ -101,16 +106,16 @@ class SubmitExecutionRequest(_message.Message):
         *,
         ref: Global___PlaybookRef | None = ...,
         playbook_yaml: _builtins.str = ...,
-        payload_json: _builtins.str = ...,
+        payload: _struct_pb2.Struct | None = ...,
         idempotency_key: _builtins.str = ...,
         timeout_seconds: _builtins.float = ...,
         parent_execution_id: _builtins.int = ...,
         parent_claim: Global___ParentClaim | None = ...,
         priority: Global___Priority.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["parent_claim", b"parent_claim", "playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "ref", b"ref"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["parent_claim", b"parent_claim", "payload", b"payload", "playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "parent_claim", b"parent_claim", "parent_execution_id", b"parent_execution_id", "payload_json", b"payload_json", "playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "priority", b"priority", "ref", b"ref", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "parent_claim", b"parent_claim", "parent_execution_id", b"parent_execution_id", "payload", b"payload", "playbook", b"playbook", "playbook_yaml", b"playbook_yaml", "priority", b"priority", "ref", b"ref", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_playbook: _TypeAlias = _typing.Literal["ref", "playbook_yaml"]  # noqa: Y015
     _WhichOneofArgType_playbook: _TypeAlias = _typing.Literal["playbook", b"playbook"]  # noqa: Y015
@@ -188,7 +193,7 @@ class StepState(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     ATTEMPTS_FIELD_NUMBER: _builtins.int
     RESULT_REF_FIELD_NUMBER: _builtins.int
-    RESULT_JSON_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
     ENDED_AT_FIELD_NUMBER: _builtins.int
@@ -198,8 +203,6 @@ class StepState(_message.Message):
     name: _builtins.str
     status: _common_pb2.StepStatus.ValueType
     attempts: _builtins.int
-    result_json: _builtins.str
-    """The resolved result value (JSON text), set when the request asks for results."""
     error: _builtins.str
     visits: _builtins.int
     """Number of times the step was entered."""
@@ -209,6 +212,12 @@ class StepState(_message.Message):
     """
     @_builtins.property
     def result_ref(self) -> _common_pb2.ResultReference: ...
+    @_builtins.property
+    def result(self) -> _struct_pb2.Value:
+        """The resolved result value, set when the request asks for results and the step has
+        one (a result that is JSON null is a Value holding null_value).
+        """
+
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -226,7 +235,7 @@ class StepState(_message.Message):
         status: _common_pb2.StepStatus.ValueType = ...,
         attempts: _builtins.int = ...,
         result_ref: _common_pb2.ResultReference | None = ...,
-        result_json: _builtins.str = ...,
+        result: _struct_pb2.Value | None = ...,
         error: _builtins.str = ...,
         started_at: _timestamp_pb2.Timestamp | None = ...,
         ended_at: _timestamp_pb2.Timestamp | None = ...,
@@ -234,9 +243,9 @@ class StepState(_message.Message):
         loop: Global___LoopProgress | None = ...,
         waiting: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "loop", b"loop", "result_ref", b"result_ref", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "loop", b"loop", "result", b"result", "result_ref", b"result_ref", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "ended_at", b"ended_at", "error", b"error", "loop", b"loop", "name", b"name", "result_json", b"result_json", "result_ref", b"result_ref", "started_at", b"started_at", "status", b"status", "visits", b"visits", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "ended_at", b"ended_at", "error", b"error", "loop", b"loop", "name", b"name", "result", b"result", "result_ref", b"result_ref", "started_at", b"started_at", "status", b"status", "visits", b"visits", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

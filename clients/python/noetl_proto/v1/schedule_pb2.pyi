@@ -6,6 +6,7 @@ isort:skip_file
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -60,7 +61,7 @@ class Schedule(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     PLAYBOOK_PATH_FIELD_NUMBER: _builtins.int
     PLAYBOOK_VERSION_FIELD_NUMBER: _builtins.int
-    PAYLOAD_JSON_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
     CRON_FIELD_NUMBER: _builtins.int
     TIME_ZONE_FIELD_NUMBER: _builtins.int
     INTERVAL_MS_FIELD_NUMBER: _builtins.int
@@ -76,7 +77,6 @@ class Schedule(_message.Message):
     playbook_path: _builtins.str
     playbook_version: _builtins.int
     """0 = the latest version at each tick."""
-    payload_json: _builtins.str
     cron: _builtins.str
     """Exactly one of cron and interval_ms is set."""
     time_zone: _builtins.str
@@ -85,6 +85,10 @@ class Schedule(_message.Message):
     paused: _builtins.bool
     shard_id: _builtins.int
     last_execution_id: _builtins.int
+    @_builtins.property
+    def payload(self) -> _struct_pb2.Struct:
+        """The payload each tick's execution is submitted with."""
+
     @_builtins.property
     def next_runs(self) -> _containers.RepeatedCompositeFieldContainer[_timestamp_pb2.Timestamp]:
         """The next ticks (the first is the earliest not yet fired); empty when paused."""
@@ -102,7 +106,7 @@ class Schedule(_message.Message):
         name: _builtins.str = ...,
         playbook_path: _builtins.str = ...,
         playbook_version: _builtins.int = ...,
-        payload_json: _builtins.str = ...,
+        payload: _struct_pb2.Struct | None = ...,
         cron: _builtins.str = ...,
         time_zone: _builtins.str = ...,
         interval_ms: _builtins.int = ...,
@@ -114,9 +118,9 @@ class Schedule(_message.Message):
         last_tick: _timestamp_pb2.Timestamp | None = ...,
         last_execution_id: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "last_tick", b"last_tick"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "last_tick", b"last_tick", "payload", b"payload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "created_at", b"created_at", "cron", b"cron", "interval_ms", b"interval_ms", "last_execution_id", b"last_execution_id", "last_tick", b"last_tick", "name", b"name", "next_runs", b"next_runs", "paused", b"paused", "payload_json", b"payload_json", "playbook_path", b"playbook_path", "playbook_version", b"playbook_version", "schedule_id", b"schedule_id", "shard_id", b"shard_id", "time_zone", b"time_zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "created_at", b"created_at", "cron", b"cron", "interval_ms", b"interval_ms", "last_execution_id", b"last_execution_id", "last_tick", b"last_tick", "name", b"name", "next_runs", b"next_runs", "paused", b"paused", "payload", b"payload", "playbook_path", b"playbook_path", "playbook_version", b"playbook_version", "schedule_id", b"schedule_id", "shard_id", b"shard_id", "time_zone", b"time_zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -129,7 +133,7 @@ class AddScheduleRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     PLAYBOOK_PATH_FIELD_NUMBER: _builtins.int
     PLAYBOOK_VERSION_FIELD_NUMBER: _builtins.int
-    PAYLOAD_JSON_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
     CRON_FIELD_NUMBER: _builtins.int
     TIME_ZONE_FIELD_NUMBER: _builtins.int
     INTERVAL_MS_FIELD_NUMBER: _builtins.int
@@ -139,8 +143,6 @@ class AddScheduleRequest(_message.Message):
     """Unique among schedules."""
     playbook_path: _builtins.str
     playbook_version: _builtins.int
-    payload_json: _builtins.str
-    """A JSON object (the execution's payload), "" = {}."""
     cron: _builtins.str
     """Five-field cron expression, evaluated in time_zone (IANA name, "" = UTC)."""
     time_zone: _builtins.str
@@ -149,22 +151,26 @@ class AddScheduleRequest(_message.Message):
     catch_up: Global___CatchUpPolicy.ValueType
     paused: _builtins.bool
     """Created paused."""
+    @_builtins.property
+    def payload(self) -> _struct_pb2.Struct:
+        """The execution's payload (unset: {})."""
+
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         playbook_path: _builtins.str = ...,
         playbook_version: _builtins.int = ...,
-        payload_json: _builtins.str = ...,
+        payload: _struct_pb2.Struct | None = ...,
         cron: _builtins.str = ...,
         time_zone: _builtins.str = ...,
         interval_ms: _builtins.int = ...,
         catch_up: Global___CatchUpPolicy.ValueType = ...,
         paused: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "cron", b"cron", "interval_ms", b"interval_ms", "name", b"name", "paused", b"paused", "payload_json", b"payload_json", "playbook_path", b"playbook_path", "playbook_version", b"playbook_version", "time_zone", b"time_zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "cron", b"cron", "interval_ms", b"interval_ms", "name", b"name", "paused", b"paused", "payload", b"payload", "playbook_path", b"playbook_path", "playbook_version", b"playbook_version", "time_zone", b"time_zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -81,7 +81,11 @@ class Command(_message.Message):
     attempt: _builtins.int
     kind: _builtins.str
     spec_json: _builtins.str
-    """The step's tool (a task or a list of tasks) and step-level input, JSON object text."""
+    """The step's tool (a task or a list of tasks) and step-level input, JSON object text.
+    (This message and CallResult keep JSON text rather than Structs: they carry every
+    command and result between the roles, where JSON text is about ten times cheaper to
+    encode and decode and half the size; proto/BREAKING.md.)
+    """
     context_json: _builtins.str
     """Render context for the worker: workload, ctx, references to earlier step results,
     execution_id, loop iteration values. JSON object text.

@@ -6,6 +6,7 @@ isort:skip_file
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
@@ -202,22 +203,24 @@ class PutCredentialRequest(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
-    DATA_JSON_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     kind: _builtins.str
     """"postgres", "http_bearer", ..."""
-    data_json: _builtins.str
-    """Kind-specific fields, JSON object text (e.g. {"dsn": "..."})."""
+    @_builtins.property
+    def data(self) -> _struct_pb2.Struct:
+        """Kind-specific fields (e.g. {"dsn": "..."})."""
+
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         kind: _builtins.str = ...,
-        data_json: _builtins.str = ...,
+        data: _struct_pb2.Struct | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_json", b"data_json", "kind", b"kind", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "kind", b"kind", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
