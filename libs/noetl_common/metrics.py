@@ -32,6 +32,7 @@ def version() -> str:
 def expose(role: str) -> None:
     """Turn the ``_created`` series off and set ``noetl_build_info`` for ``role``."""
     disable_created_metrics()
+    BUILD_INFO.clear()  # one process, one role: the last one set (tests start several)
     BUILD_INFO.labels(version(), role, platform.python_version()).set(1)
 
 
