@@ -125,40 +125,31 @@ class ServerMetricsInterceptor(grpc.aio.ServerInterceptor):
             series = self._series[method] = _Series(method, handler)
 
         if handler.unary_unary:
-            inner_uu = handler.unary_unary
-
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                series.started.inc()
-                start, exc = time.perf_counter(), None
-                try:
-                    return await inner_uu(request, context)
-                except BaseException as e:
-                    exc = e
-                    raise
-                finally:
-                    series.done(status_of(context, exc), time.perf_counter() - start)
-
-            return rewrapped(handler, unary_unary=unary_unary)
+            return rewrapped(handler, unary_unary=_single(series, handler.unary_unary))
         if handler.unary_stream:
             return rewrapped(handler, unary_stream=_streaming(series, handler.unary_stream))
         if handler.stream_unary:
-            inner_su = handler.stream_unary
-
-            async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                series.started.inc()
-                start, exc = time.perf_counter(), None
-                try:
-                    return await inner_su(requests, context)
-                except BaseException as e:
-                    exc = e
-                    raise
-                finally:
-                    series.done(status_of(context, exc), time.perf_counter() - start)
-
-            return rewrapped(handler, stream_unary=stream_unary)
+            return rewrapped(handler, stream_unary=_single(series, handler.stream_unary))
         if handler.stream_stream:
             return rewrapped(handler, stream_stream=_streaming(series, handler.stream_stream))
         return handler
+
+
+def _single(series: _Series, inner: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """A behaviour with one response (unary or client-streaming request), counted and timed."""
+
+    async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        series.started.inc()
+        start, exc = time.perf_counter(), None
+        try:
+            return await inner(request, context)
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            series.done(status_of(context, exc), time.perf_counter() - start)
+
+    return behaviour
 
 
 def _streaming(series: _Series, inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
