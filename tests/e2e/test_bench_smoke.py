@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,8 @@ def test_bench_quick_tiny_run_reports_verified_rows(tmp_path: Path) -> None:
            "2,450; one accepted call.done per command" in doc
     assert "- **limits**: " in doc and "rows == commits" in doc
     assert "- **cli**: all 2 runs exited 0 and printed `execution " in doc
-    # the envelope size over the loop run: 50 envelopes observed, a Targets line
+    # the envelope size over the loop run: one envelope per published result (a command:
+    # one iteration or a batch of them, so at most 50), a Targets line
     assert "event result p99 < 2,048 bytes under the loop benchmarks" in doc
-    assert "over 50 envelopes" in doc
+    envelopes = re.search(r"over (\d+) envelopes", doc)
+    assert envelopes is not None and 1 <= int(envelopes.group(1)) <= 50, doc
