@@ -29,7 +29,7 @@ import pytest
 from chaos import HEADER, Db, moved, owner, process_of, scrape, stack_for
 from faultproxy import FaultProxy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import Runner
+from harness import Runner, accepted_iterations
 from waiting import until_sync
 
 from noetl_cli import devstack
@@ -123,8 +123,8 @@ def start_loop(runner: Runner, db: Db, at_least: int) -> tuple[int, list[int]]:
 
 
 def assert_exact(runner: Runner, db: Db, eid: int, expected: list[int], timeout: float = 300) -> None:
-    """COMPLETED; every iteration's value in order; one accepted result per iteration, none
-    an error; one loop.done; the log of the shard intact."""
+    """COMPLETED; every iteration's value in order; one accepted result per command and
+    iteration, none an error; one loop.done; the log of the shard intact."""
     out = runner.wait(eid, timeout)
     assert out.status == "COMPLETED", out.error
     value = out.result("fan")
@@ -138,7 +138,9 @@ def assert_exact(runner: Runner, db: Db, eid: int, expected: list[int], timeout:
                   " count(*) FILTER (WHERE event_type = 'call.error') AS errors,"
                   " count(*) FILTER (WHERE event_type = 'loop.done') AS loops"
                   " FROM noetl.event WHERE execution_id = %s AND step = 'fan'", (eid,))
-    assert rows == {"cmds": N, "accepted": N, "errors": 0, "loops": 1}, rows
+    # one accepted result per command (a batch of iterations or one), each iteration covered once
+    assert rows["cmds"] == rows["accepted"] and rows["errors"] == 0 and rows["loops"] == 1, rows
+    assert accepted_iterations(runner, eid, "fan") == list(range(N))
     db.assert_routed_once(eid)
     db.assert_shard_log_intact(db.shard_of(eid))
 
