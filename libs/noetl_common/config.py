@@ -352,6 +352,9 @@ class WorkerSettings(BaseSettings):
     python_memory_mb: int = Field(default=1024, ge=0)
     # Most claims one ClaimCommands call carries (concurrent claims are group-committed).
     claim_batch: int = Field(default=64, ge=1, le=1000)
+    # A batch of loop iterations stops starting new ones once it has run this long; the
+    # rest go back to the loop (NOETL_WORKER_BATCH_BUDGET_SEC; runner.execute_command).
+    batch_budget_sec: float = Field(default=0.25, gt=0)
     # How long an outage of the result store or of the runtime database is waited out
     # before a result the worker holds is reported REFERENCE_NOT_AVAILABLE.
     infra_retry_sec: float = Field(default=600.0, gt=0)

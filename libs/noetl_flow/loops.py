@@ -149,13 +149,17 @@ def resume(flow: Flow, t: Transition, step: Step, run: StepRun, original_eid: in
 
 
 def on_command_done(flow: Flow, t: Transition, step_name: str, run: StepRun,
-                    iterations: list[tuple[int, Mapping[str, Any]]], io: Inputs) -> bool | None:
+                    iterations: list[tuple[int, Mapping[str, Any]]], io: Inputs,
+                    returned: list[list[int]] | None = None) -> bool | None:
     """Fold the accepted result of one loop command: its iterations' envelopes in index
-    order (one, or a batch's). Returns the loop's outcome when this was the last command,
-    else None (more were dispatched if any remain)."""
+    order (one, or a batch's), and the ``returned`` index ranges of a batch the worker
+    did not get to (dispatched again, next). Returns the loop's outcome when this was
+    the last command, else None (more were dispatched if any remain)."""
     lr = run.loop
     assert lr is not None
     lr.in_flight -= 1
+    if returned:
+        lr.todo = [*(lr.todo or []), *(list(r) for r in returned)]
     for index, envelope in iterations:
         ok = envelope.get("status") != "error"
         if ok:

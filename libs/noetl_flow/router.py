@@ -203,8 +203,8 @@ class Flow:
             elif name == pending.step and run is not None and run.loop is not None:
                 # This command finishes the loop: its own set/arcs read the whole loop value,
                 # so the engine resolves the instance's ordered results plus this command's.
-                outcomes = _outcomes(pending, res)
-                finishing = loops.finishing(run.loop, [o.envelope for o in outcomes])
+                outcomes, returned = _outcomes(pending, res)
+                finishing = None if returned else loops.finishing(run.loop, [o.envelope for o in outcomes])
                 if finishing is not None:
                     out[name] = {"loop": {"instance": run.loop.instance,
                                           "results": [[o.index, o.envelope.get("reference")] for o in outcomes]},
@@ -228,15 +228,18 @@ class Flow:
         run = st.steps[step_name]
         del st.pending[res.command_id]
         in_loop = pending.index is not None and run.loop is not None
-        outcomes = _outcomes(pending, res) if in_loop else [IterationOutcome(-1, res.envelope, res.set_updates)]
+        outcomes, returned = (_outcomes(pending, res) if in_loop
+                              else ([IterationOutcome(-1, res.envelope, res.set_updates)], []))
         failed = [o for o in outcomes if o.envelope.get("status") == "error"]
         ok = not failed
         meta: dict[str, Any] = {"attempt": res.attempt, "worker": res.worker_id}
         if pending.index is not None:
             meta["index"] = pending.index
-        if pending.count > 1:  # a batch: one event for its iterations, the failed ones named
-            meta["count"] = pending.count
+        if pending.count > 1:  # a batch: one event for the iterations it ran, the failed ones named
+            meta["count"] = len(outcomes)
             meta["failed"] = len(failed)
+            if returned:
+                meta["returned"] = sum(end - start for start, end in returned)
             if failed:
                 meta["errors"] = [{"index": o.index, **_error_brief(o.envelope)} for o in failed]
         t.emit(EventType.CALL_DONE if ok else EventType.CALL_ERROR, step=step_name, command_id=res.command_id,
@@ -253,7 +256,7 @@ class Flow:
         try:
             if in_loop and run.loop is not None:
                 finished = loops.on_command_done(self, t, step_name, run,
-                                                 [(o.index, o.envelope) for o in outcomes], io)
+                                                 [(o.index, o.envelope) for o in outcomes], io, returned)
                 if finished is not None:
                     self._complete(t, step_name, finished, io, loop_done=True)
             else:
@@ -569,19 +572,26 @@ def _failing_step(exc: TemplateError, routing: str) -> str:
     return str(getattr(exc, "noetl_step", None) or routing)
 
 
-def _outcomes(pending: Pending, res: CallResultInput) -> list[IterationOutcome]:
-    """The iterations a loop command's result answers for, in index order: its own
-    envelope for one iteration; for a batch, each iteration's outcome from the worker's
-    result (an iteration the result has no outcome for failed with the batch's error:
-    the worker could not run the batch at all, e.g. an earlier result it reads is gone)."""
+def _outcomes(pending: Pending, res: CallResultInput) -> tuple[list[IterationOutcome], list[list[int]]]:
+    """(the iterations a loop command's result answers for, in index order; the index
+    ranges it gives back). One iteration: its own envelope. A batch: each iteration's
+    outcome from the worker's result; the iterations after the last one it ran (its time
+    budget ran out: runner.execute_command) go back to the loop, to be dispatched again.
+    A batch result with no outcome at all (the worker could not run the batch, e.g. an
+    earlier result it reads is gone) fails every iteration with the batch's error."""
     assert pending.index is not None
+    first, end = pending.index, pending.index + pending.count
     if pending.count == 1 and not res.iterations:
-        return [IterationOutcome(pending.index, res.envelope, res.set_updates)]
-    given = {o.index: o for o in res.iterations}
+        return [IterationOutcome(first, res.envelope, res.set_updates)], []
+    given = sorted((o for o in res.iterations if first <= o.index < end), key=lambda o: o.index)
+    if given and [o.index for o in given] == list(range(first, first + len(given))):
+        last = given[-1].index + 1
+        return given, ([[last, end]] if last < end else [])
     error = res.envelope.get("error") or {
         "code": "BATCH_INCOMPLETE", "message": "the worker's result of the batch has no outcome for this iteration"}
     missing = {"status": "error", "reference": None, "parent_ref": None, "context": None, "error": error}
-    return [given.get(i) or IterationOutcome(i, missing) for i in range(pending.index, pending.index + pending.count)]
+    by_index = {o.index: o for o in given}
+    return [by_index.get(i) or IterationOutcome(i, missing) for i in range(first, end)], []
 
 
 def _error_brief(envelope: Mapping[str, Any]) -> dict[str, Any]:

@@ -203,3 +203,25 @@ def test_a_failed_iteration_of_a_batch_is_redriven_alone() -> None:
     assert t.loop_results_cleared == [("each:1", 2)]
     r.drain(most=5)  # a redriven iteration runs beside the loop's own
     assert r.events("loop.done")[-1].result["context"] == {"total": 20, "success": 20, "failed": 0}
+
+
+def test_iterations_a_batch_did_not_get_to_go_back_to_the_loop_and_run_once() -> None:
+    """The worker stops a batch when its time budget runs out (runner.execute_command): its
+    result answers for the iterations it ran; the rest are dispatched again."""
+    r = Run(Flow(parse_playbook(playbook()), loop_batch=8), numbers=40)
+    seen: list[int] = []
+    while spans := r.spans():
+        cid = min(spans, key=lambda c: spans[c][0])
+        index, count = spans[cid]
+        ran = 1 if count > 1 else count  # slow iterations: one per batch before the budget runs out
+        outcomes = [IterationOutcome(i, ok(1000 + i)) for i in range(index, index + ran)]
+        t = r.answer(cid, outcomes)
+        seen.extend(range(index, index + ran))
+        event = next(e for e in t.events if e.step == "each" and e.event_type == "call.done")
+        if count > 1:
+            assert event.meta["count"] == 1 and event.meta["returned"] == count - 1
+    assert sorted(seen) == list(range(40))  # each iteration ran (was answered for) exactly once
+    results = sorted(i for t in r.log for _, i, _, _ in t.loop_results)
+    assert results == list(range(40))
+    assert [e.result["context"] for e in r.events("loop.done")] == [{"total": 40, "success": 40, "failed": 0}]
+    assert list(r.state.pending) == ["7:end:1"]

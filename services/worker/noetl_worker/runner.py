@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -44,6 +45,8 @@ PERSIST_TIMEOUT_SEC = 120.0
 # shorter than this is never a user-visible error. A command whose lease is lost meanwhile
 # is stopped (cancelled) and retries nothing.
 INFRA_RETRY_SEC = 600.0
+# A batch of loop iterations starts no new one after this long (NOETL_WORKER_BATCH_BUDGET_SEC).
+BATCH_BUDGET_SEC = 0.25
 
 
 class StoreFailure(NoetlError):
@@ -273,22 +276,28 @@ async def execute_command(command: messages_pb2.Command, store: ResultStore, too
                           cancelled: asyncio.Event | None = None,
                           sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
                           infra_retry_sec: float | None = None,
-                          secrets: CommandSecrets | None = None) -> messages_pb2.CallResult:
+                          secrets: CommandSecrets | None = None,
+                          batch_budget_sec: float = BATCH_BUDGET_SEC) -> messages_pb2.CallResult:
     """Run a claimed command to its ``CallResult``. Never raises for task, template or
     store failures (they become error envelopes); cancellation propagates. ``cancelled``
     is set when the api cancelled the command (tools that started work elsewhere, like
     sub-playbooks, cancel it then). ``secrets``: the command's access to stored
-    credentials; what they hand out is masked in everything the command reports."""
+    credentials; what they hand out is masked in everything the command reports.
+    A batch of loop iterations starts no new iteration once ``batch_budget_sec`` have
+    passed: its result answers for the iterations it ran (at least one), and the engine
+    gives the others back to the loop, so slow iterations report (and are lost to a
+    crash) in small groups, while fast ones share one claim and one result."""
     redactor = secrets.redactor if secrets is not None else None
     return scrub_call_result(await _execute(command, store, tools, worker_id=worker_id,
                                             default_timeout=default_timeout, cancelled=cancelled, sleep=sleep,
-                                            infra_retry_sec=infra_retry_sec, secrets=secrets), redactor)
+                                            infra_retry_sec=infra_retry_sec, secrets=secrets,
+                                            batch_budget_sec=batch_budget_sec), redactor)
 
 
 async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Tools, *, worker_id: str,
                    default_timeout: float, cancelled: asyncio.Event | None,
                    sleep: Callable[[float], Awaitable[Any]], infra_retry_sec: float | None,
-                   secrets: CommandSecrets | None) -> messages_pb2.CallResult:
+                   secrets: CommandSecrets | None, batch_budget_sec: float) -> messages_pb2.CallResult:
     prepared = await prepare(command, store, worker_id=worker_id, retry_sec=infra_retry_sec, secrets=secrets)
     if isinstance(prepared, messages_pb2.CallResult):
         return prepared
@@ -307,7 +316,10 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
     first, iterator = int(loop.get("index") or 0), str(loop.get("iterator") or "item")
     outcomes: list[messages_pb2.IterationResult] = []
     failed = 0
+    started = time.monotonic()
     for offset, item in enumerate(items):
+        if offset and time.monotonic() - started >= batch_budget_sec:
+            break  # the rest go back to the loop (noetl_flow.router: the iterations not answered for)
         index = first + offset
         own = messages_pb2.Command(command_id=iteration_command_id(command.command_id, index),
                                    execution_id=command.execution_id, shard_id=command.shard_id, step=command.step,
@@ -323,8 +335,9 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
         outcomes.append(messages_pb2.IterationResult(
             index=index, envelope=envelope_to_proto(env, error_details=details),
             set_json=encode_json(dict(set_updates) if set_updates else {"ctx": {}, "iter": {}}).decode()))
-    summary = envelope("error" if failed else "ok", None, None, {"count": len(items), "failed": failed},
-                       {"code": "ITERATIONS_FAILED", "message": f"{failed} of {len(items)} iteration(s) failed"}
+    ran = len(outcomes)
+    summary = envelope("error" if failed else "ok", None, None, {"count": ran, "failed": failed},
+                       {"code": "ITERATIONS_FAILED", "message": f"{failed} of {ran} iteration(s) failed"}
                        if failed else None)
     result = build_call_result(command, summary, worker_id=worker_id)
     result.iterations.extend(outcomes)

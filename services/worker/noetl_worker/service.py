@@ -565,7 +565,7 @@ class WorkerService(Service):
                 work = execute_command(command, self.store, self.tools, worker_id=self.worker_id,
                                        default_timeout=self.worker_cfg.default_task_timeout_sec,
                                        cancelled=run.cancelled, infra_retry_sec=self.worker_cfg.infra_retry_sec,
-                                       secrets=secrets)
+                                       secrets=secrets, batch_budget_sec=self.worker_cfg.batch_budget_sec)
             run.task = asyncio.ensure_future(work)
             try:
                 result = await run.task
