@@ -48,7 +48,7 @@ class LoopError(TemplateError):
 
 DEFAULT_PARALLEL = 16
 CURSOR_KIND = "cursor"
-# Iterations per command of a parallel loop (batch_size): at most NOETL_LOOP_BATCH_MAX,
+# Iterations per command of a parallel loop (batch_size): at most NOETL_EXECUTION_LOOP_BATCH_MAX,
 # and about 1 / BATCH_SHARE of what each lane has left.
 DEFAULT_BATCH_MAX = 32
 BATCH_SHARE = 2
@@ -238,7 +238,7 @@ def batch_size(lr: LoopRun, kind: str, most: int) -> int:
     (its worker runs them in index order: ``max_in_flight`` still bounds the iterations
     running at once). Guided self-scheduling: a share of what is left per lane,
     ``ceil(undispatched / (BATCH_SHARE * max_in_flight))``, at most ``most``
-    (NOETL_LOOP_BATCH_MAX), so batches shrink to single iterations as the loop ends and a
+    (NOETL_EXECUTION_LOOP_BATCH_MAX), so batches shrink to single iterations as the loop ends and a
     slow iteration holds back few others. Sequential loops (each iteration sees ``ctx``
     as the previous one left it), cursor slots and sub-playbooks run one per command."""
     if most <= 1 or lr.mode != "parallel" or kind in UNBATCHED_KINDS:

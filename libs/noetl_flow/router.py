@@ -100,7 +100,7 @@ class Flow:
         fails, so a half-applied state never outlives the failed transaction).
         ``max_loop_items``: a loop whose collection is larger fails its step
         (NOETL_LIMIT_LOOP_ITEMS). ``loop_batch``: the most iterations of a parallel loop
-        one command runs (NOETL_LOOP_BATCH_MAX; 1: one iteration per command)."""
+        one command runs (NOETL_EXECUTION_LOOP_BATCH_MAX; 1: one iteration per command)."""
         self.pb = playbook
         self._copy_state = copy_state
         self.max_loop_items = max_loop_items

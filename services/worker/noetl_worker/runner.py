@@ -219,8 +219,13 @@ def build_call_result(command: messages_pb2.Command, env: Mapping[str, Any], *, 
         command_id=command.command_id, execution_id=command.execution_id, step=command.step,
         attempt=command.attempt, worker_id=worker_id,
         envelope=envelope_to_proto(env, error_details=error_details),
-        set_json=encode_json(dict(set_updates) if set_updates else {"ctx": {}, "iter": {}}).decode(),
+        set_json=_set_json(set_updates),
         finished_at=_now(), claim_token=command.claim_token)
+
+
+def _set_json(set_updates: Mapping[str, Any] | None) -> str:
+    """A result's ``set`` updates as JSON text (empty ones spelled out)."""
+    return encode_json(dict(set_updates) if set_updates else {"ctx": {}, "iter": {}}).decode()
 
 
 def error_result(command: messages_pb2.Command, code: str, message: str, *, worker_id: str,
@@ -308,7 +313,7 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
         caller = TaskCaller(command, spec, tools, timeout=timeout, cancelled=cancelled, worker_id=worker_id,
                             secrets=secrets)
         env, set_updates, details = await _run_tasks(command, command, tasks, scope, caller, store, sleep,
-                                                     infra_retry_sec, worker_id)
+                                                     infra_retry_sec)
         return build_call_result(command, env, worker_id=worker_id, set_updates=set_updates, error_details=details)
     # A batch of loop iterations (noetl_flow.loops.batch_size): each item in index order,
     # with its own scope, result keys and stored results, under this command's claim.
@@ -330,11 +335,11 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
         env, set_updates, details = await _run_tasks(
             command, own, tasks, RenderContext({**scope, **iteration, "loop_index": index, "iter": iteration},
                                                known=scope.known),
-            caller, store, sleep, infra_retry_sec, worker_id)
+            caller, store, sleep, infra_retry_sec)
         failed += env["status"] == "error"
         outcomes.append(messages_pb2.IterationResult(
             index=index, envelope=envelope_to_proto(env, error_details=details),
-            set_json=encode_json(dict(set_updates) if set_updates else {"ctx": {}, "iter": {}}).decode()))
+            set_json=_set_json(set_updates)))
     ran = len(outcomes)
     summary = envelope("error" if failed else "ok", None, None, {"count": ran, "failed": failed},
                        {"code": "ITERATIONS_FAILED", "message": f"{failed} of {ran} iteration(s) failed"}
@@ -346,8 +351,8 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
 
 async def _run_tasks(command: messages_pb2.Command, own: messages_pb2.Command, tasks: list[dict[str, Any]],
                      scope: RenderContext, caller: TaskCaller, store: ResultStore,
-                     sleep: Callable[[float], Awaitable[Any]], infra_retry_sec: float | None,
-                     worker_id: str) -> tuple[dict[str, Any], Mapping[str, Any] | None, Mapping[str, Any] | None]:
+                     sleep: Callable[[float], Awaitable[Any]], infra_retry_sec: float | None
+                     ) -> tuple[dict[str, Any], Mapping[str, Any] | None, Mapping[str, Any] | None]:
     """Run the command's tasks in ``scope`` (``own``: the command, or one iteration of its
     batch, whose results are stored): (envelope, set updates, error details)."""
     extra = {"execution_id": command.execution_id, "command_id": own.command_id, "step": command.step}
