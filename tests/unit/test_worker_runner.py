@@ -11,11 +11,13 @@ import pytest
 
 from noetl_client import values
 from noetl_common.errors import Unavailable
+from noetl_common.redact import Redactor
 from noetl_proto.v1 import messages_pb2
 from noetl_store import MemoryResultStore, envelope_from_proto
 from noetl_worker.runner import execute_command
 from noetl_worker.scope import template_names
-from noetl_worker.tools import PythonPool, Tools
+from noetl_worker.tools import CommandSecrets, PythonPool, Tools
+from noetl_worker.tools.credentials import Holder
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +221,42 @@ async def test_context_global_is_sent_only_when_code_names_it(tools: Tools) -> N
     env = env_of(await execute_command(command({"tool": {"kind": "python", "code": sneaky}},
                                                {"workload": {"big": "x"}}), store, tools))
     assert env["context"] == {"value": 0}  # not named in the code: not shipped
+
+
+def batch(code: str, items: list[Any], first: int = 10) -> messages_pb2.Command:
+    """A command that runs a batch of loop iterations, as the api hands it out."""
+    spec = {"step": "each", "tool": {"kind": "python", "code": code,
+                                     "input": {"n": "{{ n }}", "i": "{{ loop_index }}", "idx": "{{ iter._index }}"}}}
+    return command(spec, {"loop": {"instance": "each:1", "index": first, "count": len(items), "iterator": "n",
+                                   "mode": "parallel"},
+                          "iter": {"n": items[0], "_index": first}, "loop_index": first, "batch_items": items})
+
+
+async def test_a_batch_runs_each_item_with_its_own_scope_and_stored_result(tools: Tools) -> None:
+    store = MemoryResultStore()
+    result = await execute_command(batch("result = {'n': n, 'i': i, 'idx': idx}", [3, 4, 5]),
+                                   store, tools)
+    assert env_of(result)["status"] == "ok" and env_of(result)["context"] == {"count": 3, "failed": 0}
+    assert [it.index for it in result.iterations] == [10, 11, 12]
+    values_ = [await store.get(envelope_from_proto(it.envelope)["reference"]["ref_id"]) for it in result.iterations]
+    assert values_ == [{"n": 3, "i": 10, "idx": 10}, {"n": 4, "i": 11, "idx": 11}, {"n": 5, "i": 12, "idx": 12}]
+
+
+async def test_a_failed_iteration_fails_alone_and_its_secrets_are_masked(tools: Tools) -> None:
+    secret = "s3cr3t-value-xyz"
+    secrets = CommandSecrets(None, Holder("123:each:1:0+3", 1, 123, "each"), Redactor([secret]))
+    code = f"if n == 2:\n    raise ValueError('bad {secret}')\nresult = n"
+    result = await execute_command(batch(code, [1, 2, 3], first=0), MemoryResultStore(), tools, secrets=secrets)
+    envs = [envelope_from_proto(it.envelope) for it in result.iterations]
+    assert [e["status"] for e in envs] == ["ok", "error", "ok"]
+    assert env_of(result)["error"]["code"] == "ITERATIONS_FAILED"
+    assert "bad" in envs[1]["error"]["message"] and secret not in str(result)
+
+
+async def test_a_batch_stops_starting_iterations_when_its_budget_is_spent(tools: Tools) -> None:
+    code = "import time\ntime.sleep(0.1)\nresult = n"
+    result = await execute_command(batch(code, [0, 1, 2, 3, 4, 5], first=0), MemoryResultStore(), tools,
+                                   batch_budget_sec=0.15)
+    ran = [it.index for it in result.iterations]
+    assert 1 <= len(ran) < 6 and ran == list(range(len(ran)))  # a prefix, at least one: the rest go back
+    assert env_of(result)["context"] == {"count": len(ran), "failed": 0}
