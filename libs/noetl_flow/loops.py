@@ -161,17 +161,9 @@ def on_command_done(flow: Flow, t: Transition, step_name: str, run: StepRun,
     if returned:
         lr.todo = [*(lr.todo or []), *(list(r) for r in returned)]
     for index, envelope in iterations:
-        ok = envelope.get("status") != "error"
-        if ok:
-            lr.done += 1
-        else:
-            lr.failed += 1
+        ok = _count(lr, envelope)
         ref = envelope.get("reference") or {}
         t.loop_results.append((lr.instance, index, "ok" if ok else "error", ref.get("ref_id")))
-        if lr.mode == "cursor":
-            context = envelope.get("context") or {}
-            lr.rows += int(context.get("processed") or 0)
-            lr.rows_failed += int(context.get("failed") or 0)
     if lr.finished:
         io.values.setdefault(step_name, {"stats": lr.stats()})
         return finish(t, step_name, run)
@@ -188,15 +180,22 @@ def finishing(lr: LoopRun, envelopes: list[Mapping[str, Any]]) -> dict[str, int]
     after = LoopRun(**{**lr.__dict__})
     after.in_flight = 0
     for envelope in envelopes:
-        if envelope.get("status") == "error":
-            after.failed += 1
-        else:
-            after.done += 1
-        if lr.mode == "cursor":
-            context = envelope.get("context") or {}
-            after.rows += int(context.get("processed") or 0)
-            after.rows_failed += int(context.get("failed") or 0)
+        _count(after, envelope)
     return after.stats()
+
+
+def _count(lr: LoopRun, envelope: Mapping[str, Any]) -> bool:
+    """Count one iteration's (or cursor slot's) accepted result into the loop; whether it is ok."""
+    ok = envelope.get("status") != "error"
+    if ok:
+        lr.done += 1
+    else:
+        lr.failed += 1
+    if lr.mode == "cursor":
+        context = envelope.get("context") or {}
+        lr.rows += int(context.get("processed") or 0)
+        lr.rows_failed += int(context.get("failed") or 0)
+    return ok
 
 
 def finish(t: Transition, step_name: str, run: StepRun) -> bool:
