@@ -246,6 +246,15 @@ def batch_size(lr: LoopRun, kind: str, most: int) -> int:
     return max(1, min(most, share))
 
 
+def loop_context(lr: LoopRun, index: int, count: int = 1) -> dict[str, Any]:
+    """A loop command's ``context.loop``: its instance, first index (and ``count`` for a
+    batch), iterator and mode (the api attaches the items from it at claim time)."""
+    ctx: dict[str, Any] = {"instance": lr.instance, "index": index, "iterator": lr.iterator, "mode": lr.mode}
+    if count > 1:
+        ctx["count"] = count
+    return ctx
+
+
 def _refill(flow: Flow, t: Transition, step_name: str, run: StepRun, event: dict[str, Any]) -> None:
     lr = run.loop
     assert lr is not None
@@ -254,11 +263,7 @@ def _refill(flow: Flow, t: Transition, step_name: str, run: StepRun, event: dict
         index, count = lr.take(batch_size(lr, kind, flow.loop_batch))
         lr.in_flight += 1
         command_id = make_command_id(t.state.execution_id, step_name, run.visits, index, count)
-        loop_ctx: dict[str, Any] = {"instance": lr.instance, "index": index, "iterator": lr.iterator,
-                                    "mode": lr.mode}
-        if count > 1:
-            loop_ctx["count"] = count
-        extra: dict[str, Any] = {"loop": loop_ctx}
+        extra: dict[str, Any] = {"loop": loop_context(lr, index, count)}
         if lr.mode == "cursor":
             extra["cursor"] = lr.cursor
         flow.dispatch(t, step_name, command_id, kind, event, extra, index=index, count=count)

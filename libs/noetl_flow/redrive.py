@@ -166,11 +166,8 @@ def apply(flow: Flow, t: Transition, items: list[RedriveItem], deadline_ms: int 
             # an expired batch (loops.batch_size) runs again whole; a failed iteration alone
             span = loop_span(item.command_id) if item.reason == EXPIRED else None
             count = span[1] if span is not None else 1
-            loop_ctx: dict[str, object] = {"instance": lr.instance, "index": item.loop_index,
-                                           "iterator": lr.iterator, "mode": lr.mode}
-            if count > 1:
-                loop_ctx["count"] = count
-            flow.dispatch(t, item.step, command_id, kind, {**event, "step": item.step}, {"loop": loop_ctx},
+            flow.dispatch(t, item.step, command_id, kind, {**event, "step": item.step},
+                          {"loop": loops.loop_context(lr, item.loop_index, count)},
                           index=item.loop_index, count=count)
         meta: dict[str, object] = {"dead_letter_id": item.dead_letter_id, "redriven_command": item.command_id,
                                    "redrive": generation, "resumed": sorted(resumed)}
