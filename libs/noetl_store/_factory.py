@@ -43,8 +43,10 @@ async def check_bucket(objects: S3Client) -> None:
         raise ConfigError(f"NOETL_RESULT_S3_BUCKET: bucket {objects.bucket!r} does not exist at "
                           f"{objects.config.endpoint}") from exc
     except AccessDenied as exc:
-        raise ConfigError(f"NOETL_RESULT_S3_ACCESS_KEY / NOETL_RESULT_S3_SECRET_KEY: the S3 server at "
-                          f"{objects.config.endpoint} refused them for bucket {objects.bucket!r}") from exc
+        which = ("NOETL_RESULT_S3_ACCESS_KEY / NOETL_RESULT_S3_SECRET_KEY" if objects.config.static_keys
+                 else "the default AWS credential chain (NOETL_RESULT_S3_ACCESS_KEY unset)")
+        raise ConfigError(f"{which}: the S3 server at {objects.config.endpoint} refused them for bucket "
+                          f"{objects.bucket!r} ({exc})") from exc
     except Unavailable as exc:
         logger.warning("result store: S3 server not reachable at start (%s); results stored in tier s3 "
                        "fail until it is", exc)
