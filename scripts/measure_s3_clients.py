@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--legacy-ref", default=LEGACY_REF)
     ap.add_argument("--clients", default=",".join(CLIENTS))
     ap.add_argument("--json", action="store_true", help="print the raw result as JSON as well")
+    ap.add_argument("--parts", default="imports,ops,exits", help="what to measure (comma-separated)")
     ap.add_argument("--exit-runs", type=int, default=40,
                     help="fresh processes per client that exit right after their last request")
     ap.add_argument("--import-child", help=argparse.SUPPRESS)
@@ -401,18 +402,23 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None:
             sys.path.insert(0, str(path))
     names = tuple(n for n in args.clients.split(",") if n)
+    parts = set(args.parts.split(","))
     result["imports"] = {n: {k: quartiles(v) for k, v in t.items()}
-                         for n, t in import_times(paths, args.import_runs, args.seed).items()}
+                         for n, t in import_times(paths, args.import_runs if "imports" in parts else 0,
+                                                  args.seed).items()
+                         if "imports" in parts}
 
     from noetl_cli.localstack import start_s3
 
     with tempfile.TemporaryDirectory(prefix="noetl-s3-bench-") as root:
         server = start_s3(root, buckets=(BUCKET,))
         try:
-            result["ops"] = asyncio.run(operations(server.endpoint, server.access_key, server.secret_key,
-                                                   args.rounds, args.ops, args.big_ops, args.seed, names))
-            result["exits"] = exit_codes(paths, names, args.exit_runs, server.endpoint, server.access_key,
-                                         server.secret_key)
+            if "ops" in parts:
+                result["ops"] = asyncio.run(operations(server.endpoint, server.access_key, server.secret_key,
+                                                       args.rounds, args.ops, args.big_ops, args.seed, names))
+            if "exits" in parts:
+                result["exits"] = exit_codes(paths, names, args.exit_runs, server.endpoint, server.access_key,
+                                             server.secret_key)
         finally:
             server.stop()
 
@@ -426,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
           "interpreters each, interleaved)")
     for name, t in result["imports"].items():
         print(f"  {name:<12} import {fmt(t['import']):>24}   + client {fmt(t['client']):>24}")
-    ops = result["ops"]
+    ops = result.get("ops", {"rounds": 0, "ops": 0, "big_ops": 0, "rows": []})
     print(f"\nper operation against SeaweedFS ({ops['rounds']} rounds x {ops['ops']} (1 KiB) or {ops['big_ops']} "
           "(1 MiB) operations per client and op, interleaved; ms, median [quartiles])")
     print(f"  {'client':<12} {'size':>8} {'op':<4} {'wall':>24} {'process CPU':>24}")
@@ -434,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         size = "1 KiB" if row["size"] == 1024 else "1 MiB"
         print(f"  {row['client']:<12} {size:>8} {row['op']:<4} {fmt(row['wall']):>24} {fmt(row['cpu']):>24}")
     print("\nprocesses that exit right after their last request (one PUT, one GET): abnormal exits")
-    for label, row in result["exits"].items():
+    for label, row in result.get("exits", {}).items():
         print(f"  {label:<22} {row['abnormal']:>3} / {row['runs']}")
     return 0
 
