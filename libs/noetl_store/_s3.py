@@ -32,8 +32,9 @@ is the project's one); callers bound the whole operation with their own deadline
 
 obstore completes each awaited call from a thread of its Rust runtime (a
 ``call_soon_threadsafe`` into the loop). A process that finalizes while such a thread is
-still inside that call is aborted by CPython 3.11 (SIGABRT at exit); ``close()`` waits
-until those threads are done (scripts/measure_s3_clients.py ``--exit-runs`` counts it).
+still inside that call is aborted by CPython 3.11 (SIGABRT at exit); ``close()`` gives
+those threads ``SETTLE_SEC`` to get out of it (scripts/measure_s3_clients.py, part
+``exits``, counts abnormal exits: docs/ARCHITECTURE.md "Result store" has the numbers).
 """
 
 from __future__ import annotations
