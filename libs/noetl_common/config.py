@@ -295,6 +295,11 @@ class ResultStoreSettings(BaseSettings):
     reads whenever it is configured. ``cache = kv`` adds a NATS KV read-through cache
     (bucket ``kv_bucket``, key = ref id); values above ``kv_max_value_bytes`` are not
     cached. Every store call is bounded by ``timeout_sec``.
+
+    S3 credentials: ``s3_access_key`` and ``s3_secret_key`` when both are set (static
+    keys), else the S3 library's default chain (``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY``, web identity / IRSA, container credentials, the instance
+    profile: docs/DEPLOY.md "Result store on S3").
     """
 
     model_config = _env("NOETL_RESULT_")
@@ -320,13 +325,14 @@ class ResultStoreSettings(BaseSettings):
     @model_validator(mode="after")
     def _s3_complete(self) -> ResultStoreSettings:
         if self.tier == "s3" or self.s3_endpoint:
-            names = {"s3_endpoint": self.s3_endpoint, "s3_bucket": self.s3_bucket,
-                     "s3_access_key": self.s3_access_key,
-                     "s3_secret_key": self.s3_secret_key.get_secret_value()}
+            names = {"s3_endpoint": self.s3_endpoint, "s3_bucket": self.s3_bucket}
             missing = [f"NOETL_RESULT_{n.upper()}" for n, v in names.items() if not v]
             if missing:
                 why = "NOETL_RESULT_TIER=s3" if self.tier == "s3" else "NOETL_RESULT_S3_ENDPOINT"
                 raise ValueError(f"{why} needs {', '.join(missing)}")
+            if bool(self.s3_access_key) != bool(self.s3_secret_key.get_secret_value()):
+                raise ValueError("NOETL_RESULT_S3_ACCESS_KEY and NOETL_RESULT_S3_SECRET_KEY go together: set both "
+                                 "(static keys) or neither (the default AWS credential chain)")
             if not self.s3_endpoint.startswith(("http://", "https://")):
                 raise ValueError(f"NOETL_RESULT_S3_ENDPOINT must be an http(s):// URL, got {self.s3_endpoint!r}")
         if self.s3_prefix and not self.s3_prefix.endswith("/"):

@@ -25,9 +25,11 @@ never retried blindly.
                 responders, JetStream API errors: a          max payload, a bad subject, ...)
                 stream or consumer the api has not made
                 yet) (``nats_transient``)
-    S3          httpx timeouts, network errors, a          401/403, 404, other 4xx,
-                connection cut mid-answer; HTTP 429 and      an unsupported URL
-                5xx (``s3_transient``, ``s3_status_transient``)
+    S3          obstore's (and, for the bucket's HEAD /    401/403, 404, other 4xx,
+                PUT, httpx's) timeouts, connect and          an unsupported URL, a
+                request errors, a connection cut             missing credential
+                mid-answer; HTTP 429 and 5xx
+                (``s3_transient``, ``s3_status_transient``)
     any         OSError, TimeoutError
 
 A translated error (``NoetlError``) is transient when it is ``Unavailable``, or when the
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -100,10 +103,37 @@ def s3_status_transient(status: int) -> bool:
     return status == 429 or status >= 500
 
 
+# obstore's errors carry the HTTP status, or the kind of transport failure, only in their
+# message: object_store's Display text and a `Debug source:` dump of the error chain.
+_OBSTORE_STATUS = re.compile(r"\bstatus(?: code)?:? (\d{3})\b")
+_OBSTORE_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+# object_store's HttpErrorKind values that a later call can get past: the connection could
+# not be made or was lost, the request timed out or was cut, the body arrived cut short.
+OBSTORE_TRANSIENT_KINDS = frozenset({"Connect", "Request", "Timeout", "Interrupted", "Decode"})
+
+
+def obstore_failure(exc: BaseException) -> tuple[int | None, str | None]:
+    """(HTTP status, transport failure kind) of an obstore error, each None when its
+    message has none; (None, None) for anything else."""
+    if not type(exc).__module__.startswith("obstore") and not isinstance(exc, FileNotFoundError):
+        return None, None
+    text = str(exc)
+    status = _OBSTORE_STATUS.search(text)
+    kind = _OBSTORE_KIND.search(text)
+    return (int(status.group(1)) if status else None), (kind.group(1) if kind else None)
+
+
 def s3_transient(exc: BaseException) -> bool:
-    """The S3 client's transport (httpx): a timeout, a network error, or a connection
-    closed mid-answer; not a malformed request or an unsupported URL."""
-    return isinstance(exc, httpx.TimeoutException | httpx.NetworkError | httpx.RemoteProtocolError)
+    """The S3 client's transport: an obstore error with a transient status (429, 5xx) or
+    transport failure (connect, request, timeout, a cut answer), or an httpx timeout,
+    network error or connection closed mid-answer (the bucket's HEAD / PUT); not a
+    malformed request, an unsupported URL or missing credentials."""
+    if isinstance(exc, httpx.TimeoutException | httpx.NetworkError | httpx.RemoteProtocolError):
+        return True
+    status, kind = obstore_failure(exc)
+    if status is not None:
+        return s3_status_transient(status)
+    return kind in OBSTORE_TRANSIENT_KINDS
 
 
 CLASSIFIERS: dict[str, Callable[[BaseException], bool]] = {
@@ -205,6 +235,6 @@ async def retry_keyed(what: str, request: Any, call: Callable[[], Awaitable[T]],
                                  transient=transient)
 
 
-__all__ = ["CLASSIFIERS", "NATS_PERMANENT", "grpc_transient", "is_transient", "nats_transient",
-           "postgres_transient", "retry_keyed", "retry_transient", "retrying", "s3_status_transient",
-           "s3_transient"]
+__all__ = ["CLASSIFIERS", "NATS_PERMANENT", "OBSTORE_TRANSIENT_KINDS", "grpc_transient", "is_transient",
+           "nats_transient", "obstore_failure", "postgres_transient", "retry_keyed", "retry_transient", "retrying",
+           "s3_status_transient", "s3_transient"]

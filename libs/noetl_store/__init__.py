@@ -10,7 +10,7 @@
 Every reference is a ``noetl.result_ref`` row (tier, uri, size, sha256, parent_ref_id)
 whatever the tier. ``make_result_store(settings, pool, js)`` builds what a service uses
 from ``noetl_common.config.ResultStoreSettings``; ``S3Client`` is the object-store client
-(httpx, SigV4 signing of its own).
+(obstore: the Rust object_store crate's S3 client and AWS credential chain).
 
 A tier built with a result size limit (``make_result_store(..., max_result_bytes=N)``,
 the worker passes ``NOETL_LIMIT_RESULT_BYTES``) refuses a larger value with
@@ -21,7 +21,7 @@ Helpers: ``encode_json`` (the one JSON encoder for results), ``envelope`` /
 ``context_of`` (the v3 envelope; credential-shaped keys never reach ``context``),
 ``envelope_to_proto`` / ``envelope_from_proto``.
 
-Everything that needs psycopg, httpx, NATS, Prometheus or protobuf is imported lazily so
+Everything that needs psycopg, httpx, obstore, NATS, Prometheus or protobuf is imported lazily so
 that light importers (the python sandbox child) do not pay for it.
 """
 

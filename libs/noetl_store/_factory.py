@@ -20,7 +20,7 @@ from noetl_common.errors import ConfigError, NotFound, Unavailable
 
 from ._kv import KvCachedResultStore
 from ._postgres import PostgresResultStore, S3ResultStore
-from ._s3 import AccessDenied, S3Client, S3Config
+from ._s3 import AccessDenied, CredentialsUnavailable, S3Client, S3Config
 from ._store import CachedResultStore, ResultStore
 
 logger = logging.getLogger(__name__)
@@ -35,16 +35,25 @@ def s3_client(settings: ResultStoreSettings) -> S3Client:
 
 
 async def check_bucket(objects: S3Client) -> None:
-    """ConfigError when the bucket is missing or the keys are refused; a warning when the
-    server cannot be reached now."""
+    """ConfigError when the bucket is missing, the keys are refused or no credentials can be
+    found (no static keys and no link of the default chain answered); a warning when only the
+    S3 server cannot be reached now."""
     try:
         await objects.head_bucket()
     except NotFound as exc:
         raise ConfigError(f"NOETL_RESULT_S3_BUCKET: bucket {objects.bucket!r} does not exist at "
                           f"{objects.config.endpoint}") from exc
     except AccessDenied as exc:
-        raise ConfigError(f"NOETL_RESULT_S3_ACCESS_KEY / NOETL_RESULT_S3_SECRET_KEY: the S3 server at "
-                          f"{objects.config.endpoint} refused them for bucket {objects.bucket!r}") from exc
+        which = ("NOETL_RESULT_S3_ACCESS_KEY / NOETL_RESULT_S3_SECRET_KEY" if objects.config.static_keys
+                 else "the default AWS credential chain (NOETL_RESULT_S3_ACCESS_KEY unset)")
+        raise ConfigError(f"{which}: the S3 server at {objects.config.endpoint} refused them for bucket "
+                          f"{objects.bucket!r} ({exc})") from exc
+    except CredentialsUnavailable as exc:
+        raise ConfigError(
+            "S3 credentials: NOETL_RESULT_S3_ACCESS_KEY / NOETL_RESULT_S3_SECRET_KEY are unset and the default "
+            "AWS credential chain found none (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, web identity: "
+            "AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN, container credentials, instance profile): "
+            f"{exc}") from exc
     except Unavailable as exc:
         logger.warning("result store: S3 server not reachable at start (%s); results stored in tier s3 "
                        "fail until it is", exc)

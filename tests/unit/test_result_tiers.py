@@ -1,22 +1,22 @@
-"""Result store pieces that need no server: the SigV4 signer (AWS's published examples),
-the S3 client's error translation and retries (httpx mock transport), the settings'
-validation, secrets kept out of envelope context, and persist-before-emit bounds."""
+"""Result store pieces that need no real store: the S3 client's signing, error translation
+and retries (against a scripted loopback HTTP server), the settings' validation, secrets
+kept out of envelope context, and persist-before-emit bounds."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
+import os
 import re
 import time
-from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 import pytest
 
 from noetl_common.config import ResultStoreSettings, load
 from noetl_common.errors import ConfigError, NoetlError, NotFound, Unavailable
+from noetl_common.retry import is_transient
 from noetl_proto.v1 import common_pb2, messages_pb2
 from noetl_store import (
     MemoryResultStore,
@@ -28,122 +28,196 @@ from noetl_store import (
     is_secret_key,
 )
 from noetl_store._s3 import AccessDenied
-from noetl_store._sigv4 import EMPTY_SHA256, sign
 from noetl_worker.cursor import run_cursor_slot
 from noetl_worker.runner import StoreFailure, execute_command, persist_result
 from noetl_worker.tools import Tools
 
-# ---------------------------------------------------------------- SigV4 (AWS S3 documentation examples)
-
-AWS = {"access_key": "AKIAIOSFODNN7EXAMPLE", "secret_key": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
-       "region": "us-east-1", "now": datetime(2013, 5, 24, tzinfo=UTC)}
-HOST = "examplebucket.s3.amazonaws.com"
+# ---------------------------------------------------------------- the S3 client over a scripted server
 
 
-def signature(headers: dict[str, str]) -> str:
-    return headers["Authorization"].rsplit("Signature=", 1)[1]
+class ScriptedS3:
+    """A loopback HTTP/1.1 server that answers every request with the next scripted
+    ``(status, body)`` (the last one repeats; status None: never answer), recording each
+    request: how the client signs, retries and translates what an S3 server can answer
+    that SeaweedFS cannot be made to (5xx, 429, a hang). The S3 behaviour itself is tested
+    against SeaweedFS (tests/integration/test_result_store.py, test_s3_credentials.py)."""
+
+    def __init__(self, *answers: tuple[int | None, bytes], routes: dict[str, bytes] | None = None) -> None:
+        self.answers = list(answers)
+        self.routes = routes or {}  # path -> a 200 body, answered before the script
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self.server: asyncio.Server | None = None
+        self.handlers: set[asyncio.Task[None]] = set()
+
+    @property
+    def endpoint(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aenter__(self) -> ScriptedS3:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for task in self.handlers:
+            task.cancel()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                method, target, _ = head[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in head[1:] if h)}
+                await reader.readexactly(int(headers.get("content-length", "0")))
+                self.requests.append((method, target, headers))
+                path = target.split("?", 1)[0]
+                if path in self.routes:
+                    status, body = 200, self.routes[path]
+                else:
+                    status, body = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+                if status is None:
+                    await asyncio.Event().wait()
+                writer.write(f"HTTP/1.1 {status} S\r\ncontent-type: application/xml\r\netag: \"e\"\r\n"
+                             "last-modified: Tue, 24 Nov 2026 00:00:00 GMT\r\n"
+                             f"content-length: {len(body)}\r\n\r\n".encode() + (b"" if method == "HEAD" else body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
 
 
-def test_sigv4_get_object_example() -> None:
-    h = sign("GET", "/test.txt", {}, {"host": HOST, "range": "bytes=0-9"}, EMPTY_SHA256, **AWS)  # type: ignore[arg-type]
-    assert h["x-amz-date"] == "20130524T000000Z"
-    assert h["Authorization"].startswith(
-        "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/aws4_request, "
-        "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date, ")
-    assert signature(h) == "f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41"
-
-
-def test_sigv4_put_object_example() -> None:
-    body = b"Welcome to Amazon S3."
-    h = sign("PUT", "/test$file.text", {}, {"host": HOST, "date": "Fri, 24 May 2013 00:00:00 GMT",
-                                             "x-amz-storage-class": "REDUCED_REDUNDANCY"},
-             hashlib.sha256(body).hexdigest(), **AWS)  # type: ignore[arg-type]
-    assert signature(h) == "98ad721746da40c64f1a55b78f14c238d841ea1380cd77a1b5971af0ece108bd"
-
-
-def test_sigv4_list_objects_example_with_query() -> None:
-    h = sign("GET", "/", {"max-keys": "2", "prefix": "J"}, {"host": HOST}, EMPTY_SHA256, **AWS)  # type: ignore[arg-type]
-    assert signature(h) == "34b48302e7b5fa45bde8084f4b7868a86f0a534bc59db6670ed5711ef69dc6f7"
-
-
-# ---------------------------------------------------------------- the S3 client
-
-
-def client(handler: Any, attempts: int = 3) -> S3Client:
-    return S3Client(S3Config("http://s3.test:9000", "bucket", "AK", "SK", attempts=attempts),
-                    transport=httpx.MockTransport(handler))
+def client(endpoint: str, attempts: int = 3, timeout: float = 10.0) -> S3Client:
+    return S3Client(S3Config(endpoint, "bucket", "AK", "SK", attempts=attempts, timeout_sec=timeout,
+                             connect_timeout_sec=1.0))
 
 
 async def test_s3_requests_are_signed_path_style_with_the_body_hash() -> None:
-    seen: list[httpx.Request] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return httpx.Response(200, content=b'{"a":1}' if request.method == "GET" else b"")
-
-    s3 = client(handler)
-    await s3.put_object("r/1.json", b'{"a":1}')
-    assert await s3.get_object("r/1.json") == b'{"a":1}'
-    put, get = seen
-    assert put.method == "PUT" and str(put.url) == "http://s3.test:9000/bucket/r/1.json"
-    assert put.headers["x-amz-content-sha256"] == hashlib.sha256(b'{"a":1}').hexdigest()
-    assert put.headers["authorization"].startswith("AWS4-HMAC-SHA256 Credential=AK/")
-    assert "content-type;host;x-amz-content-sha256;x-amz-date" in put.headers["authorization"]
-    assert get.headers["x-amz-content-sha256"] == EMPTY_SHA256
+    async with ScriptedS3((200, b'{"a":1}')) as server:
+        s3 = client(server.endpoint)
+        await s3.put_object("r/1.json", b'{"a":1}')
+        assert await s3.get_object("r/1.json") == b'{"a":1}'
+        await s3.close()
+    (put_method, put_path, put), (get_method, get_path, _) = server.requests
+    assert (put_method, put_path, get_method, get_path) == ("PUT", "/bucket/r/1.json", "GET", "/bucket/r/1.json")
+    assert put["x-amz-content-sha256"] == hashlib.sha256(b'{"a":1}').hexdigest()
+    assert put["authorization"].startswith("AWS4-HMAC-SHA256 Credential=AK/")
+    assert put["content-type"] == "application/json"
     assert s3.uri("r/1.json") == "s3://bucket/r/1.json" and s3.key_of("s3://bucket/r/1.json") == "r/1.json"
     with pytest.raises(ValueError):
         s3.key_of("s3://other/r/1.json")
-    await s3.close()
 
 
 @pytest.mark.parametrize(("status", "body", "error", "text"), [
-    (404, b"<Error><Code>NoSuchKey</Code></Error>", NotFound, "NoSuchKey (HTTP 404)"),
-    (403, b"<Error><Code>SignatureDoesNotMatch</Code></Error>", AccessDenied, "SignatureDoesNotMatch"),
-    (400, b"<Error><Code>InvalidArgument</Code></Error>", NoetlError, "InvalidArgument"),
+    (404, b"<Error><Code>NoSuchKey</Code></Error>", NotFound, "(HTTP 404)"),
+    (403, b"<Error><Code>SignatureDoesNotMatch</Code></Error>", AccessDenied, "SignatureDoesNotMatch (HTTP 403)"),
+    (401, b"", AccessDenied, "HTTP 401"),
+    (400, b"<Error><Code>InvalidArgument</Code></Error>", NoetlError, "InvalidArgument (HTTP 400)"),
     (503, b"<Error><Code>SlowDown</Code></Error>", Unavailable, "SlowDown (HTTP 503)"),
+    (429, b"", Unavailable, "HTTP 429"),
     (500, b"", Unavailable, "HTTP 500"),
 ])
 async def test_s3_errors_are_translated_once(status: int, body: bytes, error: type[Exception], text: str) -> None:
-    calls = 0
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        nonlocal calls
-        calls += 1
-        return httpx.Response(status, content=body)
-
-    s3 = client(handler)
-    with pytest.raises(error, match=re.escape(text)):
-        await s3.get_object("k")
-    assert calls == (3 if error is Unavailable else 1)  # only transient failures are retried
-    await s3.close()
+    async with ScriptedS3((status, body)) as server:
+        s3 = client(server.endpoint)
+        with pytest.raises(error, match=re.escape(text)) as raised:
+            await s3.get_object("k")
+        if error is NoetlError:
+            assert type(raised.value) is NoetlError
+        assert not is_transient(raised.value) or error is Unavailable
+        await s3.close()
+    assert len(server.requests) == (3 if error is Unavailable else 1)  # only transient failures are retried
 
 
 async def test_s3_transient_failures_are_retried() -> None:
-    answers = iter([httpx.ConnectError("refused"), httpx.Response(500), httpx.Response(200, content=b"ok")])
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        answer = next(answers)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    s3 = client(handler)
-    assert await s3.get_object("k") == b"ok"
-    await s3.close()
+    async with ScriptedS3((503, b"<Error><Code>SlowDown</Code></Error>"), (500, b""), (200, b"ok")) as server:
+        s3 = client(server.endpoint)
+        assert await s3.get_object("k") == b"ok"
+        await s3.close()
+    assert len(server.requests) == 3
 
 
 async def test_s3_unreachable_and_timeouts_are_unavailable() -> None:
-    def refused(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused")
-
-    def slow(request: httpx.Request) -> httpx.Response:
-        raise httpx.ReadTimeout("timed out")
-
-    for handler, text in ((refused, "cannot reach the S3 server"), (slow, "did not answer in time")):
-        s3 = client(handler, attempts=1)
-        with pytest.raises(Unavailable, match=text):
-            await s3.put_object("k", b"x")
+    s3 = client("http://127.0.0.1:9", attempts=1)  # discard port: nothing listens
+    with pytest.raises(Unavailable, match=re.escape("cannot reach the S3 server at http://127.0.0.1:9")):
+        await s3.put_object("k", b"x")
+    await s3.close()
+    async with ScriptedS3((None, b"")) as server:
+        s3 = client(server.endpoint, attempts=1, timeout=0.5)
+        started = time.monotonic()
+        with pytest.raises(Unavailable, match="did not answer in time"):
+            await s3.get_object("k")
+        assert time.monotonic() - started < 5
         await s3.close()
+
+
+CREDENTIALS = {"AccessKeyId": "{key}", "SecretAccessKey": "secret", "Token": "session-{key}",
+               "Expiration": "2099-01-01T00:00:00Z"}
+NOWHERE = "http://127.0.0.2:9"  # a loopback address where nothing listens
+
+
+def credentials(key: str) -> bytes:
+    return json.dumps({"Code": "Success", **{k: v.format(key=key) for k, v in CREDENTIALS.items()}}).encode()
+
+
+def no_aws_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No AWS_* variable of the machine reaches the client, and the chain's last link (the
+    instance metadata service) points at the loopback: a test never calls out."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", NOWHERE)
+
+
+@pytest.mark.parametrize("source", ["static", "env", "container", "instance profile"])
+async def test_s3_credentials_come_from_the_default_chain_without_static_keys(
+        source: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Providers of the chain served by a loopback stand-in for the AWS endpoint they call
+    (the EKS Pod Identity agent, the instance metadata service); the S3 request is signed
+    with what they returned, session token included. Web identity (IRSA) is not here:
+    obstore 0.12.1 calls STS at sts.<region>.amazonaws.com, which no setting moves. (Real
+    keys from the environment against SeaweedFS: tests/integration/test_s3_credentials.py.)"""
+    no_aws_environment(monkeypatch)
+    routes = {"/container": credentials("CONTAINERKEY"), "/latest/api/token": b"imds-token",
+              "/latest/meta-data/iam/security-credentials/": b"noetl-role",
+              "/latest/meta-data/iam/security-credentials/noetl-role": credentials("IMDSKEY")}
+    async with ScriptedS3((200, b"ok"), routes=routes) as server:
+        if source == "env":
+            monkeypatch.setenv("AWS_ACCESS_KEY_ID", "ENVKEY")
+            monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+        elif source == "container":
+            (tmp_path / "token").write_text("pod-identity-token")
+            monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", server.endpoint + "/container")
+            monkeypatch.setenv("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", str(tmp_path / "token"))
+        elif source == "instance profile":
+            monkeypatch.setenv("AWS_METADATA_ENDPOINT", server.endpoint)
+        keys = ("AK", "SK") if source == "static" else ("", "")
+        s3 = S3Client(S3Config(server.endpoint, "bucket", *keys))
+        assert await s3.get_object("k") == b"ok"
+        await s3.close()
+    (_, _, headers), = [r for r in server.requests if r[1].startswith("/bucket/")]
+    key = {"static": "AK", "env": "ENVKEY", "container": "CONTAINERKEY", "instance profile": "IMDSKEY"}[source]
+    assert headers["authorization"].startswith(f"AWS4-HMAC-SHA256 Credential={key}/"), headers
+    assert headers.get("x-amz-security-token") == (None if source in ("static", "env") else f"session-{key}")
+    if source == "container":
+        (_, _, asked), = [r for r in server.requests if r[1] == "/container"]
+        assert asked["authorization"] == "pod-identity-token"
+
+
+async def test_s3_credentials_that_cannot_be_had_are_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No keys anywhere: the chain ends at the instance metadata service; when that does
+    not answer, the request is Unavailable naming it (not the S3 server)."""
+    no_aws_environment(monkeypatch)
+    s3 = S3Client(S3Config("http://127.0.0.1:9", "bucket", attempts=1))
+    with pytest.raises(Unavailable, match=re.escape(f"getting credentials: cannot reach {NOWHERE}/")):
+        await s3.get_object("k")
+    await s3.close()
 
 
 # ---------------------------------------------------------------- settings
@@ -152,9 +226,14 @@ async def test_s3_unreachable_and_timeouts_are_unavailable() -> None:
 def test_result_settings_defaults_and_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (ResultStoreSettings().tier, ResultStoreSettings().cache) == ("db", "none")
     with pytest.raises(ConfigError, match="NOETL_RESULT_TIER=s3 needs NOETL_RESULT_S3_ENDPOINT, "
-                                          "NOETL_RESULT_S3_BUCKET, NOETL_RESULT_S3_ACCESS_KEY, "
-                                          "NOETL_RESULT_S3_SECRET_KEY"):
+                                          "NOETL_RESULT_S3_BUCKET") as missing:
         load(ResultStoreSettings, tier="s3")
+    assert "ACCESS_KEY" not in str(missing.value)  # keys are optional
+    with pytest.raises(ConfigError, match="go together"):
+        load(ResultStoreSettings, tier="s3", s3_endpoint="http://minio:9000", s3_bucket="b", s3_access_key="a")
+    # no keys: the default credential chain
+    keyless = load(ResultStoreSettings, tier="s3", s3_endpoint="http://minio:9000", s3_bucket="b")
+    assert (keyless.s3_access_key, keyless.s3_secret_key.get_secret_value()) == ("", "")
     with pytest.raises(ConfigError, match="NOETL_RESULT_TIER"):
         load(ResultStoreSettings, tier="tape")
     with pytest.raises(ConfigError, match="must be an http"):
