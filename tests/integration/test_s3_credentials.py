@@ -159,7 +159,7 @@ async def test_no_credentials_anywhere_is_a_config_error_at_start(s3_server: S3S
                                           r"AWS_WEB_IDENTITY_TOKEN_FILE .* getting credentials"):
         await make_result_store(settings, pool)
     s3 = S3Client(S3Config(s3_server.endpoint, BUCKET, attempts=1))
-    with pytest.raises(Unavailable, match="getting credentials: cannot reach http://127.0.0.2:9") as raised:
+    with pytest.raises(Unavailable, match=re.escape("getting credentials: cannot reach http://127.0.0.2:9")) as raised:
         await s3.put_object(key(), b"{}")
     assert is_transient(raised.value)
     await s3.close()
