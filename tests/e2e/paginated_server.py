@@ -10,7 +10,7 @@ Endpoints:
 * ``POST /api/v1/concurrency/reset`` -> ``{"status": "reset"}`` (zeroes the probe counters)
 * ``GET /api/v1/concurrency/stats`` -> ``{"started", "completed", "active", "max_active"}``
 * ``GET /api/v1/concurrency/probe?delay_seconds=..&label=..``: counts itself active while it
-  sleeps ``delay_seconds``, then answers ``{"status": "ok", "label", "delay_seconds",
+  sleeps ``delay_seconds`` (at least MIN_PROBE_SEC), then answers ``{"status": "ok", "label", "delay_seconds",
   "active_at_start", "started_at", "finished_at"}``
 * ``GET /api/v1/events?cursor=..&limit=..`` -> ``{"events": [...], "next_cursor": "..." | null}``
   over ``EVENT_COUNT`` events with ids 1..35 (an empty or missing cursor is the first page)
@@ -44,6 +44,12 @@ PFT_DATA_TYPES = ("assessments", "conditions", "medications", "vital_signs", "de
 PFT_FLAKY_EVERY = 30
 DEFAULT_LIMIT = 10
 MAX_PROBE_DELAY_SEC = 30.0
+# A probe is active for at least this long, like a call to upstream's test API across a
+# cluster network (milliseconds), not the ~0.3 ms this loopback server needs: a playbook's
+# overlap check (pagination/basic: max_active >= 2) then measures whether concurrent
+# iterations overlap, not which of five requests sent within ~2 ms of each other reached
+# the server first (CI saw the slow probe arrive 1.3 ms after four finished fast ones).
+MIN_PROBE_SEC = 0.025
 DATA = [{"id": i, "name": f"record_{i}", "value": i * 10} for i in range(1, 4)]
 
 
@@ -135,7 +141,7 @@ def _probe(state: ApiState, query: dict[str, str]) -> tuple[int, dict[str, Any]]
         active_at_start = state.active
     started_at = time.time()
     try:
-        time.sleep(delay)  # a slow upstream (not a wait): delay_seconds is what the test asks for
+        time.sleep(max(delay, MIN_PROBE_SEC))  # a slow upstream (not a wait): delay_seconds is what the test asks for
     finally:
         with state.lock:
             state.active -= 1

@@ -4,8 +4,8 @@ our own paginated test API (paginated_server.py), whose URL replaces the workloa
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from chaos import Db
@@ -27,7 +27,7 @@ def test_pagination_basic_probes_overlap(runner: Runner, http_api: TestApi, db: 
     http_api.clear()
     out = runner.run(conformance("pagination/basic/test_pagination_basic.yaml"), {"api_url": http_api.url},
                      timeout=90)
-    assert out.status == "COMPLETED", (out.error, _probe_timeline(http_api, db, out.execution_id))
+    assert out.status == "COMPLETED", f"{out.error}\n{_probe_timeline(http_api, db, out.execution_id)}"
     assert out.result("reset_probe_stats") == {"status": "reset", "started": 0, "completed": 0, "max_active": 0}
     assert out.result("build_probe_plan") == {"probe_delays": [4.0, 0.0, 0.0, 0.0, 0.0], "expected_total": 5}
     validate = out.result("validate_results")
@@ -49,13 +49,14 @@ def test_pagination_basic_probes_overlap(runner: Runner, http_api: TestApi, db: 
     assert len(probe_calls) == 5
 
 
-def _probe_timeline(http_api: TestApi, db: Db, execution_id: int) -> dict[str, Any]:
+def _probe_timeline(http_api: TestApi, db: Db, execution_id: int) -> str:
     """What a failed overlap check needs to be understood: when each probe's command was
     created, claimed (by whom, which attempt) and ended, and when each probe reached the server."""
     commands = db.all("SELECT command_id, attempt, worker_id, created_at, claimed_at, updated_at FROM noetl.command "
                        "WHERE execution_id = %s AND step = 'run_probes' ORDER BY command_id", (execution_id,))
-    return {"commands": [{k: str(v) for k, v in row.items()} for row in commands],
-            "probes": [(r.at, r.query.get("delay_seconds")) for r in http_api.requests("/api/v1/concurrency/probe")]}
+    return json.dumps({"commands": commands, "probes": [(r.at, r.query.get("delay_seconds"))
+                                                       for r in http_api.requests("/api/v1/concurrency/probe")]},
+                      default=str, indent=1)
 
 
 def test_pagination_cursor_collects_every_page(runner: Runner, http_api: TestApi) -> None:
