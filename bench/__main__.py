@@ -3,7 +3,8 @@
 
 Order: our main stack (raw limits first, on the idle stack, then turnaround, fan-out,
 growth, the sequential loop, cursor drain, concurrency, compactor throughput), in full
-mode a second stack with Postgres fsync on (turnaround and fan-out again), the recovery
+mode a second stack with Postgres fsync on (turnaround and fan-out again) and, when
+``stack.TUNED_ENV`` is set, a tuned stack (fan-out again), the recovery
 stack (2 api replicas, fast failover), then, with every stack of ours stopped, the peers
 one after another (Temporal, then Prefect), each in its own virtualenv. A scenario, a
 stack or a peer that fails is recorded as such and the run goes on; every process
@@ -35,7 +36,7 @@ from .peers import runner as peers
 from .progress import Progress
 from .scenarios import cli, compactor, concurrency, cursor, limits, loops, recovery, turnaround
 from .scenarios.common import Ctx, Plan
-from .stack import BASE_ENV, FAST_FAILOVER_ENV, RESULTS, BenchStack, reap_stale
+from .stack import BASE_ENV, FAST_FAILOVER_ENV, RESULTS, TUNED_ENV, BenchStack, reap_stale
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = ("limits", "turnaround", "fanout", "growth", "sequential", "cursor", "concurrency", "compactor",
@@ -73,7 +74,8 @@ class Run:
             "mode": self.plan.mode, "command": args.command or " ".join(["python -m bench", *sys.argv[1:]]),
             "started_at": datetime.now(UTC).isoformat(timespec="seconds"), "plan": self.plan.__dict__,
             "machine": machine_facts(),
-            "settings": {"stack_env": BASE_ENV, "recovery_env": FAST_FAILOVER_ENV, "recovery_scale": {"api": 2},
+            "settings": {"stack_env": BASE_ENV, "tuned_env": TUNED_ENV, "recovery_env": FAST_FAILOVER_ENV,
+                         "recovery_scale": {"api": 2},
                          # the checkpointers' setting (the stack's roles inherit this environment)
                          "checkpoint_interval_ms": int(BASE_ENV.get("NOETL_CHECKPOINT_INTERVAL_MS") or os.environ.get(
                              "NOETL_CHECKPOINT_INTERVAL_MS") or 1000)},
@@ -178,6 +180,11 @@ class Run:
                 self.stack_block("durable", ["turnaround", "fanout"], {
                     "turnaround": lambda ctx: turnaround.run(ctx, "turnaround (fsync on)"),
                     "fanout": lambda ctx: loops.fanout(ctx)}, fsync=True, into=durable)
+            if self.plan.tuned_rerun and TUNED_ENV and "fanout" in wanted:
+                tuned: dict[str, Any] = {}
+                self.results["scenarios"]["tuned"] = tuned
+                self.stack_block("tuned", ["fanout"], {"fanout": loops.fanout}, env=TUNED_ENV,
+                                 fsync=self.args.fsync, into=tuned)
             self.stack_block("recovery", wanted, {"recovery": recovery.run}, scale={"api": 2},
                              env=FAST_FAILOVER_ENV, fsync=self.args.fsync)
             if "peers" in wanted:
@@ -239,9 +246,9 @@ def failures(results: dict[str, Any]) -> list[str]:
     for name, d in results.get("scenarios", {}).items():
         if name.startswith("_"):
             continue
-        if name == "durable":
+        if name in ("durable", "tuned"):
             for sub, sd in (d or {}).items():
-                one(f"{sub} (fsync on)", sd)
+                one(f"{sub} ({'fsync on' if name == 'durable' else 'tuned'})", sd)
             continue
         one(name, d)
     for name, d in results.get("peers", {}).items():

@@ -337,13 +337,15 @@ class Doc:
             self.row(name, "wall s", _f(wall, 2) if wall else _err(r),
                      self.peer_cell("temporal", tf.get("wall_s"), 2, ""), _ratio(wall, tf.get("wall_s"), False),
                      self.peer_cell("prefect", pf.get("wall_s"), 2, ""), _ratio(wall, pf.get("wall_s"), False))
-        df = (sc.get("durable") or {}).get("fanout")
-        if _ok(df):
-            for r in df["runs"]:
-                if "error" not in r:
-                    self.row(f"fan-out {r['items']:,} items, max_in_flight {r['max_in_flight']}, fsync **on**",
-                             "iterations/s", _f(r["iterations_per_s"], 0),
-                             bound=self.throughput_bound(r["iterations_per_s"], r.get("meter")))
+        for block, label in (("durable", "fsync **on**"),
+                             ("tuned", f"tuned (`{self.res.get('settings', {}).get('tuned_env')}`)")):
+            df = (sc.get(block) or {}).get("fanout")
+            if _ok(df):
+                for r in df["runs"]:
+                    if "error" not in r:
+                        self.row(f"fan-out {r['items']:,} items, max_in_flight {r['max_in_flight']}, {label}",
+                                 "iterations/s", _f(r["iterations_per_s"], 0),
+                                 bound=self.throughput_bound(r["iterations_per_s"], r.get("meter")))
         g = sc.get("growth")
         if _ok(g):
             for p in g["points"]:
@@ -692,8 +694,9 @@ class Doc:
                "in memory (in-memory SQLite).",
                "- **Prefect**: the local server (`prefect server start`) keeps its state in a SQLite file under a "
                "throwaway `PREFECT_HOME`.",
-               f"- Our stack: one replica of each role (recovery: {s.get('recovery_scale')}), 16 shards, env "
-               f"`{s.get('stack_env')}`; recovery adds `{s.get('recovery_env')}`.",
+               f"- Our stack: one replica of each role (recovery: {s.get('recovery_scale')}), 16 shards, the "
+               f"defaults plus env `{s.get('stack_env')}`; recovery adds `{s.get('recovery_env')}`"
+               + (f"; the *tuned* rows add `{s.get('tuned_env')}`." if s.get("tuned_env") else "."),
                f"- Plan: `{ {k: v for k, v in self.res.get('plan', {}).items()} }`.",
                "- Background: the idle stack's own write transactions (heartbeats, lease renewals, checkpointer "
                "ticks) were measured for 3 s after start and subtracted from each window: "
@@ -724,6 +727,10 @@ class Doc:
             else:
                 self.w(f"- **{key}**: {_err(d)}")
         durable = self.sc.get("durable") or {}
+        tuned = (self.sc.get("tuned") or {}).get("fanout")
+        if _ok(tuned):
+            self.w("- **fanout (tuned)**: " + "; ".join(
+                f"width {r['max_in_flight']}: {r.get('check', r.get('error'))}" for r in tuned["runs"]))
         for key in ("turnaround", "fanout"):
             d = durable.get(key)
             if _ok(d):
@@ -776,12 +783,13 @@ class Doc:
         for name, st in stacks.items():
             if st.get("start_s") is not None:
                 self.w(f"| stack '{name}': start | {st['start_s']:.1f} |")
-            where = self.sc.get("durable", {}) if name == "durable" else self.sc
-            keys = ["recovery"] if name == "recovery" else (["turnaround", "fanout"] if name == "durable" else order)
+            where = self.sc.get(name, {}) if name in ("durable", "tuned") else self.sc
+            keys = {"recovery": ["recovery"], "durable": ["turnaround", "fanout"], "tuned": ["fanout"]}.get(name, order)
+            suffix = {"durable": " (fsync on)", "tuned": " (tuned)"}.get(name, "")
             for key in keys:
                 d = where.get(key)
                 if isinstance(d, dict) and d.get("duration_s") is not None:
-                    self.w(f"| {key}{' (fsync on)' if name == 'durable' else ''} | {d['duration_s']:.1f} |")
+                    self.w(f"| {key}{suffix} | {d['duration_s']:.1f} |")
             if st.get("wall_s") is not None:
                 self.w(f"| stack '{name}': total, start to stop | {st['wall_s']:.1f} |")
         for name in ("temporal", "prefect"):

@@ -34,13 +34,14 @@ class Plan:
     compactor_events: int = 20                  # events per execution
     cli_runs: int = 20                          # `noetl-rt status ID`, whole process
     durable_rerun: bool = True                  # turnaround + fan-out again with Postgres fsync on
+    tuned_rerun: bool = True                    # fan-out again on stack.TUNED_ENV (when it is set)
     peers: bool = True
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(mode="quick", turnaround_runs=50, growth_sizes=(100, 1000, 10_000), sequential_items=300,
                    cursor_rows=2_000, concurrency=200, recovery_items=2_000, limits_seconds=1.5,
-                   compactor_executions=1_000, durable_rerun=False, peers=False)
+                   compactor_executions=1_000, durable_rerun=False, tuned_rerun=False, peers=False)
 
     @classmethod
     def full(cls) -> Plan:

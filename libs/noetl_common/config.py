@@ -344,18 +344,33 @@ class ResultStoreSettings(BaseSettings):
         return bool(self.s3_endpoint)
 
 
+# WorkerSettings.python_pool 0: this many interpreters at most (each ~25 MiB idle; on 2 cores
+# interleaved fan-out runs gave ~690 it/s with 8, ~720 with 16, ~700 with 64), PYTHON_WARM of
+# them started with the worker.
+PYTHON_POOL_CAP = 16
+PYTHON_WARM = 4
+
+
 class WorkerSettings(BaseSettings):
     """Worker pool (``NOETL_WORKER_*``)."""
 
     model_config = _env("NOETL_WORKER_")
 
-    concurrency: int = Field(default=8, ge=1, le=1024)
-    # Warm Python interpreters for `kind: python`; 0 = same as concurrency.
+    # Commands a worker runs at once (asyncio slots: http, postgres and sub-playbook tasks
+    # wait without holding a thread; python tasks share the interpreters below). 64: a
+    # `max_in_flight: 64` loop is not capped at a smaller width (docs/BENCHMARKS.md).
+    concurrency: int = Field(default=64, ge=1, le=1024)
+    # Python interpreters for `kind: python`, at most; 0 = min(concurrency, 16). PYTHON_WARM
+    # start with the worker, more as tasks find none idle (tools/python.py).
     python_pool: int = Field(default=0, ge=0, le=1024)
     default_task_timeout_sec: float = Field(default=0.0, ge=0)
     # Address space of each python task interpreter, in MiB (0 = unlimited): a task that
     # allocates beyond it fails with MemoryError instead of taking the worker's memory.
     python_memory_mb: int = Field(default=1024, ge=0)
+    @property
+    def python_pool_size(self) -> int:
+        return self.python_pool or min(self.concurrency, PYTHON_POOL_CAP)
+
     # Most claims one ClaimCommands call carries (concurrent claims are group-committed).
     claim_batch: int = Field(default=64, ge=1, le=1000)
     # A batch of loop iterations stops starting new ones once it has run this long; the

@@ -224,6 +224,20 @@ async def test_pool_runs_tasks_in_parallel() -> None:
         assert time.perf_counter() - start < 0.85
 
 
+async def test_pool_starts_warm_and_grows_on_demand_up_to_its_size() -> None:
+    async with PythonPool(3, warm=1) as pool:
+        assert pool.alive == 1
+        assert await value(pool, "return 1") == 1
+        assert pool.alive == 1  # a task that found an idle child grows nothing
+        sleepy = "import os, time\ntime.sleep(0.4)\nreturn os.getpid()"
+        outs = await asyncio.gather(*(pool.run(sleepy, {}) for _ in range(6)))
+        assert all(o.ok for o in outs)
+        assert pool.alive == 3  # grew while tasks waited, never beyond size
+        assert len({o.data for o in outs}) == 3  # each of the three children ran tasks
+        await asyncio.gather(*(pool.run(sleepy, {}) for _ in range(6)))
+        assert pool.alive == 3
+
+
 # ---------------------------------------------------------------- helpers
 
 

@@ -73,6 +73,7 @@ from nats.js import JetStreamContext
 from noetl_common import grpcclient, natsio, pools, tracing
 from noetl_common.coalesce import Coalescer
 from noetl_common.config import (
+    PYTHON_WARM,
     CommandSettings,
     CoreSettings,
     LimitSettings,
@@ -274,7 +275,7 @@ class WorkerService(Service):
             handler.addFilter(self._log_filter)
         if self.tools is None:
             # Tools stop reading a result as soon as it passes the limit (the store checks it exactly).
-            python = PythonPool(self.worker_cfg.python_pool or self.worker_cfg.concurrency,
+            python = PythonPool(self.worker_cfg.python_pool_size, warm=PYTHON_WARM,
                                 memory_mb=self.worker_cfg.python_memory_mb, result_bytes=result_bytes)
             pools = PoolRegistry()
             duckdb = DuckdbTool(python, self.worker_cfg.duckdb_dir or default_directory(), max_result_bytes=result_bytes,

@@ -1,7 +1,9 @@
 """The python tool: a warm pool of child interpreters (``noetl_worker.sandbox``).
 
-Starting an interpreter costs tens of milliseconds, so the pool starts ``size``
-children up front; each runs one task at a time, talking length-prefixed JSON over
+Starting an interpreter costs tens of milliseconds, so the pool keeps children warm:
+it starts ``warm`` of them up front and grows by one, in the background, whenever a task
+finds none idle, up to ``size`` (it never shrinks: the peak demand stays warm). Each runs
+one task at a time, talking length-prefixed JSON over
 its stdin/stdout pipes. A child that overruns its timeout, whose task is cancelled, or
 that dies mid-task is killed and replaced in the background; a child is also retired
 after ``max_tasks_per_child`` tasks (module state leaks between tasks of a child).
@@ -177,13 +179,13 @@ def _exit_text(code: int | None) -> str:
 
 
 class PythonPool:
-    """``size`` warm child interpreters running python tasks.
+    """Up to ``size`` warm child interpreters running python tasks (``warm`` started up front).
 
     ``await pool.start()`` (or ``async with``) before ``run``; ``await pool.close()``
     kills the children."""
 
-    def __init__(self, size: int, *, executable: str | None = None, max_tasks_per_child: int = 1000,
-                 start_timeout: float = 30.0, env: Mapping[str, str] | None = None,
+    def __init__(self, size: int, *, warm: int | None = None, executable: str | None = None,
+                 max_tasks_per_child: int = 1000, start_timeout: float = 30.0, env: Mapping[str, str] | None = None,
                  memory_mb: int = 0, result_bytes: int = 0) -> None:
         """``env``: the children's environment (default: this process's, without the
         runtime's secrets: ``hidden_env``), captured when the pool is built. ``memory_mb``:
@@ -192,6 +194,7 @@ class PythonPool:
         if size < 1:
             raise ConfigError("python pool size must be at least 1")
         self.size = size
+        self.warm = max(1, min(size, size if warm is None else warm))
         self.executable = executable or sys.executable
         self.max_tasks_per_child = max_tasks_per_child
         self.start_timeout = start_timeout
@@ -209,6 +212,7 @@ class PythonPool:
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
         self._started = False
+        self._growing = 0  # children being started to grow the pool
         self.replacements = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -217,11 +221,11 @@ class PythonPool:
         if self._started:
             return
         self._started = True
-        children = await asyncio.gather(*(self._spawn() for _ in range(self.size)))
+        children = await asyncio.gather(*(self._spawn() for _ in range(self.warm)))
         for child in children:
             self._idle.put_nowait(child)
-        logger.info("python pool started: %d children, memory limit %s, result limit %s, idle child %s",
-                    self.size, f"{self.memory_mb} MiB" if self.memory_mb else "none",
+        logger.info("python pool started: %d children (up to %d on demand), memory limit %s, result limit %s, "
+                    "idle child %s", self.warm, self.size, f"{self.memory_mb} MiB" if self.memory_mb else "none",
                     f"{self.result_bytes} bytes" if self.result_bytes else "none",
                     f"{self.idle_vm_size / 2**20:.1f} MiB address space" if self.idle_vm_size else "unmeasured")
 
@@ -298,6 +302,29 @@ class PythonPool:
             raise ConfigError(f"python sandbox cannot be used: {problem}")
         return child
 
+    def _grow(self) -> None:
+        """No child is idle: start one more in the background, unless ``size`` are alive
+        or starting (the task waiting for a child takes whichever is idle first)."""
+        if self._closed or len(self._children) + self._growing >= self.size:
+            return
+        self._growing += 1
+        task = asyncio.ensure_future(self._add_child())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _add_child(self) -> None:
+        try:
+            child = await self._spawn()
+        except (ConfigError, OSError) as exc:
+            logger.error("cannot grow the python pool beyond %d children: %s", len(self._children), exc)
+            return
+        finally:
+            self._growing -= 1
+        if self._closed:
+            child.kill()
+            return
+        self._idle.put_nowait(child)
+
     def _retire(self, child: _Child, *, kill: bool) -> None:
         """Stop using ``child``; reap it and start its replacement in the background."""
         if kill:
@@ -309,6 +336,13 @@ class PythonPool:
         task.add_done_callback(self._background.discard)
 
     async def _replace(self, old: _Child) -> None:
+        self._growing += 1  # the replacement holds the old child's place in ``size``
+        try:
+            await self._replace_child(old)
+        finally:
+            self._growing -= 1
+
+    async def _replace_child(self, old: _Child) -> None:
         try:
             await asyncio.wait_for(old.proc.wait(), timeout=5)
         except TimeoutError:
@@ -355,6 +389,8 @@ class PythonPool:
         except (TypeError, ValueError) as exc:
             return ToolOutcome.failure(TOOL_ERROR, f"task input is not JSON serialisable: {exc}",
                                        kind=type(exc).__name__)
+        if self._idle.empty():
+            self._grow()
         child = await self._idle.get()
         try:
             reply = await asyncio.wait_for(self._exchange(child, payload), timeout=timeout_sec or None)
