@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import importlib.metadata
 import json
 import os
@@ -188,21 +189,6 @@ def import_times(paths: dict[str, Path | None], runs: int, seed: int) -> dict[st
 # ---------------------------------------------------------------- the clients
 
 
-class Legacy:
-    def __init__(self, endpoint: str, ak: str, sk: str) -> None:
-        from noetl_s3_legacy._s3 import S3Client, S3Config  # type: ignore[import-not-found]
-        self.c = S3Client(S3Config(endpoint, BUCKET, ak, sk, region=REGION))
-
-    async def put(self, key: str, data: bytes) -> None:
-        await self.c.put_object(key, data)
-
-    async def get(self, key: str) -> bytes:
-        return bytes(await self.c.get_object(key))
-
-    async def close(self) -> None:
-        await self.c.close()
-
-
 class Obstore:
     def __init__(self, endpoint: str, ak: str, sk: str) -> None:
         import obstore
@@ -254,9 +240,13 @@ class Aiobotocore:
 
 
 class Ours:
+    """The store's S3 client (``MODULE``: noetl_store now, the hand-written one for Legacy)."""
+
+    MODULE = "noetl_store"
+
     def __init__(self, endpoint: str, ak: str, sk: str) -> None:
-        from noetl_store import S3Client, S3Config
-        self.c = S3Client(S3Config(endpoint, BUCKET, ak, sk, region=REGION))
+        mod = importlib.import_module(self.MODULE)
+        self.c = mod.S3Client(mod.S3Config(endpoint, BUCKET, ak, sk, region=REGION))
 
     async def put(self, key: str, data: bytes) -> None:
         await self.c.put_object(key, data)
@@ -266,6 +256,13 @@ class Ours:
 
     async def close(self) -> None:
         await self.c.close()
+
+
+class Legacy(Ours):
+    """The hand-written httpx + SigV4 client this project had before obstore (installed
+    by the script as ``noetl_s3_legacy``)."""
+
+    MODULE = "noetl_s3_legacy._s3"
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
