@@ -30,6 +30,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from noetl_common.config import ShardSettings
+
 from . import report
 from .machine import ProcSampler, machine_facts
 from .peers import runner as peers
@@ -75,6 +77,8 @@ class Run:
             "started_at": datetime.now(UTC).isoformat(timespec="seconds"), "plan": self.plan.__dict__,
             "machine": machine_facts(),
             "settings": {"stack_env": BASE_ENV, "tuned_env": TUNED_ENV, "recovery_env": FAST_FAILOVER_ENV,
+                         # the stacks' shard count (their roles read this environment)
+                         "shard_count": ShardSettings().count,
                          "recovery_scale": {"api": 2},
                          # the checkpointers' setting (the stack's roles inherit this environment)
                          "checkpoint_interval_ms": int(BASE_ENV.get("NOETL_CHECKPOINT_INTERVAL_MS") or os.environ.get(

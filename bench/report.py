@@ -102,6 +102,13 @@ def result_bytes(sc: dict[str, Any]) -> dict[str, Any] | None:
             "buckets": {k: v for k, v in hist.items() if k not in ("count", "sum")}}
 
 
+def _ms_per_unit(meter: dict[str, Any], tree: str) -> float:
+    """CPU milliseconds a process tree spent per unit of the meter's work (the idle stack's
+    own use subtracted when measured); 0 for a tree the meter did not see."""
+    v = meter["usage"]["trees"].get(tree)
+    return 1000 * v.get("cpu_s_minus_idle", v["cpu_s"]) / meter["units"] if v else 0.0
+
+
 def _ratio(ours: float | None, peer: float | None, higher_better: bool) -> str:
     if not ours or not peer:
         return "-"
@@ -172,9 +179,7 @@ class Doc:
         2-core machine: total ms per unit x rate <= 2,000)."""
         if not meter or not meter.get("units"):
             return ""
-        trees = meter["usage"]["trees"]
-        per = sorted(((k, 1000 * v.get("cpu_s_minus_idle", v["cpu_s"]) / meter["units"]) for k, v in trees.items()),
-                     key=lambda kv: -kv[1])
+        per = sorted(((k, _ms_per_unit(meter, k)) for k in meter["usage"]["trees"]), key=lambda kv: -kv[1])
         total = sum(v for k, v in per if k != "bench-client")
         parts = ", ".join(f"{k} {v:.1f}" for k, v in per if v >= 0.05)
         return f"CPU ms per {meter['unit']} (idle stack's own use subtracted): {parts} (stack total {total:.1f})"
@@ -199,8 +204,7 @@ class Doc:
             cands.append((rate / ceiling, f"SKIP LOCKED claims (1/row → ceiling {ceiling:,.0f}/s)"))
         u = meter["usage"]
         cpu = u["machine_cores_busy"] / max(1, u["machine_cores"])
-        stack_ms = sum(1000 * v.get("cpu_s_minus_idle", v["cpu_s"]) for k, v in u["trees"].items()
-                       if k != "bench-client") / meter["units"]
+        stack_ms = sum(_ms_per_unit(meter, k) for k in u["trees"] if k != "bench-client")
         ceiling = u["machine_cores"] * 1000 / stack_ms if stack_ms else 0.0
         cands.append((cpu, f"CPU (the stack spends {stack_ms:.1f} ms per {unit} → ceiling {ceiling:,.0f}/s on "
                            f"{u['machine_cores']} cores; share of the machine busy)"))
@@ -576,10 +580,6 @@ class Doc:
         units = [w for w in work if w is not None]
         roles = sorted({r for _, m, _ in units for r in m["usage"]["trees"] if r != "bench-client"})
 
-        def ms(meter: dict[str, Any], role: str) -> float:
-            v = meter["usage"]["trees"].get(role)
-            return 1000 * v.get("cpu_s_minus_idle", v["cpu_s"]) / meter["units"] if v else 0.0
-
         how = {"api": "sharded by execution (engine) + any replica (claims, gRPC)", "worker": "stateless, per pool",
                "projector": "sharded", "checkpointer": "sharded", "compactor": "sharded", "reaper": "sharded",
                "shard-manager": "one leader", "postgres": "**shared: one primary**",
@@ -594,17 +594,17 @@ class Doc:
                + " | ".join(f"cores for {target:,.0f}/s" for _, _, target in units) + " |",
                "|---|---|" + "---|" * (2 * len(units)))
         for role in roles:
-            per = [ms(m, role) for _, m, _ in units]
+            per = [_ms_per_unit(m, role) for _, m, _ in units]
             if max(per) < 0.005:
                 continue
             self.w(f"| {role} | {how.get(role, '-')} | " + " | ".join(f"{v:.2f}" for v in per) + " | "
                    + " | ".join(f"{v * t / 1000:.2f}" for v, (_, _, t) in zip(per, units, strict=True)) + " |")
-        totals = [sum(ms(m, r) for r in roles) for _, m, _ in units]
+        totals = [sum(_ms_per_unit(m, r) for r in roles) for _, m, _ in units]
         self.w("| **stack** | | " + " | ".join(f"**{v:.2f}**" for v in totals) + " | "
                + " | ".join(f"**{v * t / 1000:.1f}**" for v, (_, _, t) in zip(totals, units, strict=True)) + " |", "")
         notes = []
         for name, m, target in units:
-            pg, nats, api = ms(m, "postgres"), ms(m, "nats"), ms(m, "api")
+            pg, nats, api = _ms_per_unit(m, "postgres"), _ms_per_unit(m, "nats"), _ms_per_unit(m, "api")
             w_unit, j_unit = m.get("write_txns_per_unit") or 0, m.get("js_messages_per_unit") or 0
             pg_rate = 1000 / pg if pg else 0.0
             nats_rate = 1000 / nats if nats else 0.0
@@ -617,7 +617,7 @@ class Doc:
                 f"execution lives on one shard, whose engine is one asyncio loop in one api replica: with the api's "
                 f"{api:.2f} ms per unit as the upper bound of the engine's share, one execution cannot go beyond "
                 f"about {1000 / api if api else 0:,.0f} units/s however many replicas run; many executions spread "
-                f"over the {self.res.get('settings', {}).get('shard_count', 16)} shards, so the shard count bounds "
+                f"over the {self.res.get('settings', {}).get('shard_count', 'configured')} shards, so the shard count bounds "
                 f"how many api replicas share that work (more replicas than shards stay idle).")
         self.w(*notes, "")
 

@@ -367,10 +367,6 @@ class WorkerSettings(BaseSettings):
     # Address space of each python task interpreter, in MiB (0 = unlimited): a task that
     # allocates beyond it fails with MemoryError instead of taking the worker's memory.
     python_memory_mb: int = Field(default=1024, ge=0)
-    @property
-    def python_pool_size(self) -> int:
-        return self.python_pool or min(self.concurrency, PYTHON_POOL_CAP)
-
     # Most claims one ClaimCommands call carries (concurrent claims are group-committed).
     claim_batch: int = Field(default=64, ge=1, le=1000)
     # A batch of loop iterations stops starting new ones once it has run this long; the
@@ -404,6 +400,11 @@ class WorkerSettings(BaseSettings):
     def _labels(cls, value: str) -> str:
         pools.parse_labels(value)  # ValueError names the bad entry
         return value
+
+    @property
+    def python_pool_size(self) -> int:
+        """The python interpreters at most (``python_pool``, 0: min(concurrency, PYTHON_POOL_CAP))."""
+        return self.python_pool or min(self.concurrency, PYTHON_POOL_CAP)
 
 
 class TracingSettings(BaseSettings):

@@ -197,8 +197,7 @@ class S3Client:
                     raise
                 _raise(_translate(exc, what, self._base), exc)
 
-        return await retry_transient(what, once, deadline_sec=None, attempts=self.config.attempts,
-                                     initial=BACKOFF_START_SEC, cap=BACKOFF_CAP_SEC)
+        return await self._retrying(what, once)
 
     async def _bucket(self, method: Literal["HEAD", "PUT"]) -> None:
         what = f"{method} s3://{self.bucket}"
@@ -219,8 +218,12 @@ class S3Client:
             if resp.status_code >= 300:
                 raise _status_error(resp.status_code, resp.text, what)
 
-        await retry_transient(what, once, deadline_sec=None, attempts=self.config.attempts,
-                              initial=BACKOFF_START_SEC, cap=BACKOFF_CAP_SEC)
+        await self._retrying(what, once)
+
+    async def _retrying(self, what: str, once: Any) -> Any:
+        """``once`` again on Unavailable, at most ``attempts`` times, capped jittered backoff."""
+        return await retry_transient(what, once, deadline_sec=None, attempts=self.config.attempts,
+                                     initial=BACKOFF_START_SEC, cap=BACKOFF_CAP_SEC)
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
