@@ -210,6 +210,10 @@ def _pft_mds(query: dict[str, str]) -> tuple[int, dict[str, Any]]:
 def _handler(state: ApiState) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # TCP_NODELAY: a response goes out as two writes (headers, then body); with Nagle on,
+        # the body waits for the client's delayed ACK of the headers on a kept-alive
+        # connection: ~45 ms per request instead of ~4 (httpx, 40 batch requests in a row).
+        disable_nagle_algorithm = True
 
         def log_message(self, format: str, *args: Any) -> None:
             return
