@@ -747,7 +747,7 @@ class Doc:
                    f"`bench/playbooks.py: pft_flow`, against `bench/fixture_api.py` in a process of its own): "
                    f"{f['wall_s']:.2f} s; {f['rows']:,} rows landed ({_f(f['rows_per_s'], 0)}/s), "
                    f"{_f(f['patients_per_s'], 1)} patients/s, {f['http_requests']:,} http requests "
-                   f"({f['http_503']} of them answered 503 and retried; {_f(f['http_per_s'], 0)}/s), "
+                   f"({f['http_503']:,} of them answered 503 and retried; {_f(f['http_per_s'], 0)}/s), "
                    f"{_f(f['batches_per_s'], 1)} batches/s. The whole execution wrote {f['events']} events and "
                    f"{f['commands']} commands: each slot is one command whose pipeline loops claim → fetch → save "
                    f"in the worker, so the engine, NATS and the projection hardly take part. A slot spends "
