@@ -2,8 +2,8 @@
 ``docs/BENCHMARKS.md`` and the plots. ``make bench`` / ``make bench-quick`` call this.
 
 Order: our main stack (raw limits first, on the idle stack, then turnaround, fan-out,
-growth, the sequential loop, cursor drain, concurrency, compactor throughput), in full
-mode a second stack with Postgres fsync on (turnaround and fan-out again) and, when
+growth, the sequential loop, cursor drain, the PFT flow, concurrency, compactor
+throughput), in full mode a second stack with Postgres fsync on (turnaround and fan-out again) and, when
 ``stack.TUNED_ENV`` is set, a tuned stack (fan-out again), the recovery
 stack (2 api replicas, fast failover), then, with every stack of ours stopped, the peers
 one after another (Temporal, then Prefect), each in its own virtualenv. A scenario, a
@@ -36,13 +36,13 @@ from . import report
 from .machine import ProcSampler, machine_facts
 from .peers import runner as peers
 from .progress import Progress
-from .scenarios import cli, compactor, concurrency, cursor, limits, loops, recovery, turnaround
+from .scenarios import cli, compactor, concurrency, cursor, limits, loops, pft, recovery, turnaround
 from .scenarios.common import Ctx, Plan
 from .stack import BASE_ENV, FAST_FAILOVER_ENV, RESULTS, TUNED_ENV, BenchStack, reap_stale
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = ("limits", "turnaround", "fanout", "growth", "sequential", "cursor", "concurrency", "compactor",
-             "cli", "durable", "recovery", "peers")
+SCENARIOS = ("limits", "turnaround", "fanout", "growth", "sequential", "cursor", "pft", "concurrency",
+             "compactor", "cli", "durable", "recovery", "peers")
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
@@ -173,7 +173,8 @@ class Run:
         main: dict[str, Callable[[Ctx], dict[str, Any]]] = {
             "limits": limits.run, "turnaround": turnaround.run, "fanout": do_fanout,
             "growth": lambda ctx: loops.growth(ctx, fanout_box), "sequential": loops.sequential,
-            "cursor": cursor.run, "concurrency": concurrency.run, "compactor": compactor.run, "cli": cli.run,
+            "cursor": cursor.run, "pft": pft.run, "concurrency": concurrency.run, "compactor": compactor.run,
+            "cli": cli.run,
         }
         interrupted = False
         try:

@@ -34,6 +34,9 @@ TARGET_COMPACTOR_EVENTS_PER_S = 10_000.0
 TARGET_RESULT_BYTES_P99 = 2048.0
 TARGET_CLI_MS = 150.0  # issue 16: a one-RPC CLI command
 QUICK_BUDGET_S = 180.0
+# process trees that are one Python process (one core at most; the worker's python task
+# interpreters, its children, hardly run in the PFT flow)
+PFT_SINGLE_PROCESS = ("worker", "api", "projector", "shard-manager", "checkpointer", "fixture-api")
 
 
 def _ok(d: Any) -> TypeGuard[dict[str, Any]]:
@@ -242,6 +245,46 @@ class Doc:
                 f"the hops' processing and waits (engine, worker claim, python task, projection); "
                 f"{self.cpu_note(meter)}")
 
+    def pft_bound(self, f: dict[str, Any]) -> str:
+        """The PFT flow: the share of each limit it reached, the highest named, then the
+        lowest ceiling (the limit a quiet machine meets first). Limits: the machine's CPU
+        (the stack's and the fixture server's CPU per patient → a ceiling on its cores),
+        each single-process role and the fixture server (one Python process: one core at
+        most), Postgres commits (when the raw limits ran)."""
+        meter = f.get("meter")
+        if not meter:
+            return "-"
+        u = meter["usage"]
+        trees, cores = u["trees"], u["machine_cores"]
+        rate = f["patients_per_s"]
+        stack_ms = sum(_ms_per_unit(meter, k) for k in trees if k != "bench-client")
+        # (share reached, what, ceiling in patients/s)
+        cands: list[tuple[float, str, float]] = [(
+            u["machine_cores_busy"] / max(1, cores),
+            f"machine CPU ({u['machine_cores_busy']:.2f}/{cores} cores busy, other processes "
+            f"{u['others_cores_busy']:.2f}; stack + fixture server {stack_ms:.1f} ms per patient → ceiling "
+            f"{cores * 1000 / stack_ms if stack_ms else 0:,.0f} patients/s on {cores} cores)",
+            cores * 1000 / stack_ms if stack_ms else math.inf)]
+        for k in PFT_SINGLE_PROCESS:
+            ms = _ms_per_unit(meter, k)
+            if k in trees and ms >= 0.05:
+                cands.append((trees[k]["cores"], f"{k} CPU (one process, {trees[k]['cores']:.2f} core; {ms:.1f} ms "
+                                                 f"per patient → ceiling {1000 / ms:,.0f} patients/s on one core)",
+                              1000 / ms))
+        w_unit = meter.get("write_txns_per_unit") or 0
+        if self.limits and w_unit >= 0.05:
+            ceiling = self.limits["pg_commits_8conn_per_s"] / w_unit
+            cands.append((rate / ceiling, f"Postgres commits ({w_unit:.1f}/patient → ceiling {ceiling:,.0f} "
+                                          "patients/s)", ceiling))
+        lowest = min(cands, key=lambda c: c[2])
+        cands.sort(key=lambda c: -c[0])
+        head, rest = cands[0], cands[1:4]
+        tools = ", ".join(f"{k} {v:.1f}" for k, v in sorted((f.get("task_ms_per_batch") or {}).items()) if v >= 0.05)
+        return (f"**{head[1]}: {head[0]:.0%}**; " + "; ".join(f"{w}: {x:.0%}" for x, w, _ in rest)
+                + f"; lowest ceiling (met first on a quiet machine): **{lowest[1].split(' (')[0]}, "
+                  f"{lowest[2]:,.0f} patients/s** ({rate / lowest[2]:.0%} reached); a slot takes "
+                  f"{f['ms_per_batch_per_slot']:.0f} ms per batch (tool time per batch, ms: {tools or '-'})")
+
     # ------------------------------------------------------------ sections
 
     def header(self) -> None:
@@ -292,7 +335,7 @@ class Doc:
 
     def _meters(self) -> list[dict[str, Any]]:
         out = []
-        for key in ("turnaround", "cursor", "concurrency"):
+        for key in ("turnaround", "cursor", "pft", "concurrency"):
             if _ok(self.sc.get(key)):
                 out.append(self.sc[key])
         for key, rows in (("fanout", "runs"), ("growth", "points")):
@@ -393,6 +436,16 @@ class Doc:
                      _f(c["rows_per_s"], 0), bound=self.throughput_bound(c["rows_per_s"], c.get("meter"), claims=True))
         else:
             self.row("cursor drain", "rows/s", _err(c))
+        f = sc.get("pft")
+        if _ok(f):
+            name = (f"PFT flow {f['facilities']} facilities x {f['patients_per_facility']:,} patients x "
+                    f"{f['data_types']} data types (batches of {f['batch_size']}, {f['slots']} slots)")
+            self.row(name, "wall s", _f(f["wall_s"], 2))
+            self.row(name, "patients/s (rows/s, http requests/s)",
+                     f"{_f(f['patients_per_s'], 1)} ({_f(f['rows_per_s'], 0)}, {_f(f['http_per_s'], 0)})",
+                     bound=self.pft_bound(f))
+        else:
+            self.row("PFT flow", "patients/s", _err(f))
         k = sc.get("concurrency")
         if _ok(k):
             name = f"concurrency: {k['executions']} x 3-step submitted at once"
@@ -681,6 +734,28 @@ class Doc:
         if _ok(c):
             self.w(f"**Cursor drain**: {c['meter']['write_txns_per_unit']} write transactions per row; "
                    f"{self.cpu_note(c['meter'])}; {self.cpu_per_unit(c['meter'])}.", "")
+        f = sc.get("pft")
+        if _ok(f):
+            tasks = f.get("tasks") or {}
+            in_tools = sum((f.get("task_ms_per_batch") or {}).values())
+            per_batch = ", ".join(f"{k} {tasks[k]['count'] / f['batches']:.2f} calls, {v:.1f} ms" for k, v in
+                                  sorted((f.get("task_ms_per_batch") or {}).items()) if k in tasks)
+            self.w(f"**PFT flow** ({f['facilities']} facilities x {f['patients_per_facility']:,} patients = "
+                   f"{f['patients']:,} patients x {f['data_types']} data types: {f['data_types'] - 1} fetched in batches of "
+                   f"{f['batch_size']} patients, {f['batches']:,} batches drained by {f['slots']} parallel "
+                   f"claim → http → save slots, then each facility's MDS ids paged {f['mds_page_size']} at a time; "
+                   f"`bench/playbooks.py: pft_flow`, against `bench/fixture_api.py` in a process of its own): "
+                   f"{f['wall_s']:.2f} s; {f['rows']:,} rows landed ({_f(f['rows_per_s'], 0)}/s), "
+                   f"{_f(f['patients_per_s'], 1)} patients/s, {f['http_requests']:,} http requests "
+                   f"({f['http_503']:,} of them answered 503 and retried; {_f(f['http_per_s'], 0)}/s), "
+                   f"{_f(f['batches_per_s'], 1)} batches/s. The whole execution wrote {f['events']} events and "
+                   f"{f['commands']} commands: each slot is one command whose pipeline loops claim → fetch → save "
+                   f"in the worker, so the engine, NATS and the projection hardly take part. A slot spends "
+                   f"{f['ms_per_batch_per_slot']:.0f} ms per batch; inside the tool calls (the workers' "
+                   f"`noetl_worker_task_seconds`, per batch: {per_batch or '-'}) {in_tools:.0f} ms, the rest "
+                   f"({f['ms_per_batch_per_slot'] - in_tools:.0f} ms) in the worker's pipeline between them "
+                   f"(rendering the SQL with the batch's rows inlined, policies, sets) and waiting for a CPU. "
+                   f"{self.meter_note(f['meter'], 'patient')}. Bound: {self.pft_bound(f)}.", "")
         k = sc.get("concurrency")
         if _ok(k):
             self.w(f"**Concurrency**: all {k['executions']} submitted in {k['submit_all_s']:.2f} s; latency per "
@@ -791,10 +866,10 @@ class Doc:
 
     def checks(self) -> None:
         self.w("## What each scenario checked before reporting", "")
-        for key in ("limits", "turnaround", "fanout", "growth", "sequential", "cursor", "concurrency", "compactor",
-                    "cli", "recovery"):
+        for key in ("limits", "turnaround", "fanout", "growth", "sequential", "cursor", "pft", "concurrency",
+                    "compactor", "cli", "recovery"):
             d = self.sc.get(key)
-            if d is None and key in ("sequential", "compactor", "cli"):
+            if d is None and key in ("sequential", "pft", "compactor", "cli"):
                 continue
             if _ok(d):
                 check = d.get("check")
@@ -858,7 +933,8 @@ class Doc:
         self.w(f"The whole run: {duration(res['duration_s'])} ({res.get('mode')} mode).", "",
                "| part | s |", "|---|---|")
         stacks = self.sc.get("_stacks", {})
-        order = ["limits", "turnaround", "fanout", "growth", "sequential", "cursor", "concurrency", "compactor", "cli"]
+        order = ["limits", "turnaround", "fanout", "growth", "sequential", "cursor", "pft", "concurrency", "compactor",
+                 "cli"]
         for name, st in stacks.items():
             if st.get("start_s") is not None:
                 self.w(f"| stack '{name}': start | {st['start_s']:.1f} |")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,14 @@ class Plan:
     limits_seconds: float = 3.0
     compactor_executions: int = 5000            # synthetic finished executions on one shard
     compactor_events: int = 20                  # events per execution
+    # the PFT flow (scenarios/pft.py): facilities x patients per facility (full: upstream's
+    # PFT test size, 10 x 1,000), patients per queue batch, parallel claim -> fetch -> save
+    # slots, MDS page size
+    pft_facilities: int = 10
+    pft_patients: int = 1000
+    pft_batch: int = 10
+    pft_slots: int = 8
+    pft_mds_page: int = 4
     cli_runs: int = 20                          # `noetl-rt status ID`, whole process
     durable_rerun: bool = True                  # turnaround + fan-out again with Postgres fsync on
     tuned_rerun: bool = True                    # fan-out again on stack.TUNED_ENV (when it is set)
@@ -41,7 +50,8 @@ class Plan:
     def quick(cls) -> Plan:
         return cls(mode="quick", turnaround_runs=50, growth_sizes=(100, 1000, 10_000), sequential_items=300,
                    cursor_rows=2_000, concurrency=200, recovery_items=2_000, limits_seconds=1.5,
-                   compactor_executions=1_000, durable_rerun=False, tuned_rerun=False, peers=False)
+                   compactor_executions=1_000, pft_facilities=5, pft_patients=100, durable_rerun=False,
+                   tuned_rerun=False, peers=False)
 
     @classmethod
     def full(cls) -> Plan:
@@ -66,11 +76,15 @@ def deadline_for(items: int, *, floor: float = 120.0, per_item: float = 0.05) ->
 
 class Meter:
     """Counts around a measured window: write transactions (minus the idle stack's own),
-    JetStream messages stored, and per-role CPU and peak memory (``ProcSampler``)."""
+    JetStream messages stored, and per-role CPU and peak memory (``ProcSampler``).
+    ``extra``: more process trees to sample beside the stack's (label -> root pids), e.g. a
+    fixture server the scenario started."""
 
-    def __init__(self, ctx: Ctx, interval: float = 0.5) -> None:
+    def __init__(self, ctx: Ctx, interval: float = 0.5, extra: Mapping[str, list[int]] | None = None) -> None:
         self.ctx = ctx
-        self.sampler = ProcSampler(ctx.stack.roots, interval=interval, flat=frozenset({"bench-client"}))
+        more = dict(extra or {})
+        self.sampler = ProcSampler(lambda: {**ctx.stack.roots(), **more}, interval=interval,
+                                   flat=frozenset({"bench-client"}))
         self.t0 = self.t1 = 0.0
         self.x0 = self.x1 = 0
         self.s0: dict[str, int] = {}

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The repository root, for the http fixture server the tests share with the bench
+# (bench/fixture_api.py): `from bench.fixture_api import serve`.
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
 from chaos import Db
 from harness import CREDENTIALS, Runner, start_stack
 

@@ -32,9 +32,9 @@ from harness import (
     worker_busy,
     worker_log,
 )
-from paginated_server import DATA, TestApi, serve
 from waiting import until_sync
 
+from bench.fixture_api import DATA, TestApi, serve
 from noetl_client import values
 
 pytestmark = pytest.mark.e2e

@@ -1,5 +1,5 @@
 """Upstream's http pagination playbooks (read in place from ../shared) end to end against
-our own paginated test API (paginated_server.py), whose URL replaces the workload's
+our own paginated test API (bench/fixture_api.py), whose URL replaces the workload's
 `api_url` through the submission payload."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 from chaos import Db
 from harness import Runner, conformance
-from paginated_server import EVENT_COUNT, TestApi, event, serve
+
+from bench.fixture_api import EVENT_COUNT, TestApi, event, serve
 
 pytestmark = pytest.mark.e2e
 

@@ -1,5 +1,5 @@
 """A PFT-shaped flow of our own (playbooks/pft_flow.yaml) against our own fixture server
-(paginated_server.py: batch and paginated endpoints, a 503 on the first try of some
+(bench/fixture_api.py: batch and paginated endpoints, a 503 on the first try of some
 batches): parallel claim -> fetch -> save slots with jump/break policies drain an
 execution-scoped queue for several facilities, a facility loop pages through an endpoint,
 and steps read their own result as `output` in their `set` and arcs, down to the last.
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 from harness import Runner
-from paginated_server import PFT_DATA_TYPES, PFT_FLAKY_EVERY, TestApi, pft_mds_count, pft_pages, serve
+
+from bench.fixture_api import PFT_DATA_TYPES, PFT_FLAKY_EVERY, TestApi, pft_mds_count, pft_pages, serve
 
 pytestmark = pytest.mark.e2e
 
