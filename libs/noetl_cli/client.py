@@ -8,11 +8,9 @@ serve the request: <its message>" when it answers that a dependency is down.
 from __future__ import annotations
 
 import collections
-import getpass
 import json
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -122,6 +120,8 @@ def run(api: Api, playbook_yaml: str = "", *, ref: execution_pb2.PlaybookRef | N
     ``read_file``, ``parse_playbook_ref``) before any RPC. The submission carries
     ``idempotency_key``, or a fresh one: repeated on a transient failure, it never makes
     two executions."""
+    import uuid  # here: only submissions make keys
+
     request = submit_request(playbook_yaml if ref is None else None, path=ref.path if ref is not None else None,
                              version=ref.version if ref is not None else 0, payload=payload,
                              idempotency_key=idempotency_key or f"cli-{uuid.uuid4()}",
@@ -411,6 +411,8 @@ def read_credential(kind: str, *, from_file: str | None = None, username: str | 
         except OSError as exc:
             raise CliError(f"--from-file {from_file}: {exc.strerror or exc}", code=2) from None
     elif stream.isatty():
+        import getpass
+
         text = getpass.getpass(f"secret for this {kind} credential (not echoed): ")
     else:
         text = stream.read()
