@@ -1,7 +1,5 @@
 """``python -m noetl_cli`` is ``noetl-rt``."""
 
-import sys
+from .entry import run
 
-from .main import main
-
-sys.exit(main())
+run()

@@ -21,7 +21,8 @@ right after: a server that answers it is up, so the UNAVAILABLE was its own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,7 +30,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from noetl_client import ApiError, Client
 from noetl_common import grpcclient, grpcretry
 from noetl_common.errors import ConfigError, NoetlError, Overloaded, Unavailable
-from noetl_proto.v1 import shard_manager_pb2_grpc
+
+if TYPE_CHECKING:
+    from noetl_proto.v1 import (
+        auth_pb2_grpc,
+        catalog_pb2_grpc,
+        concurrency_pb2_grpc,
+        deadletter_pb2_grpc,
+        execution_pb2_grpc,
+        schedule_pb2_grpc,
+        shard_manager_pb2_grpc,
+    )
 
 T = TypeVar("T")
 
@@ -96,14 +107,43 @@ class Api:
         self.channel = self.client.channel
         self._connected = False
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.executions = self.client.executions
-        self.catalog = self.client.catalog
-        self.credentials = self.client.credentials
-        self.shard_manager = shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
-        self.tokens = self.client.tokens
-        self.schedules = self.client.schedules
-        self.concurrency = self.client.concurrency
-        self.dead_letters = self.client.dead_letters
+
+    # The stubs, the client package's made on first use (a command loads only the generated
+    # modules of the services it calls).
+
+    @property
+    def executions(self) -> execution_pb2_grpc.ExecutionServiceStub:
+        return self.client.executions
+
+    @property
+    def catalog(self) -> catalog_pb2_grpc.CatalogServiceStub:
+        return self.client.catalog
+
+    @property
+    def credentials(self) -> catalog_pb2_grpc.CredentialServiceStub:
+        return self.client.credentials
+
+    @property
+    def tokens(self) -> auth_pb2_grpc.AuthServiceStub:
+        return self.client.tokens
+
+    @property
+    def schedules(self) -> schedule_pb2_grpc.ScheduleServiceStub:
+        return self.client.schedules
+
+    @property
+    def concurrency(self) -> concurrency_pb2_grpc.ConcurrencyServiceStub:
+        return self.client.concurrency
+
+    @property
+    def dead_letters(self) -> deadletter_pb2_grpc.DeadLetterServiceStub:
+        return self.client.dead_letters
+
+    @cached_property
+    def shard_manager(self) -> shard_manager_pb2_grpc.ShardManagerServiceStub:
+        from noetl_proto.v1 import shard_manager_pb2_grpc
+
+        return shard_manager_pb2_grpc.ShardManagerServiceStub(self.channel)
 
     def close(self) -> None:
         self.client.close()

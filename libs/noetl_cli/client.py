@@ -8,11 +8,9 @@ serve the request: <its message>" when it answers that a dependency is down.
 from __future__ import annotations
 
 import collections
-import getpass
 import json
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -20,7 +18,7 @@ from typing import Any, TextIO
 from noetl_client import ApiError, submit_request, values
 from noetl_common.errors import InvalidInput, NoetlError, NotFound
 from noetl_common.vocab import ExecutionStatus
-from noetl_proto.v1 import catalog_pb2, common_pb2, execution_pb2, shard_manager_pb2
+from noetl_proto.v1 import common_pb2, execution_pb2
 
 from . import output
 from .apichannel import Api
@@ -122,6 +120,8 @@ def run(api: Api, playbook_yaml: str = "", *, ref: execution_pb2.PlaybookRef | N
     ``read_file``, ``parse_playbook_ref``) before any RPC. The submission carries
     ``idempotency_key``, or a fresh one: repeated on a transient failure, it never makes
     two executions."""
+    import uuid  # here: only submissions make keys
+
     request = submit_request(playbook_yaml if ref is None else None, path=ref.path if ref is not None else None,
                              version=ref.version if ref is not None else 0, payload=payload,
                              idempotency_key=idempotency_key or f"cli-{uuid.uuid4()}",
@@ -343,6 +343,8 @@ def cluster(api: Api, *, role: str = "", as_json: bool = False) -> int:
     """``noetl-rt cluster``: the shard-manager's view (Describe): the leader, each member
     with the shards it holds, and shards no live member holds. Exit 1 when a shard has
     no live owner or its lease ran out (the map is not settled)."""
+    from noetl_proto.v1 import shard_manager_pb2
+
     resp = api.call(api.shard_manager.Describe, shard_manager_pb2.DescribeRequest(role=role))
     view = output.cluster_view(resp)
     if as_json:
@@ -356,6 +358,8 @@ def cluster(api: Api, *, role: str = "", as_json: bool = False) -> int:
 
 
 def playbook_register(api: Api, path: str) -> int:
+    from noetl_proto.v1 import catalog_pb2
+
     content = read_file(path)
     try:
         resp = api.call(api.catalog.RegisterPlaybook, catalog_pb2.RegisterPlaybookRequest(content=content))
@@ -368,6 +372,8 @@ def playbook_register(api: Api, path: str) -> int:
 
 
 def playbook_list(api: Api, *, prefix: str = "", as_json: bool = False) -> int:
+    from noetl_proto.v1 import catalog_pb2
+
     entries = []
     token = ""
     while True:
@@ -405,6 +411,8 @@ def read_credential(kind: str, *, from_file: str | None = None, username: str | 
         except OSError as exc:
             raise CliError(f"--from-file {from_file}: {exc.strerror or exc}", code=2) from None
     elif stream.isatty():
+        import getpass
+
         text = getpass.getpass(f"secret for this {kind} credential (not echoed): ")
     else:
         text = stream.read()
@@ -433,6 +441,8 @@ def read_credential(kind: str, *, from_file: str | None = None, username: str | 
 
 
 def credential_add(api: Api, name: str, kind: str, fields: dict[str, Any]) -> int:
+    from noetl_proto.v1 import catalog_pb2
+
     try:
         resp = api.call(api.credentials.PutCredential,
                         catalog_pb2.PutCredentialRequest(name=name, kind=kind, data=values.to_struct(fields)))
@@ -443,6 +453,8 @@ def credential_add(api: Api, name: str, kind: str, fields: dict[str, Any]) -> in
 
 
 def credential_list(api: Api, *, as_json: bool = False) -> int:
+    from noetl_proto.v1 import catalog_pb2
+
     resp = api.call(api.credentials.ListCredentials, catalog_pb2.ListCredentialsRequest())
     creds = list(resp.credentials)
     if as_json:

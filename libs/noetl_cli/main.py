@@ -19,7 +19,7 @@ from typing import Any
 from noetl_common.errors import InvalidInput, NoetlError, Overloaded, Unavailable
 from noetl_common.roles import Role
 
-from . import client, dlqcmd, limitcmd, reruncmd, schedulecmd, stackprobe
+from . import client, stackprobe
 from .home import Resolved, resolve_api, resolve_dsn, resolve_home, resolve_shard_manager
 from .output import CliError, eprint
 
@@ -58,6 +58,16 @@ def _version() -> str:
         return "unknown"
 
 
+class _VersionAction(argparse._VersionAction):
+    """``--version``: the installed version, looked up only when asked (importlib.metadata
+    scans every installed distribution: tens of ms every command would pay)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        self.version = f"%(prog)s {_version()}"
+        super().__call__(parser, namespace, values, option_string)
+
+
 def _common(*, api: bool) -> argparse.ArgumentParser:
     """Options accepted both before and after the subcommand (SUPPRESS keeps the top-level value)."""
     parent = argparse.ArgumentParser(add_help=False)
@@ -88,18 +98,14 @@ _positive = _positive_of(float, "a number")
 _count = _positive_of(int, "a whole number")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="noetl-rt", description="NoETL runtime: client, migrations, local stack.")
-    parser.add_argument("--home", default=None, metavar="DIR",
-                        help="project-local state directory (default $NOETL_HOME or ./.noetl)")
-    parser.add_argument("--api", default=None, metavar="TARGET",
-                        help="api gRPC target host:port (default $NOETL_API, else the local stack's)")
-    parser.add_argument("--token-file", default=None, metavar="PATH",
-                        help="the API token to send (default $NOETL_TOKEN, else the local stack's admin token)")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    with_api, home_only = _common(api=True), _common(api=False)
+# Each top-level command's parser is added by a function of its own, so a command line
+# that names its command builds (and imports) only that one: the whole parser (~60
+# subparsers, the schedule/limit/dlq/rerun modules and their protos) is built for
+# `--help`, `--version` and anything not recognised (docs/ARCHITECTURE.md "CLI start-up").
+Subparsers = Any  # argparse's _SubParsersAction
 
+
+def _add_run(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     p = sub.add_parser("run", parents=[with_api], help="submit a playbook and follow it to the end",
                        description="Submit a playbook file, or a registered one with --path, and follow it to "
                                    "the end (or return its id at once with --detach).")
@@ -117,8 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the execution id and return once submitted (follow later with `watch ID`)")
     p.set_defaults(handler=_run)
 
+
+def _add_rerun(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
+    from . import reruncmd
+
     reruncmd.add_parser(sub, with_api, _with_api, _positive)
 
+
+def _add_watch(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     p = sub.add_parser("watch", parents=[with_api], help="follow a submitted execution to the end")
     p.add_argument("execution_id", metavar="ID")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -127,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         api, client.parse_execution_id(a.execution_id), as_json=a.json, timeout=a.timeout),
         needs=("postgres", "nats")))
 
+
+def _add_list(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     p = sub.add_parser("list", parents=[with_api], help="list executions, newest first")
     p.add_argument("--status", help="only executions in this state (pending, running, completed, failed, "
                                     "cancelled)")
@@ -136,12 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.list_executions(
         api, status=client.parse_status(a.status), path=a.path, limit=a.limit, as_json=a.json)))
 
+
+def _add_status(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     p = sub.add_parser("status", parents=[with_api], help="show an execution")
     p.add_argument("execution_id", metavar="ID")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.status(
         api, client.parse_execution_id(a.execution_id), as_json=a.json)))
 
+
+def _add_events(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     p = sub.add_parser("events", parents=[with_api], help="list an execution's events")
     p.add_argument("execution_id", metavar="ID")
     p.add_argument("--json", action="store_true")
@@ -152,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.events(
         api, client.parse_execution_id(a.execution_id), as_json=a.json, limit=a.limit, follow=a.follow)))
 
+
+def _add_trace(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     p = sub.add_parser("trace", parents=[with_api], help="the lineage of a step's result (newest first)")
     p.add_argument("execution_id", metavar="ID")
     p.add_argument("step", metavar="STEP")
@@ -159,12 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.trace(
         api, client.parse_execution_id(a.execution_id), a.step, as_json=a.json)))
 
+
+def _add_cancel(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     p = sub.add_parser("cancel", parents=[with_api], help="cancel an execution")
     p.add_argument("execution_id", metavar="ID")
     p.add_argument("--reason", default="cancelled from noetl-rt")
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.cancel(
         api, client.parse_execution_id(a.execution_id), reason=a.reason)))
 
+
+def _add_cluster(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     p = sub.add_parser("cluster", parents=[home_only],
                        help="the shard map: leader, members and the shards each holds")
     p.add_argument("--shard-manager", metavar="TARGET",
@@ -174,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_cluster)
 
+
+def _add_playbook(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     pb = sub.add_parser("playbook", help="the playbook catalog").add_subparsers(dest="action", metavar="ACTION")
     pb.required = True
     p = pb.add_parser("register", parents=[with_api], help="register a playbook file (a new version)")
@@ -185,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.playbook_list(
         api, prefix=a.prefix, as_json=a.json)))
 
+
+def _add_credential(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     cr = sub.add_parser("credential", help="named credentials").add_subparsers(dest="action", metavar="ACTION")
     cr.required = True
     p = cr.add_parser("add", parents=[with_api], help="add or replace a credential (the secret from stdin or a file)",
@@ -204,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=lambda a: _with_api(a, lambda api: client.credential_list(api, as_json=a.json)))
 
+
+def _add_token(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     tk = sub.add_parser("token", help="API tokens (docs/DEPLOY.md \"Security\")").add_subparsers(
         dest="action", metavar="ACTION")
     tk.required = True
@@ -228,14 +258,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")
     p.set_defaults(handler=lambda a: _tokencmd().register(resolve_dsn(a.dsn, _home(a)).value, a.role, a.name))
 
+
+def _add_schedule(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
+    from . import schedulecmd
+
     schedulecmd.add_parsers(sub, with_api, _with_api)
+
+
+def _add_limit(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
+    from . import limitcmd
+
     limitcmd.add_parsers(sub, with_api, _with_api, _count)
+
+
+def _add_dlq(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
+    from . import dlqcmd
+
     dlqcmd.add_parsers(sub, with_api, _with_api)
 
+
+def _add_migrate(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     p = sub.add_parser("migrate", parents=[home_only], help="apply database migrations")
     p.add_argument("--dsn", help="database (default $NOETL_POSTGRES_DSN, else the local stack's)")
     p.set_defaults(handler=lambda a: _devcmd().migrate(_home(a), dsn=a.dsn))
 
+
+def _add_nats_config(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     p = sub.add_parser("nats-config", help="print the NATS server's authorization block: a user per role with "
                        "its subject permissions (docs/DEPLOY.md \"Security\")")
     p.add_argument("--kv-bucket", default="noetl_results", metavar="NAME",
@@ -244,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix of the user names (default noetl_: users noetl_api, noetl_worker, ...)")
     p.set_defaults(handler=_nats_config)
 
+
+def _add_dev(sub: Subparsers, with_api: argparse.ArgumentParser, home_only: argparse.ArgumentParser) -> None:
     dev = sub.add_parser("dev", help="the embedded local stack").add_subparsers(dest="action", metavar="ACTION")
     dev.required = True
     p = dev.add_parser(
@@ -266,6 +316,68 @@ def build_parser() -> argparse.ArgumentParser:
     p = dev.add_parser("status", parents=[home_only], help="health of every process of the local stack")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=lambda a: _devcmd().status(_home(a), as_json=a.json))
+
+
+# the top-level commands in the order `--help` lists them
+COMMANDS: dict[str, Callable[[Subparsers, argparse.ArgumentParser, argparse.ArgumentParser], None]] = {
+    "run": _add_run,
+    "rerun": _add_rerun,
+    "watch": _add_watch,
+    "list": _add_list,
+    "status": _add_status,
+    "events": _add_events,
+    "trace": _add_trace,
+    "cancel": _add_cancel,
+    "cluster": _add_cluster,
+    "playbook": _add_playbook,
+    "credential": _add_credential,
+    "token": _add_token,
+    "schedule": _add_schedule,
+    "limit": _add_limit,
+    "dlq": _add_dlq,
+    "migrate": _add_migrate,
+    "nats-config": _add_nats_config,
+    "dev": _add_dev,
+}
+# the top-level options that take a value (the ones `command_of` steps over)
+_VALUE_OPTIONS = ("--home", "--api", "--token-file")
+
+
+def command_of(argv: Sequence[str]) -> str | None:
+    """The command an argument list names, when it is plain to see: the first word, after
+    only top-level options spelled in full (``--home DIR``, ``--api=X``). None otherwise
+    (no command, ``-h``, ``--version``, an abbreviated or unknown option, an unknown
+    word): the whole parser then reads it, so its help and errors are argparse's own."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word in _VALUE_OPTIONS:
+            i += 2
+        elif word.startswith("-"):
+            if not any(word.startswith(f"{option}=") for option in _VALUE_OPTIONS):
+                return None
+            i += 1
+        else:
+            return word if word in COMMANDS else None
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser: every command's, or with ``command`` (a key of ``COMMANDS``)
+    only that one's, which parses that command's arguments exactly as the whole one does."""
+    parser = argparse.ArgumentParser(prog="noetl-rt", description="NoETL runtime: client, migrations, local stack.")
+    parser.add_argument("--home", default=None, metavar="DIR",
+                        help="project-local state directory (default $NOETL_HOME or ./.noetl)")
+    parser.add_argument("--api", default=None, metavar="TARGET",
+                        help="api gRPC target host:port (default $NOETL_API, else the local stack's)")
+    parser.add_argument("--token-file", default=None, metavar="PATH",
+                        help="the API token to send (default $NOETL_TOKEN, else the local stack's admin token)")
+    parser.add_argument("--version", action=_VersionAction, version="%(prog)s")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    with_api, home_only = _common(api=True), _common(api=False)
+    for name, add in COMMANDS.items():
+        if command is None or name == command:
+            add(sub, with_api, home_only)
     return parser
 
 
@@ -346,8 +458,9 @@ def _report(exc: BaseException) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(command_of(words))
+    args, extra = parser.parse_known_args(words)
     if extra:  # an extra argument to `credential add` is a secret: refused with an explanation there
         if getattr(args, "handler", None) is not _credential_add:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

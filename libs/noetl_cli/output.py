@@ -10,13 +10,16 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from noetl_client import step_result, values
 from noetl_common.vocab import PUBLIC_TERMINAL, ExecutionStatus, StepViewStatus
-from noetl_proto.v1 import common_pb2, execution_pb2, shard_manager_pb2
+from noetl_proto.v1 import common_pb2, execution_pb2
+
+if TYPE_CHECKING:
+    from noetl_proto.v1 import shard_manager_pb2
 
 TERMINAL = PUBLIC_TERMINAL
 RESULT_PREVIEW_CHARS = 4000

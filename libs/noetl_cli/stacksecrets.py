@@ -10,10 +10,10 @@ import json
 import os
 from pathlib import Path
 
-from noetl_common import auth
+from noetl_common.roles import Role
 
 FILE = "secrets.json"
-TOKEN_ROLES = (auth.Role.ADMIN, auth.Role.SERVICE, auth.Role.WORKER)
+TOKEN_ROLES = (Role.ADMIN, Role.SERVICE, Role.WORKER)
 
 
 def path(dev: Path) -> Path:
@@ -46,6 +46,7 @@ def issue_tokens(dev: Path, dsn: str) -> dict[str, str]:
     """Issue (or keep) the stack's tokens and make sure their hashes are registered."""
     import psycopg  # here: a client command reads its token from this module without Postgres
 
+    from noetl_common import auth  # here too: the server side of tokens (grpc interceptors, logging)
     from noetl_db import tokens as tokens_db
 
     issued = tokens(dev) or {role.value: auth.new_token() for role in TOKEN_ROLES}

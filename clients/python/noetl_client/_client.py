@@ -8,19 +8,21 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from noetl_proto.v1 import (
-    auth_pb2_grpc,
-    catalog_pb2_grpc,
-    concurrency_pb2_grpc,
-    deadletter_pb2_grpc,
-    execution_pb2,
-    execution_pb2_grpc,
-    schedule_pb2_grpc,
-)
+from noetl_proto.v1 import execution_pb2, execution_pb2_grpc
+
+if TYPE_CHECKING:
+    from noetl_proto.v1 import (
+        auth_pb2_grpc,
+        catalog_pb2_grpc,
+        concurrency_pb2_grpc,
+        deadletter_pb2_grpc,
+        schedule_pb2_grpc,
+    )
 
 from . import errors, retries
 from .channel import open_channel
@@ -86,12 +88,45 @@ class Client:
         self.channel, self._raw_channel = open_channel(target, token=token, root_certificates=root_certificates,
                                                        tls=tls, options=options)
         self.executions = execution_pb2_grpc.ExecutionServiceStub(self.channel)
-        self.catalog = catalog_pb2_grpc.CatalogServiceStub(self.channel)
-        self.credentials = catalog_pb2_grpc.CredentialServiceStub(self.channel)
-        self.schedules = schedule_pb2_grpc.ScheduleServiceStub(self.channel)
-        self.dead_letters = deadletter_pb2_grpc.DeadLetterServiceStub(self.channel)
-        self.concurrency = concurrency_pb2_grpc.ConcurrencyServiceStub(self.channel)
-        self.tokens = auth_pb2_grpc.AuthServiceStub(self.channel)
+
+    # The other services' stubs are made on first use: their generated modules load then,
+    # not with the package (a program that only reads executions does not pay for them).
+
+    @cached_property
+    def catalog(self) -> catalog_pb2_grpc.CatalogServiceStub:
+        from noetl_proto.v1 import catalog_pb2_grpc
+
+        return catalog_pb2_grpc.CatalogServiceStub(self.channel)
+
+    @cached_property
+    def credentials(self) -> catalog_pb2_grpc.CredentialServiceStub:
+        from noetl_proto.v1 import catalog_pb2_grpc
+
+        return catalog_pb2_grpc.CredentialServiceStub(self.channel)
+
+    @cached_property
+    def schedules(self) -> schedule_pb2_grpc.ScheduleServiceStub:
+        from noetl_proto.v1 import schedule_pb2_grpc
+
+        return schedule_pb2_grpc.ScheduleServiceStub(self.channel)
+
+    @cached_property
+    def dead_letters(self) -> deadletter_pb2_grpc.DeadLetterServiceStub:
+        from noetl_proto.v1 import deadletter_pb2_grpc
+
+        return deadletter_pb2_grpc.DeadLetterServiceStub(self.channel)
+
+    @cached_property
+    def concurrency(self) -> concurrency_pb2_grpc.ConcurrencyServiceStub:
+        from noetl_proto.v1 import concurrency_pb2_grpc
+
+        return concurrency_pb2_grpc.ConcurrencyServiceStub(self.channel)
+
+    @cached_property
+    def tokens(self) -> auth_pb2_grpc.AuthServiceStub:
+        from noetl_proto.v1 import auth_pb2_grpc
+
+        return auth_pb2_grpc.AuthServiceStub(self.channel)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **kwargs: Any) -> Client:

@@ -3,7 +3,6 @@ a Python value, and the ``SubmitExecutionRequest`` of a playbook and payload."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +42,8 @@ def submit_request(playbook_yaml: str | None = None, *, path: str | None = None,
     (``version`` 0: the latest), with ``payload`` merged over its workload. Without an
     ``idempotency_key`` a fresh one is made, so a retried submission never makes two
     executions. ``priority``: "high", "normal", "low" or None (the playbook's)."""
+    import uuid  # here: a program that only reads executions does not load it
+
     if (playbook_yaml is None) == (path is None):
         raise ValueError("give the playbook's YAML or its catalog path (one of them)")
     if priority is not None and priority not in PRIORITIES:
