@@ -21,6 +21,9 @@ from noetl_flow.loops import DEFAULT_BATCH_MAX
 logger = logging.getLogger(__name__)
 
 SUPPORTED_KINDS = frozenset({"python", "http", "postgres", "duckdb", "noop", "workbook", "playbook"})
+# Inline playbook texts whose parse is kept (``Catalog.parsed``): how many, and the longest.
+PARSED_TEXTS = 256
+PARSED_TEXT_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,30 @@ class Catalog:
         self.loop_batch = loop_batch
         self._cache: OrderedDict[int, Compiled] = OrderedDict()
         self._cache_size = cache_size
+        # inline texts already parsed, by SHA-256 (a client submitting the same YAML again)
+        self._parsed: OrderedDict[str, Playbook] = OrderedDict()
+
+    def parsed(self, content: str) -> Playbook | None:
+        """The playbook parsed from exactly ``content`` before (``remember``), if kept.
+        Parsing is pure (the text and this process's limits decide it) and a Playbook is
+        shared read-only (as ``compiled`` shares them), so the kept one is what parsing
+        again would give; texts that failed to parse are never kept."""
+        if len(content) > PARSED_TEXT_BYTES:
+            return None
+        key = hashlib.sha256(content.encode()).hexdigest()
+        hit = self._parsed.get(key)
+        if hit is not None:
+            self._parsed.move_to_end(key)
+        return hit
+
+    def remember(self, content: str, playbook: Playbook) -> None:
+        """Keep ``playbook`` as the parse of ``content`` (at most PARSED_TEXTS texts of up
+        to PARSED_TEXT_BYTES characters each; the least recently used goes first)."""
+        if len(content) > PARSED_TEXT_BYTES:
+            return
+        self._parsed[hashlib.sha256(content.encode()).hexdigest()] = playbook
+        while len(self._parsed) > PARSED_TEXTS:
+            self._parsed.popitem(last=False)
 
     async def register(self, content: str, playbook: Playbook | None = None) -> tuple[CatalogEntry, bool]:
         """Store a new version of the playbook's path unless the latest version is identical."""

@@ -111,9 +111,13 @@ class Submitter:
                 raise InvalidInput("either playbook_yaml or a playbook reference (path) is required")
             entry = await self._catalog.get(path, version)
             playbook = (await self._catalog.compiled(entry.catalog_id)).playbook
+        else:
+            playbook = self._catalog.parsed(playbook_yaml)  # the same text again: parsed once
         # parsing and compiling templates never run on the loop that drives engines and leases
         playbook, workload, encoded = await asyncio.to_thread(_prepare, playbook_yaml, playbook, fields,
                                                               self._limits)
+        if playbook_yaml:
+            self._catalog.remember(playbook_yaml, playbook)
         await self._check_credentials(playbook, workload)
         await self._check_playbook_refs(playbook)
         if self._admission is not None:
