@@ -212,7 +212,8 @@ class PostgresResultStore(ResultStore):
         except NotFound:  # a parent reference's foreign key: find which one, item by item
             return list(await asyncio.gather(*(self._put_one(i) for i in items), return_exceptions=True))
         refs = {int(r["ord"]): int(r["ref_id"]) for r in rows}
-        return [Reference(refs[n], TIER, f"{URI_PREFIX}{refs[n]}") for n in range(1, len(items) + 1)]
+        return [Reference(refs[n], TIER, f"{URI_PREFIX}{refs[n]}", len(items[n - 1].data))
+                for n in range(1, len(items) + 1)]
 
     async def _put_one(self, item: _PutItem) -> Reference:
         params = {
@@ -229,7 +230,7 @@ class PostgresResultStore(ResultStore):
             raise NotFound(f"parent result reference {item.parent_ref_id} not found") from exc
         if row is None:  # pragma: no cover - INSERT ... RETURNING always returns a row
             raise NoetlError("result store: insert returned no row")
-        return Reference(int(row["ref_id"]), TIER, str(row["uri"]))
+        return Reference(int(row["ref_id"]), TIER, str(row["uri"]), len(item.data))
 
     # ------------------------------------------------------------ reads
 
@@ -366,7 +367,7 @@ class S3ResultStore(PostgresResultStore):
                 await conn.execute(_INSERT_REF, params)
         except NotFound as exc:
             raise NotFound(f"parent result reference {parent_ref_id} not found") from exc
-        return Reference(ref_id, S3_TIER, uri)
+        return Reference(ref_id, S3_TIER, uri, len(data))
 
 
 async def loop_reference(conn: Conn, execution_id: int, step: str, uri: str,

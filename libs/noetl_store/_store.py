@@ -17,7 +17,7 @@ import hashlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from noetl_common.errors import InvalidInput, NotFound
@@ -63,11 +63,15 @@ def check_result_size(size: int, limit: int, *, task: str = "", exact: bool = Tr
 
 @dataclass(frozen=True, slots=True)
 class Reference:
-    """Where a result payload lives: ``type`` is the tier ("db", ...), ``uri`` its address."""
+    """Where a result payload lives: ``type`` is the tier ("db", ...), ``uri`` its address.
+    ``size``: the payload's encoded bytes when this process has just written it (``put``);
+    0 when unknown (a reference read back from an event). Not part of the reference's
+    identity nor of its JSON form."""
 
     ref_id: int
     type: str
     uri: str
+    size: int = field(default=0, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"ref_id": self.ref_id, "type": self.type, "uri": self.uri}
@@ -151,7 +155,7 @@ class MemoryResultStore(ResultStore):
             raise NotFound(f"parent result reference {parent_ref_id} not found")
         ref_id = next(self._ids)
         self._rows[ref_id] = _MemoryRow(data, parent_ref_id, execution_id, step, command_id, task)
-        return Reference(ref_id, self.TIER, f"memory://{ref_id}")
+        return Reference(ref_id, self.TIER, f"memory://{ref_id}", len(data))
 
     async def get(self, ref_id: int) -> Any:
         row = self._rows.get(ref_id)
@@ -166,17 +170,26 @@ class MemoryResultStore(ResultStore):
         return len(self._rows)
 
 
+# The largest result (encoded bytes) ``CachedResultStore.put`` keeps as it writes it.
+PUT_CACHE_BYTES = 64 * 1024
+
+
 class CachedResultStore(ResultStore):
     """Read-through LRU cache over another store, keyed by ``ref_id`` (results are
-    immutable). ``put`` writes through without caching: a result is usually read by
-    another command, often on another worker, so caching it here would cost an extra
-    encode for little gain."""
+    immutable). ``put`` writes through, and also keeps a written value of at most
+    ``put_cache_bytes`` encoded bytes (``Reference.size``): the next step of a chain often
+    runs in the same process and reads it back at once (one Postgres read per step
+    saved). What it keeps is the value as a read would return it (decoded from its
+    encoding, so a tuple is a list, a datetime its text): dropping the cache changes
+    latency only. Larger values are not kept on put (a loop's thousand results would
+    crowd out what is read); reading one caches it as before."""
 
-    def __init__(self, inner: ResultStore, max_items: int = 1024) -> None:
+    def __init__(self, inner: ResultStore, max_items: int = 1024, *, put_cache_bytes: int = PUT_CACHE_BYTES) -> None:
         if max_items < 1:
             raise ValueError("max_items must be at least 1")
         self.inner = inner
         self.max_items = max_items
+        self.put_cache_bytes = put_cache_bytes
         self._cache: OrderedDict[int, Any] = OrderedDict()
         self.hits = 0
         self.misses = 0
@@ -189,8 +202,11 @@ class CachedResultStore(ResultStore):
 
     async def put(self, value: Any, *, execution_id: int, step: str, command_id: str, task: str,
                   parent_ref_id: int | None) -> Reference:
-        return await self.inner.put(value, execution_id=execution_id, step=step, command_id=command_id,
-                                    task=task, parent_ref_id=parent_ref_id)
+        ref = await self.inner.put(value, execution_id=execution_id, step=step, command_id=command_id,
+                                   task=task, parent_ref_id=parent_ref_id)
+        if 0 < ref.size <= self.put_cache_bytes:
+            self._remember(ref.ref_id, decode_json(encode_json(value)))
+        return ref
 
     async def get(self, ref_id: int) -> Any:
         if ref_id in self._cache:

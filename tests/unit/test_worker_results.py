@@ -150,7 +150,7 @@ class CountingStore(MemoryResultStore):
 
 async def test_cached_store_reads_through_once_and_evicts_lru() -> None:
     inner = CountingStore()
-    cache = CachedResultStore(inner, max_items=2)
+    cache = CachedResultStore(inner, max_items=2, put_cache_bytes=0)  # reads only: nothing kept on put
     refs = [await cache.put(i, execution_id=1, step="s", command_id="c", task="t", parent_ref_id=None)
             for i in range(3)]
     assert inner.reads == 0
@@ -170,3 +170,27 @@ async def test_cached_store_reads_through_once_and_evicts_lru() -> None:
         await cache.get(12345)
     with pytest.raises(ValueError):
         CachedResultStore(inner, max_items=0)
+
+
+async def test_cached_store_keeps_a_small_value_it_writes_as_a_read_would_return_it() -> None:
+    inner = CountingStore()
+    cache = CachedResultStore(inner, max_items=8, put_cache_bytes=64)
+    value = {"t": (1, 2), "when": datetime(2024, 1, 2, tzinfo=UTC), "n": Decimal("1.5")}
+    ref = await cache.put(value, execution_id=1, step="s", command_id="c", task="t", parent_ref_id=None)
+    assert ref.size == len(encode_json(value))
+    got = await cache.get(ref.ref_id)
+    assert inner.reads == 0  # served from what the put kept
+    assert got == await inner.get(ref.ref_id)  # the decoded form, not the object written
+    assert got == {"t": [1, 2], "when": "2024-01-02T00:00:00+00:00", "n": 1.5}
+    # beyond put_cache_bytes: written through, not kept (read back from the store)
+    big = await cache.put("x" * 100, execution_id=1, step="s", command_id="c", task="t", parent_ref_id=None)
+    assert big.size > 64
+    reads = inner.reads
+    assert await cache.get(big.ref_id) == "x" * 100
+    assert inner.reads == reads + 1
+
+
+def test_reference_size_is_not_part_of_its_identity() -> None:
+    assert Reference(1, "db", "pg://result_payload/1", 10) == Reference(1, "db", "pg://result_payload/1")
+    assert Reference(1, "db", "pg://result_payload/1", 10).to_json() == {"ref_id": 1, "type": "db",
+                                                                        "uri": "pg://result_payload/1"}
