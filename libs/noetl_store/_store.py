@@ -170,8 +170,9 @@ class MemoryResultStore(ResultStore):
         return len(self._rows)
 
 
-# The largest result (encoded bytes) ``CachedResultStore.put`` keeps as it writes it.
-PUT_CACHE_BYTES = 64 * 1024
+# The largest result (encoded bytes) ``CachedResultStore.put`` keeps as it writes it:
+# decoded, a value takes several times its JSON size, and a worker keeps 256 of them.
+PUT_CACHE_BYTES = 16 * 1024
 
 
 class CachedResultStore(ResultStore):

@@ -70,9 +70,10 @@ class Catalog:
         Parsing is pure (the text and this process's limits decide it) and a Playbook is
         shared read-only (as ``compiled`` shares them), so the kept one is what parsing
         again would give; texts that failed to parse are never kept."""
-        if len(content) > PARSED_TEXT_BYTES:
+        data = content.encode()
+        if len(data) > PARSED_TEXT_BYTES:
             return None
-        key = hashlib.sha256(content.encode()).hexdigest()
+        key = hashlib.sha256(data).hexdigest()
         hit = self._parsed.get(key)
         if hit is not None:
             self._parsed.move_to_end(key)
@@ -80,10 +81,11 @@ class Catalog:
 
     def remember(self, content: str, playbook: Playbook) -> None:
         """Keep ``playbook`` as the parse of ``content`` (at most PARSED_TEXTS texts of up
-        to PARSED_TEXT_BYTES characters each; the least recently used goes first)."""
-        if len(content) > PARSED_TEXT_BYTES:
+        to PARSED_TEXT_BYTES bytes of UTF-8 each; the least recently used goes first)."""
+        data = content.encode()
+        if len(data) > PARSED_TEXT_BYTES:
             return
-        self._parsed[hashlib.sha256(content.encode()).hexdigest()] = playbook
+        self._parsed[hashlib.sha256(data).hexdigest()] = playbook
         while len(self._parsed) > PARSED_TEXTS:
             self._parsed.popitem(last=False)
 
