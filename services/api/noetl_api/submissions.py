@@ -105,16 +105,16 @@ class Submitter:
             if existing is not None:
                 return existing
         depth = await self._depth(parent_execution_id)
-        playbook: Playbook | None = None
+        known: Playbook | None = None
         if not playbook_yaml:
             if not path:
                 raise InvalidInput("either playbook_yaml or a playbook reference (path) is required")
             entry = await self._catalog.get(path, version)
-            playbook = (await self._catalog.compiled(entry.catalog_id)).playbook
+            known = (await self._catalog.compiled(entry.catalog_id)).playbook
         else:
-            playbook = self._catalog.parsed(playbook_yaml)  # the same text again: parsed once
+            known = self._catalog.parsed(playbook_yaml)  # the same text again: parsed once
         # parsing and compiling templates never run on the loop that drives engines and leases
-        playbook, workload, encoded = await asyncio.to_thread(_prepare, playbook_yaml, playbook, fields,
+        playbook, workload, encoded = await asyncio.to_thread(_prepare, playbook_yaml, known, fields,
                                                               self._limits)
         if playbook_yaml:
             self._catalog.remember(playbook_yaml, playbook)
