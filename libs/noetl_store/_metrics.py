@@ -1,10 +1,12 @@
 """The result store's Prometheus metrics (seed 004 section 12), registered once per process.
 
     noetl_reference_resolve_seconds{tier}         time to read values of one tier (db, s3,
-                                                   loop, kv), observed once per read call
+                                                   loop, kv, process: the in-process cache),
+                                                   observed once per read call
     noetl_result_store_writes_total{tier,outcome}  puts (ok / error / too_large: refused by
                                                    the result size limit, nothing written)
     noetl_result_cache_requests_total{cache,outcome}  read-through cache hits / misses / skips
+                                                   (cache: kv, process)
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any
 from noetl_common.errors import InvalidInput, NotFound
 
 from ._codec import decode_json, encode_json
+from ._metrics import CACHE, RESOLVE_SECONDS
 
 # The setting that bounds one result (noetl_common.config.LimitSettings.result_bytes).
 RESULT_BYTES_SETTING = "NOETL_LIMIT_RESULT_BYTES"
@@ -170,6 +172,9 @@ class MemoryResultStore(ResultStore):
         return len(self._rows)
 
 
+# ``CachedResultStore``'s name in noetl_result_cache_requests_total{cache} and the tier it
+# reports in noetl_reference_resolve_seconds{tier} for what it serves.
+PROCESS_CACHE = "process"
 # The largest result (encoded bytes) ``CachedResultStore.put`` keeps as it writes it:
 # decoded, a value takes several times its JSON size, and a worker keeps 256 of them.
 PUT_CACHE_BYTES = 16 * 1024
@@ -210,33 +215,47 @@ class CachedResultStore(ResultStore):
         return ref
 
     async def get(self, ref_id: int) -> Any:
+        start = time.perf_counter()
         if ref_id in self._cache:
-            self.hits += 1
+            self._hit(1, start)
             self._cache.move_to_end(ref_id)
             return self._cache[ref_id]
-        self.misses += 1
+        self._missed(1)
         value = await self.inner.get(ref_id)
         self._remember(ref_id, value)
         return value
 
     async def get_many(self, ref_ids: Iterable[int]) -> dict[int, Any]:
+        start = time.perf_counter()
         ids = list(dict.fromkeys(ref_ids))
         out: dict[int, Any] = {}
         missing: list[int] = []
         for ref_id in ids:
             if ref_id in self._cache:
-                self.hits += 1
                 self._cache.move_to_end(ref_id)
                 out[ref_id] = self._cache[ref_id]
             else:
                 missing.append(ref_id)
+        if out:
+            self._hit(len(out), start)
         if missing:
-            self.misses += len(missing)
+            self._missed(len(missing))
             fetched = await self.inner.get_many(missing)
             for ref_id, value in fetched.items():
                 self._remember(ref_id, value)
             out.update(fetched)
         return {i: out[i] for i in ids if i in out}
+
+    def _hit(self, n: int, start: float) -> None:
+        """``n`` references served from memory (one resolve observed per call, as the
+        tiers observe theirs)."""
+        self.hits += n
+        CACHE.labels(PROCESS_CACHE, "hit").inc(n)
+        RESOLVE_SECONDS.labels(PROCESS_CACHE).observe(time.perf_counter() - start)
+
+    def _missed(self, n: int) -> None:
+        self.misses += n
+        CACHE.labels(PROCESS_CACHE, "miss").inc(n)
 
     async def close(self) -> None:
         self._cache.clear()

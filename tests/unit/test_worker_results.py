@@ -194,3 +194,23 @@ def test_reference_size_is_not_part_of_its_identity() -> None:
     assert Reference(1, "db", "pg://result_payload/1", 10) == Reference(1, "db", "pg://result_payload/1")
     assert Reference(1, "db", "pg://result_payload/1", 10).to_json() == {"ref_id": 1, "type": "db",
                                                                         "uri": "pg://result_payload/1"}
+
+
+async def test_cached_store_reports_what_it_serves_as_the_process_cache() -> None:
+    """Its hits and misses count in noetl_result_cache_requests_total{cache="process"} and
+    its hits are resolves of tier "process" (the dashboards' cache and resolve panels)."""
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, labels: dict[str, str]) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    hits0 = sample("noetl_result_cache_requests_total", {"cache": "process", "outcome": "hit"})
+    misses0 = sample("noetl_result_cache_requests_total", {"cache": "process", "outcome": "miss"})
+    resolves0 = sample("noetl_reference_resolve_seconds_count", {"tier": "process"})
+    cache = CachedResultStore(MemoryResultStore(), max_items=8, put_cache_bytes=0)
+    ref = await cache.put({"a": 1}, execution_id=1, step="s", command_id="c", task="t", parent_ref_id=None)
+    await cache.get(ref.ref_id)  # miss: read through
+    await cache.get_many([ref.ref_id])  # hit
+    assert sample("noetl_result_cache_requests_total", {"cache": "process", "outcome": "miss"}) == misses0 + 1
+    assert sample("noetl_result_cache_requests_total", {"cache": "process", "outcome": "hit"}) == hits0 + 1
+    assert sample("noetl_reference_resolve_seconds_count", {"tier": "process"}) == resolves0 + 1
