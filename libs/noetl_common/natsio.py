@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import weakref
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -191,6 +192,19 @@ class Reconnects:
                 logger.exception("nats reconnect listener failed")
 
 
+# Each connection connect() made: a future resolved when the connection is re-established
+# (and replaced by a fresh one then). publish() waits on it beside its ack.
+_RECONNECTED: weakref.WeakKeyDictionary[NATS, asyncio.Future[None]] = weakref.WeakKeyDictionary()
+
+
+def _reconnected(nc: NATS) -> None:
+    """Wake every publish awaiting an ack on ``nc``'s previous connection."""
+    old = _RECONNECTED.get(nc)
+    _RECONNECTED[nc] = asyncio.get_running_loop().create_future()
+    if old is not None and not old.done():
+        old.set_result(None)
+
+
 async def connect(url: str, *, name: str, reconnects: Reconnects | None = None, role: str = "",
                   ca_file: str = "", creds_file: str = "", cert_file: str = "", key_file: str = "") -> NATS:
     """Connect with unbounded reconnects (every 0.5 s); the caller closes with ``await
@@ -203,6 +217,7 @@ async def connect(url: str, *, name: str, reconnects: Reconnects | None = None, 
     if creds_file and not _readable(creds_file):
         raise ConfigError(f"NOETL_NATS_CREDS_FILE {creds_file} is not readable")
     nc = NATS()
+    _RECONNECTED[nc] = asyncio.get_running_loop().create_future()
     connected = False
 
     async def on_error(exc: Exception) -> None:
@@ -223,6 +238,7 @@ async def connect(url: str, *, name: str, reconnects: Reconnects | None = None, 
 
     async def on_reconnect() -> None:
         logger.info("nats reconnected")
+        _reconnected(nc)
         if reconnects is not None:
             reconnects.reconnected()
 
@@ -521,10 +537,31 @@ async def publish(js: JetStreamContext, subject: str, payload: bytes, *, msg_id:
         hdrs["Nats-Msg-Id"] = msg_id
     with tracing.producer(subject, hdrs, msg_id=msg_id, parent=trace_parent) as span:
         try:
-            return await js.publish(subject, payload, timeout=ack_wait, headers=hdrs or None)
+            return await _acked(js, subject, payload, ack_wait, hdrs or None)
         except (NatsError, OSError) as exc:
             tracing.set_error(span, f"{type(exc).__name__}: {exc}")
             raise translate(exc) from exc
+
+
+async def _acked(js: JetStreamContext, subject: str, payload: bytes, ack_wait: float,
+                 headers: dict[str, str] | None) -> Any:
+    """``js.publish``, except that the client re-establishing its connection while the ack
+    is awaited ends the wait at once (``Unavailable``) instead of after ``ack_wait``: the
+    server that was to answer is gone. The caller publishes again; with the same Msg-Id
+    the stream keeps one copy if the first one was stored after all."""
+    reconnected = _RECONNECTED.get(js._nc)
+    if reconnected is None:  # a connection not made by connect(): no reconnect signal
+        return await js.publish(subject, payload, timeout=ack_wait, headers=headers)
+    ack = asyncio.ensure_future(js.publish(subject, payload, timeout=ack_wait, headers=headers))
+    try:
+        done, _ = await asyncio.wait((ack, reconnected), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the caller was cancelled
+        ack.cancel()
+        raise
+    if ack in done:
+        return ack.result()
+    ack.cancel()
+    raise Unavailable(f"nats reconnected while the publish on {subject} awaited its ack; publish it again")
 
 
 async def hint(nc: NATS, subject: str, payload: bytes = b"") -> None:
