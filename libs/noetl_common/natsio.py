@@ -530,17 +530,38 @@ async def publish(js: JetStreamContext, subject: str, payload: bytes, *, msg_id:
                   headers: dict[str, str] | None = None, ack_wait: float = 5.0,
                   trace_parent: Context | None = None) -> Any:
     """Publish to JetStream and wait up to ``ack_wait`` seconds for the ack (the message is stored).
-    With tracing on, the publish is a producer span (child of ``trace_parent``, default the
+    A message with ``msg_id`` whose wait is ended by a reconnect is sent again at once (up to
+    ``RECONNECT_REPUBLISHES`` times; the stream's duplicate window keeps one copy); one
+    without raises ``Unavailable`` for its caller to decide. With tracing on, the publish is a producer span (child of ``trace_parent``, default the
     current context) whose ``traceparent`` travels in the message headers."""
     hdrs = dict(headers or {})
     if msg_id:
         hdrs["Nats-Msg-Id"] = msg_id
     with tracing.producer(subject, hdrs, msg_id=msg_id, parent=trace_parent) as span:
-        try:
-            return await _acked(js, subject, payload, ack_wait, hdrs or None)
-        except (NatsError, OSError) as exc:
-            tracing.set_error(span, f"{type(exc).__name__}: {exc}")
-            raise translate(exc) from exc
+        for again in range(RECONNECT_REPUBLISHES, -1, -1):
+            try:
+                return await _acked(js, subject, payload, ack_wait, hdrs or None)
+            except _ReconnectedWhileAwaiting as exc:
+                # With a Msg-Id the stream keeps one copy (within its 120 s duplicate window), so the
+                # message goes out again at once on the new connection; without one a second
+                # copy could be stored, so the caller decides.
+                if not msg_id or not again:
+                    tracing.set_error(span, str(exc))
+                    raise
+            except (NatsError, OSError) as exc:
+                tracing.set_error(span, f"{type(exc).__name__}: {exc}")
+                raise translate(exc) from exc
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+# How often publish() sends a message with a Msg-Id again when reconnects keep ending its
+# wait for the ack (each try waits for the next reconnect at most, so this bounds a flapping
+# server's cost, not a healthy one's).
+RECONNECT_REPUBLISHES = 3
+
+
+class _ReconnectedWhileAwaiting(Unavailable):
+    """The connection was re-established while a publish awaited its ack."""
 
 
 async def _acked(js: JetStreamContext, subject: str, payload: bytes, ack_wait: float,
@@ -561,7 +582,8 @@ async def _acked(js: JetStreamContext, subject: str, payload: bytes, ack_wait: f
     if ack in done:
         return ack.result()
     ack.cancel()
-    raise Unavailable(f"nats reconnected while the publish on {subject} awaited its ack; publish it again")
+    raise _ReconnectedWhileAwaiting(f"nats reconnected while the publish on {subject} awaited its ack; "
+                                    "publish it again")
 
 
 async def hint(nc: NATS, subject: str, payload: bytes = b"") -> None:

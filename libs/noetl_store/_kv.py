@@ -88,25 +88,25 @@ class KvCachedResultStore(ResultStore):
 
     # ------------------------------------------------------------ lookups
 
-    async def _lookup(self, kv: KeyValue, ref_id: int) -> tuple[bool, Any]:
+    async def _lookup(self, kv: KeyValue, ref_id: int) -> tuple[bool, Any, int]:
         start = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout_sec):
                 entry = await kv.get(str(ref_id))
         except (KeyNotFoundError, KeyDeletedError):
             CACHE.labels(CACHE_NAME, "miss").inc()
-            return False, None
+            return False, None, 0
         except (NatsError, TimeoutError, OSError) as exc:
             self._forget_bucket(exc)
             CACHE.labels(CACHE_NAME, "error").inc()
-            return False, None
+            return False, None, 0
         if entry.value is None:
             CACHE.labels(CACHE_NAME, "miss").inc()
-            return False, None
+            return False, None, 0
         value = decode_json(entry.value)
         RESOLVE_SECONDS.labels(CACHE_NAME).observe(time.perf_counter() - start)
         CACHE.labels(CACHE_NAME, "hit").inc()
-        return True, value
+        return True, value, len(entry.value)
 
     async def _remember(self, kv: KeyValue | None, ref_id: int, value: Any) -> None:
         if kv is None:
@@ -131,7 +131,7 @@ class KvCachedResultStore(ResultStore):
     async def get(self, ref_id: int) -> Any:
         kv = await self._bucket()
         if kv is not None:
-            hit, value = await self._lookup(kv, ref_id)
+            hit, value, _ = await self._lookup(kv, ref_id)
             if hit:
                 return value
         value = await self.inner.get(ref_id)
@@ -139,19 +139,22 @@ class KvCachedResultStore(ResultStore):
         return value
 
     async def get_many(self, ref_ids: Iterable[int]) -> dict[int, Any]:
+        return {i: value for i, (value, _) in (await self.get_many_sized(ref_ids)).items()}
+
+    async def get_many_sized(self, ref_ids: Iterable[int]) -> dict[int, tuple[Any, int]]:
         ids = list(dict.fromkeys(int(i) for i in ref_ids))
         if not ids:
             return {}
         kv = await self._bucket()
-        out: dict[int, Any] = {}
+        out: dict[int, tuple[Any, int]] = {}
         if kv is not None:
             looked = await asyncio.gather(*(self._lookup(kv, i) for i in ids))
-            out = {i: value for i, (hit, value) in zip(ids, looked, strict=True) if hit}
+            out = {i: (value, size) for i, (hit, value, size) in zip(ids, looked, strict=True) if hit}
         missing = [i for i in ids if i not in out]
         if missing:
-            fetched = await self.inner.get_many(missing)
+            fetched = await self.inner.get_many_sized(missing)
             kv = self._kv
-            await asyncio.gather(*(self._remember(kv, i, v) for i, v in fetched.items()))
+            await asyncio.gather(*(self._remember(kv, i, v) for i, (v, _) in fetched.items()))
             out.update(fetched)
         return {i: out[i] for i in ids if i in out}
 

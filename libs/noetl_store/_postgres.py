@@ -240,11 +240,19 @@ class PostgresResultStore(ResultStore):
             if not rows:
                 raise NotFound(f"result reference {ref_id} not found")
             values = await self._resolve(rows, strict=True)
-        return values[ref_id]
+        return values[ref_id][0]
 
     async def get_many(self, ref_ids: Iterable[int]) -> dict[int, Any]:
         """One query for many references; missing ones (and references whose payload is
         missing from their tier) are left out. A tier that cannot be reached raises."""
+        ids = list(dict.fromkeys(int(i) for i in ref_ids))
+        if not ids:
+            return {}
+        return {i: value for i, (value, _) in (await self.get_many_sized(ids)).items()}
+
+    async def get_many_sized(self, ref_ids: Iterable[int]) -> dict[int, tuple[Any, int]]:
+        """``get_many`` with each value's encoded size (a loop's: its stats' and its
+        iterations' results'), as read."""
         ids = list(dict.fromkeys(int(i) for i in ref_ids))
         if not ids:
             return {}
@@ -258,14 +266,15 @@ class PostgresResultStore(ResultStore):
             await cur.execute(_GET, {"ids": ids})
             return await cur.fetchall()
 
-    async def _resolve(self, rows: list[dict[str, Any]], *, strict: bool) -> dict[int, Any]:
-        """Values of ``rows`` (``_GET`` rows) by ref id. ``strict``: a missing payload raises
-        NotFound; otherwise it is left out."""
+    async def _resolve(self, rows: list[dict[str, Any]], *, strict: bool) -> dict[int, tuple[Any, int]]:
+        """Values of ``rows`` (``_GET`` rows) with their encoded sizes, by ref id.
+        ``strict``: a missing payload raises NotFound; otherwise it is left out."""
         by_tier: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
             by_tier.setdefault(str(row["tier"]), []).append(row)
-        out: dict[int, Any] = {}
+        out: dict[int, tuple[Any, int]] = {}
         for tier, group in by_tier.items():
+            values: dict[int, tuple[Any, int]]
             with resolving(tier):
                 if tier == TIER:
                     values = self._db_values(group)
@@ -282,17 +291,17 @@ class PostgresResultStore(ResultStore):
         return out
 
     @staticmethod
-    def _db_values(rows: list[dict[str, Any]]) -> dict[int, Any]:
-        return {int(r["ref_id"]): decode_json(r["data"]) for r in rows if r["data"] is not None}
+    def _db_values(rows: list[dict[str, Any]]) -> dict[int, tuple[Any, int]]:
+        return {int(r["ref_id"]): (decode_json(r["data"]), len(r["data"])) for r in rows if r["data"] is not None}
 
-    async def _object_values(self, rows: list[dict[str, Any]]) -> dict[int, Any]:
+    async def _object_values(self, rows: list[dict[str, Any]]) -> dict[int, tuple[Any, int]]:
         if self.objects is None:
             raise Unavailable(f"result reference {rows[0]['ref_id']} is in the s3 tier, but no S3 endpoint is "
                               "configured (NOETL_RESULT_S3_ENDPOINT)")
         objects = self.objects
         gate = asyncio.Semaphore(OBJECT_READ_CONCURRENCY)
 
-        async def one(row: dict[str, Any]) -> tuple[int, Any] | None:
+        async def one(row: dict[str, Any]) -> tuple[int, tuple[Any, int]] | None:
             ref_id = int(row["ref_id"])
             async with gate:
                 try:
@@ -304,13 +313,14 @@ class PostgresResultStore(ResultStore):
             if row["sha256"] and digest(data) != row["sha256"]:
                 raise NoetlError(f"result reference {ref_id}: the object at {row['uri']} does not match its "
                                  "recorded sha256 (changed or corrupted)")
-            return ref_id, decode_json(data)
+            return ref_id, (decode_json(data), len(data))
 
         found = await asyncio.gather(*(one(r) for r in rows))
         return dict(item for item in found if item is not None)
 
-    async def _loop_value(self, row: dict[str, Any]) -> Any:
-        """``{"results": [...in index order...], "stats": {...}}`` of a finished loop."""
+    async def _loop_value(self, row: dict[str, Any]) -> tuple[Any, int]:
+        """``{"results": [...in index order...], "stats": {...}}`` of a finished loop, and
+        the encoded size of its stats and results."""
         stats = (decode_json(row["data"]) or {}).get("stats", {})
         execution_id, _, instance = str(row["uri"]).removeprefix("loop://").partition("/")
         async with autocommit(self.pool) as conn:
@@ -319,8 +329,10 @@ class PostgresResultStore(ResultStore):
             items = await cur.fetchall()
         ids = [int(r["ref_id"]) for r in items if r["ref_id"] is not None]
         values = await self._resolve(await self._fetch(ids), strict=False) if ids else {}
-        results = [values.get(int(r["ref_id"])) if r["ref_id"] is not None else None for r in items]
-        return {"results": results, "stats": stats}
+        results = [values[int(r["ref_id"])][0] if r["ref_id"] is not None and int(r["ref_id"]) in values else None
+                   for r in items]
+        size = len(row["data"]) + sum(n for _, n in values.values())
+        return {"results": results, "stats": stats}, size
 
     async def chain(self, ref_id: int, *, limit: int = 10_000) -> list[Reference]:
         """The reference and its ancestors (``parent_ref_id`` links), newest first."""

@@ -122,6 +122,12 @@ class ResultStore(abc.ABC):
                 continue
         return out
 
+    async def get_many_sized(self, ref_ids: Iterable[int]) -> dict[int, tuple[Any, int]]:
+        """``get_many`` with each value's encoded size in bytes (what a cache in front
+        bounds itself by). Tiers that read the encoded bytes anyway report their length;
+        this default encodes the value again to measure it."""
+        return {i: (v, len(encode_json(v))) for i, v in (await self.get_many(ref_ids)).items()}
+
     async def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources the store owns (pools passed in are not closed)."""
 
@@ -178,6 +184,10 @@ PROCESS_CACHE = "process"
 # The largest result (encoded bytes) ``CachedResultStore.put`` keeps as it writes it:
 # decoded, a value takes several times its JSON size, and a worker keeps 256 of them.
 PUT_CACHE_BYTES = 16 * 1024
+# What ``CachedResultStore`` keeps in all, in encoded bytes (a result may be up to
+# NOETL_LIMIT_RESULT_BYTES, 32 MiB by default: counted by items alone, 2,048 of them could
+# take an api's memory). A value larger than a sixteenth of it is served but not kept.
+CACHE_BYTES = 64 * 1024 * 1024
 
 
 class CachedResultStore(ResultStore):
@@ -188,30 +198,46 @@ class CachedResultStore(ResultStore):
     saved). What it keeps is the value as a read would return it (decoded from its
     encoding, so a tuple is a list, a datetime its text): dropping the cache changes
     latency only. Larger values are not kept on put (a loop's thousand results would
-    crowd out what is read); reading one caches it as before."""
+    crowd out what is read); reading one caches it as before.
 
-    def __init__(self, inner: ResultStore, max_items: int = 1024, *, put_cache_bytes: int = PUT_CACHE_BYTES) -> None:
+    Bounded twice: at most ``max_items`` values and ``max_bytes`` encoded bytes in all
+    (the least recently used go first); a value larger than ``max_bytes // 16`` is served
+    but not kept, so one large result cannot flush the rest."""
+
+    def __init__(self, inner: ResultStore, max_items: int = 1024, *, put_cache_bytes: int = PUT_CACHE_BYTES,
+                 max_bytes: int = CACHE_BYTES) -> None:
         if max_items < 1:
             raise ValueError("max_items must be at least 1")
+        if max_bytes < 16:
+            raise ValueError("max_bytes must be at least 16")
         self.inner = inner
         self.max_items = max_items
-        self.put_cache_bytes = put_cache_bytes
-        self._cache: OrderedDict[int, Any] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.max_entry_bytes = max_bytes // 16
+        self.put_cache_bytes = min(put_cache_bytes, self.max_entry_bytes)
+        self._cache: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+        self.bytes = 0  # encoded bytes of what is kept
         self.hits = 0
         self.misses = 0
 
-    def _remember(self, ref_id: int, value: Any) -> None:
-        self._cache[ref_id] = value
-        self._cache.move_to_end(ref_id)
-        while len(self._cache) > self.max_items:
-            self._cache.popitem(last=False)
+    def _remember(self, ref_id: int, value: Any, size: int) -> None:
+        if size > self.max_entry_bytes:
+            return
+        old = self._cache.pop(ref_id, None)
+        if old is not None:
+            self.bytes -= old[1]
+        self._cache[ref_id] = (value, size)
+        self.bytes += size
+        while len(self._cache) > self.max_items or self.bytes > self.max_bytes:
+            _, (_, gone) = self._cache.popitem(last=False)
+            self.bytes -= gone
 
     async def put(self, value: Any, *, execution_id: int, step: str, command_id: str, task: str,
                   parent_ref_id: int | None) -> Reference:
         ref = await self.inner.put(value, execution_id=execution_id, step=step, command_id=command_id,
                                    task=task, parent_ref_id=parent_ref_id)
         if 0 < ref.size <= self.put_cache_bytes:
-            self._remember(ref.ref_id, decode_json(encode_json(value)))
+            self._remember(ref.ref_id, decode_json(encode_json(value)), ref.size)
         return ref
 
     async def get(self, ref_id: int) -> Any:
@@ -219,10 +245,13 @@ class CachedResultStore(ResultStore):
         if ref_id in self._cache:
             self._hit(1, start)
             self._cache.move_to_end(ref_id)
-            return self._cache[ref_id]
+            return self._cache[ref_id][0]
         self._missed(1)
-        value = await self.inner.get(ref_id)
-        self._remember(ref_id, value)
+        found = await self.inner.get_many_sized([ref_id])
+        if ref_id not in found:
+            return await self.inner.get(ref_id)  # raises the tier's own NotFound
+        value, size = found[ref_id]
+        self._remember(ref_id, value, size)
         return value
 
     async def get_many(self, ref_ids: Iterable[int]) -> dict[int, Any]:
@@ -233,18 +262,21 @@ class CachedResultStore(ResultStore):
         for ref_id in ids:
             if ref_id in self._cache:
                 self._cache.move_to_end(ref_id)
-                out[ref_id] = self._cache[ref_id]
+                out[ref_id] = self._cache[ref_id][0]
             else:
                 missing.append(ref_id)
         if out:
             self._hit(len(out), start)
         if missing:
             self._missed(len(missing))
-            fetched = await self.inner.get_many(missing)
-            for ref_id, value in fetched.items():
-                self._remember(ref_id, value)
-            out.update(fetched)
+            for ref_id, (value, size) in (await self.inner.get_many_sized(missing)).items():
+                self._remember(ref_id, value, size)
+                out[ref_id] = value
         return {i: out[i] for i in ids if i in out}
+
+    async def get_many_sized(self, ref_ids: Iterable[int]) -> dict[int, tuple[Any, int]]:
+        values = await self.get_many(ref_ids)
+        return {i: (v, self._cache[i][1] if i in self._cache else len(encode_json(v))) for i, v in values.items()}
 
     def _hit(self, n: int, start: float) -> None:
         """``n`` references served from memory (one resolve observed per call, as the
@@ -259,6 +291,7 @@ class CachedResultStore(ResultStore):
 
     async def close(self) -> None:
         self._cache.clear()
+        self.bytes = 0
         await self.inner.close()
 
     def __len__(self) -> int:

@@ -1588,8 +1588,9 @@ async def test_runtime_secret_is_created_by_whoever_asks_first(db: Pool) -> None
 # ================================================================ noetl_store._postgres
 
 @covers(f"{STORE_MODULE}.PostgresResultStore.put", f"{STORE_MODULE}.PostgresResultStore.get",
-        f"{STORE_MODULE}.PostgresResultStore.get_many", f"{STORE_MODULE}.PostgresResultStore.chain",
-        f"{STORE_MODULE}.PostgresResultStore.close", f"{STORE_MODULE}.loop_reference")
+        f"{STORE_MODULE}.PostgresResultStore.get_many", f"{STORE_MODULE}.PostgresResultStore.get_many_sized",
+        f"{STORE_MODULE}.PostgresResultStore.chain", f"{STORE_MODULE}.PostgresResultStore.close",
+        f"{STORE_MODULE}.loop_reference")
 async def test_result_refs_and_payloads(db: Pool) -> None:
     """The db tier's rows (every tier's behaviour: tests/integration/test_result_store.py)."""
     eid = new_eid()
@@ -1606,6 +1607,7 @@ async def test_result_refs_and_payloads(db: Pool) -> None:
     assert await store.get(r1.ref_id) == {"v": 1}
     missing = r2.ref_id + 1_000_000_000
     assert await store.get_many([r2.ref_id, r1.ref_id, missing]) == {r2.ref_id: [1, 2], r1.ref_id: {"v": 1}}
+    assert await store.get_many_sized([r2.ref_id, missing]) == {r2.ref_id: ([1, 2], row["size_bytes"])}
     assert await store.chain(r2.ref_id) == [r2, r1]
     for call in (store.get, store.chain):
         with pytest.raises(NotFound):

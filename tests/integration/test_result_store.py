@@ -171,6 +171,14 @@ async def test_get_many(tier: Tier) -> None:
     assert await tier.store.get_many([]) == {}
 
 
+async def test_get_many_sized_reports_each_values_encoded_size(tier: Tier) -> None:
+    """What a cache in front bounds itself by: the encoded bytes of each value, read with it."""
+    values = [{"i": 1}, "x" * 5_000, [1.5, None, "é"]]
+    ids = [await put(tier.store, v) for v in values]
+    sized = await tier.store.get_many_sized([*ids, 987_654_321])  # a missing id is left out
+    assert sized == {i: (v, len(encode_json(v))) for i, v in zip(ids, values, strict=True)}
+
+
 async def test_missing_reference_is_not_found(tier: Tier) -> None:
     with pytest.raises(NotFound, match="not found"):
         await tier.store.get(9_999_999_999)
@@ -318,6 +326,9 @@ async def test_loop_reference_resolves_iterations_of_any_tier(kind: str, pool: P
         await conn.commit()
     assert await store.get(loop_ref) == {"results": [{"i": 1}, {"i": 2}, {"i": 0}, None],
                                          "stats": {"total": 4, "success": 3, "failed": 1}}
+    # its size: the stats' and the iterations' results' encoded bytes
+    (_, size), = (await store.get_many_sized([loop_ref])).values()
+    assert size == len(stats) + sum(len(encode_json({"i": i})) for i in range(3))
     await objects.close()
 
 

@@ -190,6 +190,38 @@ async def test_cached_store_keeps_a_small_value_it_writes_as_a_read_would_return
     assert inner.reads == reads + 1
 
 
+async def test_cached_store_is_bounded_by_encoded_bytes_and_keeps_no_value_past_its_share() -> None:
+    """A result may be up to NOETL_LIMIT_RESULT_BYTES: counted by items alone, a cache of
+    2,048 could hold gigabytes. It keeps at most max_bytes (encoded) in all, least recently
+    used out first, and a value above max_bytes // 16 is served but not kept."""
+    inner = CountingStore()
+    cache = CachedResultStore(inner, max_items=100, put_cache_bytes=0, max_bytes=1600)  # 100 bytes a value at most
+    small = [await cache.put("s" * 38, execution_id=1, step="s", command_id="c", task="t", parent_ref_id=None)
+             for _ in range(20)]  # 40 encoded bytes each
+    for ref in small:
+        assert await cache.get(ref.ref_id) == "s" * 38
+    assert cache.bytes == 20 * 40 and len(cache) == 20  # all kept
+    big = await cache.put("b" * 200, execution_id=1, step="s", command_id="c", task="t", parent_ref_id=None)
+    reads = inner.reads
+    assert await cache.get(big.ref_id) == "b" * 200
+    assert await cache.get_many([big.ref_id]) == {big.ref_id: "b" * 200}
+    assert inner.reads == reads + 2  # served both times, kept neither time
+    assert len(cache) == 20  # and nothing was evicted for it
+    more = [await cache.put("m" * 88, execution_id=1, step="s", command_id="c", task="t", parent_ref_id=None)
+            for _ in range(12)]  # 90 encoded bytes each: 1,080 of them push out the oldest small ones
+    for ref in more:
+        await cache.get(ref.ref_id)
+    assert cache.bytes <= 1600
+    assert len(cache) == 12 + (1600 - 12 * 90) // 40
+    reads = inner.reads
+    await cache.get(small[-1].ref_id)  # the most recent small one is still kept
+    assert inner.reads == reads
+    await cache.get(small[0].ref_id)  # the oldest is gone
+    assert inner.reads == reads + 1
+    with pytest.raises(ValueError):
+        CachedResultStore(inner, max_bytes=8)
+
+
 def test_reference_size_is_not_part_of_its_identity() -> None:
     assert Reference(1, "db", "pg://result_payload/1", 10) == Reference(1, "db", "pg://result_payload/1")
     assert Reference(1, "db", "pg://result_payload/1", 10).to_json() == {"ref_id": 1, "type": "db",
