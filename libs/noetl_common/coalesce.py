@@ -1,8 +1,11 @@
-"""Group concurrent requests into batches with no waiting window (group commit).
+"""Group concurrent requests into batches (group commit).
 
 While one batch is being flushed, new requests queue up; when the flush returns, all
-of them go out as the next batch. A lone request is flushed at once, so latency under
-light load is unchanged, and under load each round trip carries many requests.
+of them go out as the next batch. By default there is no waiting window: a lone request
+is flushed at once, so latency under light load is unchanged, and under load each round
+trip carries many requests. ``gather_sec`` > 0 waits that long after a batch's first
+request: periodic loops that wake together (the shard loops of one process) make one
+round trip for all of them.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ class Coalescer(Generic[T, R]):
     returns one result (or an exception, raised to that caller only) per item, in order.
     If ``flush`` itself raises, every caller of the batch gets the error."""
 
-    def __init__(self, flush: Flush[T, R], *, max_batch: int = 64) -> None:
+    def __init__(self, flush: Flush[T, R], *, max_batch: int = 64, gather_sec: float = 0.0) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if gather_sec < 0:
+            raise ValueError("gather_sec must not be negative")
         self._flush = flush
         self._max = max_batch
+        self._gather = gather_sec
         self._queue: list[tuple[T, asyncio.Future[R]]] = []
         self._runner: asyncio.Task[None] | None = None
 
@@ -38,6 +44,8 @@ class Coalescer(Generic[T, R]):
         return await fut
 
     async def _drain(self) -> None:
+        if self._gather:
+            await asyncio.sleep(self._gather)
         while self._queue:
             batch, self._queue = self._queue[: self._max], self._queue[self._max:]
             live = [(item, fut) for item, fut in batch if not fut.cancelled()]

@@ -4,7 +4,7 @@ engine, claimed and renewed for workers by the api."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from noetl_common import pools
@@ -162,30 +162,44 @@ async def state(conn: Conn, command_id: str) -> dict[str, Any] | None:
                      (command_id,))
 
 
-async def expired_claims(conn: Conn, shard: int, lease_sec: float, limit: int = 500) -> list[dict[str, Any]]:
-    """Claimed commands whose lease ran out, oldest first; none within a lease of the
-    database's own start (a Postgres restart stops every renewal)."""
+async def expired_claims(conn: Conn, shards: Sequence[int], lease_sec: float,
+                         limit: int = 500) -> list[dict[str, Any]]:
+    """Claimed commands of ``shards`` whose lease ran out, oldest first, with their
+    ``shard_id``; none within a lease of the database's own start (a Postgres restart
+    stops every renewal). One query for all the shards a reaper holds."""
+    if not shards:
+        return []
     return await rows(conn,
-        "SELECT command_id, execution_id, attempt, worker_id FROM noetl.command WHERE shard_id = %s"
-        f" AND status = '{CommandStatus.CLAIMED}' AND lease_until < now()"
+        "SELECT command_id, execution_id, attempt, worker_id, shard_id FROM noetl.command"
+        f" WHERE shard_id = ANY(%s) AND status = '{CommandStatus.CLAIMED}' AND lease_until < now()"
         " AND pg_postmaster_start_time() < now() - make_interval(secs => %s)"
-        " ORDER BY lease_until LIMIT %s", (shard, lease_sec, limit))
+        " ORDER BY lease_until LIMIT %s", (list(shards), lease_sec, limit))
 
 
-async def stale_queued(conn: Conn, shard: int, older_than_sec: float, limit: int = 500) -> list[dict[str, Any]]:
-    """Queued commands not touched for ``older_than_sec`` (their notices may be lost), with
-    the trace their execution continues."""
+async def stale_queued(conn: Conn, shards: Sequence[int], older_than_sec: float,
+                       limit: int = 500) -> list[dict[str, Any]]:
+    """Queued commands of ``shards`` not touched for ``older_than_sec`` (their notices may
+    be lost), oldest first, with their ``shard_id`` and the trace their execution continues."""
+    if not shards:
+        return []
     return await rows(conn,
-        "SELECT c.command_id, c.execution_id, c.attempt, c.kind, c.pool, c.priority, r.traceparent"
+        "SELECT c.command_id, c.execution_id, c.attempt, c.kind, c.pool, c.priority, c.shard_id, r.traceparent"
         " FROM noetl.command c"
-        " LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id WHERE c.shard_id = %s"
+        " LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id WHERE c.shard_id = ANY(%s)"
         f" AND c.status = '{CommandStatus.QUEUED}' AND c.updated_at < now() - make_interval(secs => %s)"
-        " ORDER BY c.updated_at LIMIT %s", (shard, older_than_sec, limit))
+        " ORDER BY c.updated_at LIMIT %s", (list(shards), older_than_sec, limit))
 
 
-async def unschedulable(conn: Conn, shard: int) -> dict[str, int]:
-    """Queued commands no live worker qualifies for, per pool."""
+async def unschedulable(conn: Conn, shards: Sequence[int]) -> dict[int, dict[str, int]]:
+    """Queued commands no live worker qualifies for, per shard of ``shards`` and pool
+    (shards with none are left out)."""
+    if not shards:
+        return {}
     found = await rows(conn,
-        f"SELECT c.pool, count(*) AS n FROM noetl.command c WHERE c.shard_id = %s AND c.status = '{CommandStatus.QUEUED}'"
-        f" AND {pools.no_live_worker('c')} GROUP BY c.pool", (shard,))
-    return {r["pool"]: int(r["n"]) for r in found}
+        f"SELECT c.shard_id, c.pool, count(*) AS n FROM noetl.command c WHERE c.shard_id = ANY(%s)"
+        f" AND c.status = '{CommandStatus.QUEUED}' AND {pools.no_live_worker('c')} GROUP BY c.shard_id, c.pool",
+        (list(shards),))
+    out: dict[int, dict[str, int]] = {}
+    for r in found:
+        out.setdefault(int(r["shard_id"]), {})[r["pool"]] = int(r["n"])
+    return out

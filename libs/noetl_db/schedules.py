@@ -22,6 +22,7 @@ submission got through.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -165,15 +166,35 @@ class ScheduleStore:
             due = await cur.fetchone()
         return RoundResult(fired, skipped, lag, due["due"] if due else None, at)
 
-    async def pending(self, shard: int, limit: int = 100) -> list[dict[str, Any]]:
-        """Fired ticks of the shard not submitted yet (oldest first), with what to submit."""
+    async def next_due(self, shards: Sequence[int]) -> tuple[datetime, dict[int, datetime]]:
+        """The database's now, and the earliest next tick of each of ``shards`` that has an
+        unpaused schedule: one query for every shard a reaper holds, so only a shard with
+        something due takes the fenced round (``fire_due``)."""
         async with autocommit(self._pool) as conn:
             cur = await conn.execute(
-                "SELECT t.schedule_id, t.tick, s.name, s.catalog_path, s.catalog_version, s.payload"
+                "SELECT now() AS now, d.shard_id, d.due FROM (SELECT 1) one LEFT JOIN LATERAL"
+                " (SELECT shard_id, min(next_tick) AS due FROM noetl.schedule"
+                "  WHERE shard_id = ANY(%s) AND NOT paused GROUP BY shard_id) d ON true", (list(shards),))
+            found = await cur.fetchall()
+        return found[0]["now"], {int(r["shard_id"]): r["due"] for r in found if r["shard_id"] is not None}
+
+    async def pending(self, shards: Sequence[int], limit: int = 100) -> dict[int, list[dict[str, Any]]]:
+        """Fired ticks of ``shards`` not submitted yet, with what to submit: per shard the
+        ``limit`` oldest, oldest first (shards with none are left out). One query for every
+        shard a reaper holds."""
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute(
+                "SELECT * FROM (SELECT t.shard_id, t.schedule_id, t.tick, s.name, s.catalog_path, s.catalog_version,"
+                " s.payload, row_number() OVER (PARTITION BY t.shard_id ORDER BY t.tick) AS n"
                 " FROM noetl.schedule_tick t JOIN noetl.schedule s USING (schedule_id)"
-                " WHERE t.shard_id = %s AND t.execution_id IS NULL AND t.error IS NULL"
-                " ORDER BY t.tick LIMIT %s", (shard, limit))
-            return [dict(r) for r in await cur.fetchall()]
+                " WHERE t.shard_id = ANY(%s) AND t.execution_id IS NULL AND t.error IS NULL) p"
+                " WHERE n <= %s ORDER BY shard_id, tick", (list(shards), limit))
+            out: dict[int, list[dict[str, Any]]] = {}
+            for r in await cur.fetchall():
+                row = dict(r)
+                del row["n"]
+                out.setdefault(int(row["shard_id"]), []).append(row)
+            return out
 
     async def submitted(self, schedule_id: int, tick: datetime, execution_id: int) -> None:
         """Idempotent: every submission of a tick answers the same execution id."""

@@ -804,14 +804,21 @@ async def test_the_reapers_reads_find_expired_claims_stale_and_unschedulable_com
         # within a lease of the database's start nothing is judged (a restart stops renewals)
         started = await conn.execute("SELECT extract(epoch FROM now() - pg_postmaster_start_time()) AS up")
         up = float((await started.fetchone() or {})["up"])
-        assert [r["command_id"] for r in await commands.expired_claims(conn, shard, 0.001)] == [expired]
-        assert await commands.expired_claims(conn, shard, up + 3600) == []
-        found = await commands.stale_queued(conn, shard, 60)
-        assert {r["command_id"] for r in found} == {stale, lonely}
-        assert {r["command_id"] for r in await commands.stale_queued(conn, shard, 7200)} == set()
+        other = new_shard()  # the reads are for a set of shards: rows of others are not theirs
+        assert [(r["command_id"], r["shard_id"]) for r in await commands.expired_claims(conn, [shard, other], 0.001)
+                ] == [(expired, shard)]
+        assert await commands.expired_claims(conn, [other], 0.001) == []
+        assert await commands.expired_claims(conn, [shard], up + 3600) == []
+        assert await commands.expired_claims(conn, [], 0.001) == []
+        found = await commands.stale_queued(conn, [other, shard], 60)
+        assert {(r["command_id"], r["shard_id"]) for r in found} == {(stale, shard), (lonely, shard)}
+        assert {r["command_id"] for r in await commands.stale_queued(conn, [shard], 7200)} == set()
+        assert await commands.stale_queued(conn, [other], 60) == []
         assert fresh not in {r["command_id"] for r in found}
-        waiting = await commands.unschedulable(conn, shard)
-    assert waiting.get(pool) == 1  # no live worker serves that pool
+        waiting = await commands.unschedulable(conn, [shard, other])
+        assert await commands.unschedulable(conn, []) == {}
+    assert waiting[shard].get(pool) == 1  # no live worker serves that pool
+    assert other not in waiting
 
 
 async def claim(pool: Pool, wanted: list[tuple[str, int]], worker: str, *, pools: list[str] | None = None,
@@ -1496,8 +1503,9 @@ async def test_the_api_s_schedule_changes(db: Pool) -> None:
     assert await store.delete(name) is False
 
 
-@covers("schedules.ScheduleStore.fire_due", "schedules.ScheduleStore.pending", "schedules.ScheduleStore.submitted",
-        "schedules.ScheduleStore.refused", "schedules.ScheduleStore.ticks", "schedules.idempotency_key")
+@covers("schedules.ScheduleStore.fire_due", "schedules.ScheduleStore.next_due", "schedules.ScheduleStore.pending",
+        "schedules.ScheduleStore.submitted", "schedules.ScheduleStore.refused", "schedules.ScheduleStore.ticks",
+        "schedules.idempotency_key")
 async def test_the_reaper_s_rounds_record_ticks_once_until_submitted(db: Pool) -> None:
     store = ScheduleStore(db, shard_count=16)
     shard, owner = new_shard(), new_owner()
@@ -1507,6 +1515,10 @@ async def test_the_reaper_s_rounds_record_ticks_once_until_submitted(db: Pool) -
     await sql(db, "UPDATE noetl.schedule SET shard_id = %s WHERE schedule_id = %s", (shard, sid))
     await put_lease(db, "reaper", shard, owner, 1)
     at = T0 + timedelta(seconds=3.5)
+    other = new_shard()  # no schedule there: left out of what is due and pending
+    now, due = await store.next_due([shard, other])
+    assert due == {shard: T0 + timedelta(seconds=1)} and now > at
+    assert (await store.next_due([]))[1] == {}
     with pytest.raises(LeaseLost):
         await store.fire_due(shard, new_owner(), 1, grace_sec=5, now=at)
     assert await store.ticks(sid) == []
@@ -1517,10 +1529,12 @@ async def test_the_reaper_s_rounds_record_ticks_once_until_submitted(db: Pool) -
     ticks = [T0 + timedelta(seconds=n) for n in (1, 2, 3)]
     assert [(t["tick"], t["shard_id"], t["epoch"], t["execution_id"]) for t in await store.ticks(sid)] == [
         (t, shard, 1, None) for t in ticks]
-    pending = await store.pending(shard)
-    assert [(p["schedule_id"], p["tick"], p["catalog_path"], p["catalog_version"], p["payload"]) for p in pending] \
-        == [(sid, t, "p/r", 0, {"b": 2}) for t in ticks]
-    assert [p["tick"] for p in await store.pending(shard, limit=1)] == ticks[:1]
+    assert (await store.next_due([shard]))[1] == {shard: T0 + timedelta(seconds=4)}
+    pending = await store.pending([shard, other])
+    assert list(pending) == [shard]
+    assert [(p["schedule_id"], p["tick"], p["catalog_path"], p["catalog_version"], p["payload"], p["shard_id"])
+            for p in pending[shard]] == [(sid, t, "p/r", 0, {"b": 2}, shard) for t in ticks]
+    assert [p["tick"] for p in (await store.pending([shard], limit=1))[shard]] == ticks[:1]
     e1, e2 = new_eid(), new_eid()
     await store.submitted(sid, ticks[0], e1)
     await store.submitted(sid, ticks[0], e2)  # a retry answered again: the first execution stays
@@ -1528,7 +1542,7 @@ async def test_the_reaper_s_rounds_record_ticks_once_until_submitted(db: Pool) -
     found = {t["tick"]: t for t in await store.ticks(sid)}
     assert (found[ticks[0]]["execution_id"], found[ticks[0]]["submitted_at"] is not None) == (e1, True)
     assert (found[ticks[1]]["execution_id"], len(found[ticks[1]]["error"])) == (None, 2000)
-    assert [p["tick"] for p in await store.pending(shard)] == [ticks[2]]
+    assert [p["tick"] for p in (await store.pending([shard]))[shard]] == [ticks[2]]
     assert idempotency_key(sid, ticks[0]) == f"schedule/{sid}/{int(ticks[0].timestamp() * 1000)}"
 
 

@@ -23,7 +23,7 @@ from noetl_common.config import CommandSettings
 from noetl_common.db import Pool, make_pool
 from noetl_common.ids import SnowflakeGenerator
 from noetl_proto.v1 import messages_pb2
-from noetl_reaper.worker import ShardReaper
+from noetl_reaper.worker import ReapRounds, ShardReaper
 
 pytestmark = pytest.mark.integration
 
@@ -147,6 +147,31 @@ async def test_reports_expired_claims_and_republishes_stale_queued_commands(shar
     assert await shard.reaper().reap_once() == (1, 1)
     await asyncio.wait_for(shard.expired.get(), timeout=10)
     assert (await shard.js.get_last_msg(natsio.EVENTS_STREAM, subject)).seq == stored.seq
+
+
+async def test_the_shard_loops_of_a_process_read_their_rounds_in_one_transaction(shard: Shard) -> None:
+    """Two shards of one reaper: one transaction for both rounds, each shard reporting its
+    own rows only; a shard whose expiries are held gets no expired claims from the round."""
+    a, b = shard, Shard(shard.pool, shard.nc, shard=shard.shard + 1)
+    pool = shard.pool
+    await b.listen()
+    try:
+        a_expired, _ = await a.command("claimed", worker="w-lost", lease="-1 minute")
+        a_stale, _ = await a.command("queued", age="2 hours")
+        await b.command("claimed", worker="w-lost", lease="-1 minute")
+        b_stale, _ = await b.command("queued", age="2 hours")
+        cfg = CommandSettings(republish_after_sec=60, lease_sec=LEASE_SEC)
+        rounds = ReapRounds(pool, cfg)
+        ra = ShardReaper(pool, a.js, a.shard, 1, cfg, 1.0, rounds=rounds)
+        rb = ShardReaper(pool, b.js, b.shard, 1, cfg, 1.0, rounds=rounds, hold_expiries=lambda: True)
+        assert await asyncio.gather(ra.reap_once(), rb.reap_once()) == [(1, 1), (0, 1)]
+        assert rounds.transactions == 1
+        assert (await asyncio.wait_for(a.expired.get(), timeout=10)).expired.command_id == a_expired
+        assert (await asyncio.wait_for(a.notices.get(), timeout=10)).command_id == a_stale
+        assert (await asyncio.wait_for(b.notices.get(), timeout=10)).command_id == b_stale
+        assert b.expired.empty() and a.notices.empty()
+    finally:
+        await b.cleanup()
 
 
 async def test_nothing_to_reap(shard: Shard) -> None:

@@ -93,15 +93,15 @@ async def test_every_tick_fires_once_across_concurrent_rounds_and_failovers(stor
 async def test_a_recorded_tick_is_pending_until_its_execution_is_written(store: ScheduleStore, pool: Pool) -> None:
     sid, shard = await _schedule(pool, store)
     await store.fire_due(shard, OWNER_A, 1, grace_sec=5, now=T0 + s(1.2))
-    pending = await store.pending(shard)
+    pending = (await store.pending([shard])).get(shard, [])
     assert [(p["schedule_id"], p["tick"], p["catalog_path"], p["payload"]) for p in pending] == [
         (sid, T0 + s(1), "tests/sched", {"a": 1})]
     # a crash here: the next owner finds the same tick and submits the same key
-    assert [idempotency_key(p["schedule_id"], p["tick"]) for p in await store.pending(shard)] == [
+    assert [idempotency_key(p["schedule_id"], p["tick"]) for p in (await store.pending([shard])).get(shard, [])] == [
         f"schedule/{sid}/{int((T0 + s(1)).timestamp() * 1000)}"]
     await store.submitted(sid, T0 + s(1), 42)
     await store.submitted(sid, T0 + s(1), 43)  # a late duplicate answer changes nothing
-    assert await store.pending(shard) == []
+    assert (await store.pending([shard])).get(shard, []) == []
     assert [t["execution_id"] for t in await store.ticks(sid)] == [42]
 
 
@@ -109,7 +109,7 @@ async def test_a_refused_tick_is_not_pending(store: ScheduleStore, pool: Pool) -
     sid, shard = await _schedule(pool, store)
     await store.fire_due(shard, OWNER_A, 1, grace_sec=5, now=T0 + s(1.2))
     await store.refused(sid, T0 + s(1), "playbook 'tests/sched' not found")
-    assert await store.pending(shard) == []
+    assert (await store.pending([shard])).get(shard, []) == []
     assert [t["error"] for t in await store.ticks(sid)] == ["playbook 'tests/sched' not found"]
 
 

@@ -54,3 +54,23 @@ async def test_max_batch_bounds_each_flush() -> None:
     c: Coalescer[int, int] = Coalescer(flush, max_batch=4)
     await asyncio.gather(*(c.submit(i) for i in range(13)))
     assert max(sizes) <= 4 and sum(sizes) == 13
+
+
+async def test_a_gather_window_joins_requests_that_come_soon_after_the_first() -> None:
+    batches: list[list[int]] = []
+
+    async def flush(items: Sequence[int]) -> list[int]:
+        batches.append(list(items))
+        return [i * 10 for i in items]
+
+    gathered: Coalescer[int, int] = Coalescer(flush, gather_sec=0.05)
+
+    async def later(i: int, delay: float) -> int:
+        await asyncio.sleep(delay)
+        return await gathered.submit(i)
+
+    # without a window the first would go alone; with one, all three make one flush
+    assert await asyncio.gather(later(1, 0), later(2, 0.01), later(3, 0.02)) == [10, 20, 30]
+    assert batches == [[1, 2, 3]]
+    with pytest.raises(ValueError):
+        Coalescer(flush, gather_sec=-1)

@@ -15,7 +15,11 @@ next submission of the key answers the same execution (``deduplicated``). A stal
 owner's fire matches no lease row (LeaseLost) and both loops end.
 
 The fire loop sleeps until the shard's earliest next tick (at most ``poll_sec``, so a
-schedule added meanwhile is seen within that).
+schedule added meanwhile is seen within that). The periodic reads of all the shards a
+reaper holds are made together (``ScheduleRounds``): the loops wake on the same
+``poll_sec`` boundaries, one query finds which shards have a tick due, and only those
+take the fenced round; one query finds every shard's ticks to submit. So a reaper's
+idle cost does not grow with its shard count.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,6 +36,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from noetl_client import values
+from noetl_common.coalesce import Coalescer
 from noetl_common.config import ScheduleSettings
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_db.schedules import ScheduleStore, idempotency_key
@@ -52,15 +59,51 @@ REFUSED_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT
 MIN_SLEEP_SEC = 0.02
 
 
+class ScheduleRounds:
+    """The scheduler loops' periodic reads, made together for the shards of a process:
+    reads asked for within ``gather_sec`` of the first share one query
+    (``noetl_common.coalesce``)."""
+
+    def __init__(self, store: ScheduleStore, *, gather_sec: float = 0.005) -> None:
+        self.store = store
+        self._due: Coalescer[int, tuple[datetime, datetime | None]] = Coalescer(
+            self._read_due, max_batch=1_000_000, gather_sec=gather_sec)
+        self._pending: Coalescer[int, list[dict[str, Any]]] = Coalescer(
+            self._read_pending, max_batch=1_000_000, gather_sec=gather_sec)
+
+    async def due(self, shard: int) -> tuple[datetime, datetime | None]:
+        """The database's now and the shard's earliest next tick (None: no unpaused schedule)."""
+        return await self._due.submit(shard)
+
+    async def pending(self, shard: int) -> list[dict[str, Any]]:
+        """The shard's fired ticks not submitted yet, oldest first."""
+        return await self._pending.submit(shard)
+
+    async def _read_due(self, shards: Sequence[int]) -> list[tuple[datetime, datetime | None]]:
+        now, due = await self.store.next_due(sorted(set(shards)))
+        return [(now, due.get(shard)) for shard in shards]
+
+    async def _read_pending(self, shards: Sequence[int]) -> list[list[dict[str, Any]]]:
+        found = await self.store.pending(sorted(set(shards)))
+        return [found.get(shard, []) for shard in shards]
+
+
+def to_boundary(period: float) -> float:
+    """Seconds to the next multiple of ``period`` on the monotonic clock: loops that sleep
+    this long wake together, and their reads go out as one (``ScheduleRounds``)."""
+    return period - time.monotonic() % period
+
+
 class ShardScheduler:
     def __init__(self, store: ScheduleStore, api: execution_pb2_grpc.ExecutionServiceStub, shard: int, epoch: int,
-                 owner_runtime_id: int, settings: ScheduleSettings) -> None:
+                 owner_runtime_id: int, settings: ScheduleSettings, rounds: ScheduleRounds | None = None) -> None:
         self.store = store
         self.api = api
         self.shard = shard
         self.epoch = epoch
         self.owner = owner_runtime_id
         self.settings = settings
+        self.rounds = rounds or ScheduleRounds(store, gather_sec=0)
         self._stop = asyncio.Event()
         self._fired = asyncio.Event()  # ticks were recorded: the submit loop looks at once
 
@@ -82,6 +125,7 @@ class ShardScheduler:
                     return
                 except NoetlError as exc:
                     logger.warning("scheduler shard %s: %s", self.shard, exc)
+                wait = min(wait, to_boundary(self.settings.poll_sec))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), timeout=max(MIN_SLEEP_SEC, wait))
                 if submitter.done() and not self._stop.is_set():
@@ -92,19 +136,23 @@ class ShardScheduler:
                 await submitter
 
     async def fire(self) -> float:
-        """Record what is due; seconds until the next tick is due (at most ``poll_sec``)."""
-        got = await self.store.fire_due(self.shard, self.owner, self.epoch,
-                                        grace_sec=self.settings.misfire_grace_sec)
-        FIRED.inc(got.fired)
-        SKIPPED.inc(got.skipped)
-        if got.fired or got.skipped:
-            logger.info("scheduler shard %s: %d tick(s) fired, %d skipped by catch-up policy", self.shard,
-                        got.fired, got.skipped)
-        if got.fired:
-            self._fired.set()
-        if got.next_due is None:
+        """Record what is due; seconds until the next tick is due (at most ``poll_sec``).
+        The fenced round runs only when the shard has a tick due (``ScheduleRounds.due``)."""
+        now, next_due = await self.rounds.due(self.shard)
+        if next_due is not None and next_due <= now:
+            got = await self.store.fire_due(self.shard, self.owner, self.epoch,
+                                            grace_sec=self.settings.misfire_grace_sec)
+            FIRED.inc(got.fired)
+            SKIPPED.inc(got.skipped)
+            if got.fired or got.skipped:
+                logger.info("scheduler shard %s: %d tick(s) fired, %d skipped by catch-up policy", self.shard,
+                            got.fired, got.skipped)
+            if got.fired:
+                self._fired.set()
+            now, next_due = got.now, got.next_due
+        if next_due is None:
             return self.settings.poll_sec
-        return min(self.settings.poll_sec, (got.next_due - got.now).total_seconds())
+        return min(self.settings.poll_sec, (next_due - now).total_seconds())
 
     async def _submit_loop(self) -> None:
         while not self._stop.is_set():
@@ -114,14 +162,14 @@ class ShardScheduler:
             except NoetlError as exc:
                 logger.warning("scheduler shard %s: %s", self.shard, exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._fired.wait(), timeout=self.settings.poll_sec)
+                await asyncio.wait_for(self._fired.wait(), timeout=to_boundary(self.settings.poll_sec))
 
     async def submit_pending(self) -> int:
         """Submit the shard's recorded ticks without an execution, oldest first; stops at
         the first failure that may pass (the api unreachable, overloaded): the next round
         tries again with the same keys."""
         done = 0
-        for tick in await self.store.pending(self.shard):
+        for tick in await self.rounds.pending(self.shard):
             if self._stop.is_set():
                 break
             if not await self._submit(tick):

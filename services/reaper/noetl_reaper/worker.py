@@ -7,13 +7,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from noetl_common import natsio, pools, tracing, vocab
+from noetl_common.coalesce import Coalescer
 from noetl_common.config import CommandSettings
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError
@@ -35,20 +36,66 @@ def renewal_grace(lease_sec: float) -> float:
     return lease_sec / 3 + 2.0
 
 
+class ShardReads(NamedTuple):
+    """What one round found for one shard."""
+
+    expired: list[dict[str, Any]]
+    stale: list[dict[str, Any]]
+    waiting: dict[str, int]  # unschedulable queued commands per pool
+
+
+class ReapRounds:
+    """Reads the rounds of every shard reaper of a process in one transaction.
+
+    The shard loops wake on the same interval boundaries (``ShardReaper.run``), and the
+    reads asked for within ``gather_sec`` of the first are made together, for all their
+    shards (``shard_id = ANY``; ``noetl_common.coalesce``). So a reaper holding 16 shards
+    makes one transaction of three queries a second, not 16: its idle cost no longer grows
+    with its shard count. Each shard keeps its own loop, epoch, outage tracking and
+    publishes; a failed transaction fails the round of every shard in it (each logs and
+    retries, as before)."""
+
+    def __init__(self, pool: Pool, cfg: CommandSettings, *, gather_sec: float = 0.005) -> None:
+        self.pool = pool
+        self.cfg = cfg
+        self.transactions = 0  # rounds read (for tests and the measurement)
+        self._rounds: Coalescer[tuple[int, bool], ShardReads] = Coalescer(self._read, max_batch=1_000_000,
+                                                                            gather_sec=gather_sec)
+
+    async def read(self, shard: int, *, judge_expiries: bool) -> ShardReads:
+        return await self._rounds.submit((shard, judge_expiries))
+
+    async def _read(self, asked: Sequence[tuple[int, bool]]) -> list[ShardReads]:
+        shards = sorted({shard for shard, _ in asked})
+        judged = sorted({shard for shard, judge in asked if judge})
+        self.transactions += 1
+        async with transaction(self.pool) as conn:
+            # as many rows a round as one query per shard returned before
+            expired = await commands.expired_claims(conn, judged, self.cfg.lease_sec, limit=500 * max(1, len(judged)))
+            stale = await commands.stale_queued(conn, shards, self.cfg.republish_after_sec, limit=500 * len(shards))
+            waiting = await commands.unschedulable(conn, shards)
+        return [ShardReads([r for r in expired if judge and r["shard_id"] == shard],
+                           [r for r in stale if r["shard_id"] == shard], waiting.get(shard, {}))
+                for shard, judge in asked]
+
+
 class ShardReaper:
     """``hold_expiries()`` true: expired claims are not reported (Postgres was just
     unreachable from here: the workers could not renew either, and get a command lease to
     do so before their claims are judged). Claims are never judged within a command lease
-    of the database's own start either (a restart loses everyone's renewals)."""
+    of the database's own start either (a restart loses everyone's renewals). ``rounds``
+    is the process's shared reader (``ReapRounds``); without one the reaper reads alone."""
 
     def __init__(self, pool: Pool, js: JetStreamContext, shard: int, epoch: int,
-                 cfg: CommandSettings, interval: float, hold_expiries: Callable[[], bool] | None = None) -> None:
+                 cfg: CommandSettings, interval: float, hold_expiries: Callable[[], bool] | None = None,
+                 rounds: ReapRounds | None = None) -> None:
         self.pool = pool
         self.js = js
         self.shard = shard
         self.epoch = epoch
         self.cfg = cfg
         self.interval = interval
+        self.rounds = rounds or ReapRounds(pool, cfg, gather_sec=0)
         self._hold = hold_expiries or (lambda: False)
         self._failing_since: float | None = None  # monotonic: the first failed round of a run of them
         self._outage_ended: float | None = None  # monotonic: when rounds succeeded again after an outage
@@ -73,8 +120,10 @@ class ShardReaper:
             except NoetlError as exc:
                 self._failing_since = self._failing_since or time.monotonic()
                 logger.warning("reaper shard %s: %s", self.shard, exc)
+            # to the next interval boundary: every shard loop of the process wakes together,
+            # and ``ReapRounds`` reads their rounds in one transaction
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=self.interval)
+                await asyncio.wait_for(self._stop.wait(), timeout=self.interval - time.monotonic() % self.interval)
 
     def _holding(self) -> bool:
         """Workers renew every third of a lease: after an outage that kept them from it,
@@ -88,13 +137,9 @@ class ShardReaper:
         priority's subject) and count the queued ones no live worker qualifies for
         (``noetl_commands_unschedulable``); returns the first two counts.
         Failures come out as NoetlError (psycopg and nats errors translated)."""
-        async with transaction(self.pool) as conn:
-            expired: list[Any] = []
-            if not self._holding():
-                expired = await commands.expired_claims(conn, self.shard, self.cfg.lease_sec)
-            stale = await commands.stale_queued(conn, self.shard, self.cfg.republish_after_sec)
-            # the default pool is always exported (0 when nothing waits): the alert has a series
-            waiting = {pools.DEFAULT_POOL: 0, **await commands.unschedulable(conn, self.shard)}
+        expired, stale, found = await self.rounds.read(self.shard, judge_expiries=not self._holding())
+        # the default pool is always exported (0 when nothing waits): the alert has a series
+        waiting = {pools.DEFAULT_POOL: 0, **found}
         for pool in self._unschedulable - set(waiting):
             UNSCHEDULABLE.labels(pool, str(self.shard)).set(0)
         for pool, n in waiting.items():
