@@ -32,6 +32,19 @@ async def fence_and_read(conn: Conn, shard: int, owner: int, epoch: int,
     return list(await events.fetchall())
 
 
+async def shards_behind(conn: Conn, shards: Sequence[int]) -> set[int]:
+    """Those of ``shards`` with events past their projection watermark (a shard never
+    projected counts from 0). One read for every shard a projector holds, no fence: it
+    decides only whether a shard's fenced round (``fence_and_read``) has anything to do."""
+    if not shards:
+        return set()
+    cur = await conn.execute(
+        "SELECT s.shard_id FROM unnest(%s::int[]) AS s(shard_id) WHERE EXISTS (SELECT 1 FROM noetl.event e"
+        " WHERE e.shard_id = s.shard_id AND e.shard_seq > coalesce((SELECT c.last_shard_seq"
+        " FROM noetl.projection_checkpoint c WHERE c.shard_id = s.shard_id), 0))", (list(shards),))
+    return {int(r["shard_id"]) for r in await cur.fetchall()}
+
+
 async def load_views(conn: Conn, shard: int, ids: Sequence[int]) -> dict[int, ExecutionView]:
     cur = await conn.execute("SELECT * FROM noetl.execution WHERE execution_id = ANY(%s)", (list(ids),))
     step_cur = await conn.execute("SELECT * FROM noetl.execution_step WHERE execution_id = ANY(%s)", (list(ids),))

@@ -1172,13 +1172,17 @@ async def test_record_redrives_marks_the_redriven_and_records_a_refusal(db: Pool
 
 # ================================================================ read_models
 
-@covers("read_models.fence_and_read", "read_models.advance")
+@covers("read_models.fence_and_read", "read_models.advance", "read_models.shards_behind")
 async def test_the_projector_reads_past_its_watermark_only_under_its_fence(db: Pool) -> None:
-    shard, owner, eid = new_shard(), new_owner(), new_eid()
+    shard, owner, eid, idle = new_shard(), new_owner(), new_eid(), new_shard()
     await put_lease(db, read_models.ROLE, shard, owner, 2)
     async with autocommit(db) as conn:
+        assert await read_models.shards_behind(conn, [shard, idle]) == set()
         await events.append_events(conn, [(eid, shard, n, "step.started", f"s{n}", None, None, "{}")
                                           for n in range(1, 6)])
+        # never projected (no checkpoint row): behind from 0; a shard without events is not
+        assert await read_models.shards_behind(conn, [shard, idle]) == {shard}
+        assert await read_models.shards_behind(conn, []) == set()
     async with pipelined_transaction(db) as conn:
         got = await read_models.fence_and_read(conn, shard, owner, 2, 3)
     assert [(r["execution_id"], r["shard_seq"], r["event_type"], r["step"]) for r in got] == [
@@ -1192,6 +1196,12 @@ async def test_the_projector_reads_past_its_watermark_only_under_its_fence(db: P
     assert await sql1(db, checkpoint, (shard,)) == {"last_shard_seq": 3, "lag_ms": 42, "at": True}
     async with pipelined_transaction(db) as conn:
         assert [r["shard_seq"] for r in await read_models.fence_and_read(conn, shard, owner, 2, 10)] == [4, 5]
+    async with pipelined_transaction(db) as conn:
+        await read_models.advance(conn, shard, 5, 1)
+    async with autocommit(db) as conn:
+        assert await read_models.shards_behind(conn, [shard]) == set(), "projected up to its last event"
+    async with pipelined_transaction(db) as conn:
+        await read_models.advance(conn, shard, 3, 42)  # back where the rest of the test expects it
     for epoch in (1, 3):
         with pytest.raises(LeaseLost):
             async with pipelined_transaction(db) as conn:

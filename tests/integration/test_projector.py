@@ -24,7 +24,7 @@ from noetl_common.db import Pool, make_pool
 from noetl_common.errors import LeaseLost
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
-from noetl_projector.worker import ShardProjector
+from noetl_projector.worker import ProjectionPolls, ShardProjector
 
 pytestmark = pytest.mark.integration
 
@@ -86,10 +86,11 @@ class Shard:
                 " epoch = EXCLUDED.epoch, leased_until = EXCLUDED.leased_until", (self.shard, owner, epoch))
 
     def projector(self, nc: NATS, *, epoch: int = EPOCH, batch_size: int = 100,
-                  runtime_id: int = RUNTIME_ID) -> ShardProjector:
+                  runtime_id: int = RUNTIME_ID, polls: ProjectionPolls | None = None) -> ShardProjector:
         ownership = ShardOwnership(self.pool, "projector", lease_sec=60.0, margin_sec=5.0)
         ownership.runtime_id = runtime_id
-        return ShardProjector(self.pool, nc, ownership, self.shard, epoch, batch_size=batch_size, poll_sec=1.0)
+        return ShardProjector(self.pool, nc, ownership, self.shard, epoch, batch_size=batch_size, poll_sec=1.0,
+                              polls=polls)
 
     async def rows(self, sql: str, params: Any) -> list[dict[str, Any]]:
         async with self.pool.connection() as conn:
@@ -330,3 +331,45 @@ async def test_run_loop_survives_a_lost_database_connection(history: History, nc
         projector.stop()
         await asyncio.wait_for(running, timeout=10)
         await own_pool.close()
+
+
+class RecordingPolls(ProjectionPolls):
+    def __init__(self, pool: Pool) -> None:
+        super().__init__(pool)
+        self.asked: list[list[int]] = []
+
+    async def _read(self, shards: Any) -> list[bool]:
+        self.asked.append(sorted(shards))
+        return await super()._read(shards)
+
+
+async def test_the_slow_polls_of_a_processs_shards_are_one_read(history: History, nc: NATS, pool: Pool) -> None:
+    """No hints: the slow poll finds new events, and the loops of two shards of one process
+    poll together (one read for both); the fenced round runs only for the shard behind."""
+    a = history.shard
+    b = Shard(pool, shard=a.shard + 1)
+    await b.own(EPOCH)
+    polls = RecordingPolls(pool)
+    pa, pb = a.projector(nc, polls=polls), b.projector(nc, polls=polls)
+    for p in (pa, pb):
+        assert await p.ownership.renew({p.shard: EPOCH}) == ({p.shard: EPOCH}, set())
+    runs = [asyncio.ensure_future(p.run()) for p in (pa, pb)]
+    try:
+        await until(lambda: a.watermark(), timeout=15, what="shard a projected at start")
+        eid = b.execution()
+        await b.append((eid, "playbook.started", None, None, {"catalog_id": 42, "path": "tests/polled", "version": 1,
+                                                               "parent_execution_id": None}))
+
+        async def polled_b() -> bool:
+            assert not any(r.done() for r in runs), "a projector loop ended"
+            return await b.watermark() == 1
+
+        await until(polled_b, timeout=15, what="shard b's event found by the slow poll (no hint)")
+        assert polls.asked, "the slow polls went through ProjectionPolls"
+        # the loops poll on shared boundaries: their polls went out together
+        assert sorted([a.shard, b.shard]) in polls.asked, polls.asked
+    finally:
+        for p in (pa, pb):
+            p.stop()
+        await asyncio.wait_for(asyncio.gather(*runs), timeout=10)
+        await b.cleanup()

@@ -1,5 +1,6 @@
 """One shard's projection loop: batches past the watermark, one transaction each,
-woken by the engine's hint on ``noetl.projector.{shard}`` (a slow poll is the backstop).
+woken by the engine's hint on ``noetl.projector.{shard}`` (a slow poll is the backstop; the
+polls of all the shards of a process are one query, ``ProjectionPolls``).
 After a batch that held a checkpoint barrier it hints ``noetl.checkpointer.{shard}``: the
 checkpointer seals the barrier at once instead of at its next tick."""
 
@@ -8,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,7 +19,8 @@ from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Gauge
 
 from noetl_common import faults, natsio
-from noetl_common.db import Pool, pipelined_transaction
+from noetl_common.coalesce import Coalescer
+from noetl_common.db import Pool, autocommit, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
 from noetl_common.shardtasks import forget_on_loss
@@ -34,9 +38,35 @@ MAX_LAG_MS = 2**31 - 1  # projection_checkpoint.lag_ms is an int (~24.8 days)
 PROJECTED = Counter("noetl_projected_events_total", "Events folded into the read models", ["shard"])
 
 
+class ProjectionPolls:
+    """The slow polls of every shard projector of a process, made as one read: the loops
+    poll on the same boundaries, and the polls asked for within ``gather_sec`` of the
+    first share one query (``read_models.shards_behind``; ``noetl_common.coalesce``).
+    Only a shard with events past its watermark then takes its fenced round, so an idle
+    projector makes one query a poll, not one transaction per shard."""
+
+    def __init__(self, pool: Pool, *, gather_sec: float = 0.005) -> None:
+        self.pool = pool
+        self.reads = 0  # polls read (for tests and the measurement)
+        self._polls: Coalescer[int, bool] = Coalescer(self._read, max_batch=1_000_000, gather_sec=gather_sec)
+
+    async def behind(self, shard: int) -> bool:
+        """Whether the shard has events past its watermark."""
+        return await self._polls.submit(shard)
+
+    async def _read(self, shards: Sequence[int]) -> list[bool]:
+        self.reads += 1
+        async with autocommit(self.pool) as conn:
+            behind = await read_models.shards_behind(conn, sorted(set(shards)))
+        return [shard in behind for shard in shards]
+
+
 class ShardProjector:
+    """A hint (or a full batch) runs the fenced round at once; a slow poll asks
+    ``polls`` first whether the shard has anything to project."""
+
     def __init__(self, pool: Pool, nc: NATS, ownership: ShardOwnership, shard: int, epoch: int,
-                 *, batch_size: int, poll_sec: float) -> None:
+                 *, batch_size: int, poll_sec: float, polls: ProjectionPolls | None = None) -> None:
         self.pool = pool
         self.nc = nc
         self.ownership = ownership
@@ -44,6 +74,7 @@ class ShardProjector:
         self.epoch = epoch
         self.batch_size = batch_size
         self.poll_sec = poll_sec
+        self.polls = polls or ProjectionPolls(pool, gather_sec=0)
         self._wake = asyncio.Event()
         self._stopped = False
 
@@ -56,6 +87,7 @@ class ShardProjector:
             self._wake.set()
 
         sub = await self.nc.subscribe(natsio.projector_subject(self.shard), cb=hint)
+        polled = False  # woken by the slow poll, not by a hint or a full batch
         try:
             while not self._stopped:
                 faults.check("projector.loop", self.shard)
@@ -63,17 +95,20 @@ class ShardProjector:
                     raise LeaseLost(f"projector shard {self.shard} epoch {self.epoch} no longer trusted")
                 self._wake.clear()
                 try:
-                    n = await self.project_once()
+                    n = await self.project_once() if not polled or await self.polls.behind(self.shard) else 0
                 except LeaseLost:
                     raise
                 except NoetlError as exc:
                     logger.warning("projection of shard %s failed: %s", self.shard, exc)
                     n = 0
                     await asyncio.sleep(0.5)
+                polled = False
                 if n >= self.batch_size:
                     continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.poll_sec)
+                try:  # to the next poll boundary: the shard loops of the process poll together
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.poll_sec - time.monotonic() % self.poll_sec)
+                except TimeoutError:
+                    polled = True
         except LeaseLost as exc:
             logger.warning("%s; stopping", exc)
         finally:
