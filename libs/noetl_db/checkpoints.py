@@ -4,6 +4,7 @@ a barrier the projector has passed) and ``noetl.manifest`` / ``noetl.manifest_pa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from noetl_store import TRACE_COLUMNS
@@ -11,20 +12,29 @@ from noetl_store._lineage import (
     MAX_CHAIN_DEPTH,  # the trace's own bound: a manifest's chain equals GetTrace's
 )
 
-from ._conn import Conn, one
+from ._conn import Conn, rows
 
 
 async def seal_state(conn: Conn, engine_role: str, shard: int) -> dict[str, Any] | None:
     """A shard's engine positions (events, last barrier) beside its projection and latest seal."""
-    return await one(conn,
-        "SELECT e.event_seq, e.barrier_epoch, e.barrier_seq, now() AS now,"
+    return (await seal_states(conn, engine_role, [shard])).get(shard)
+
+
+async def seal_states(conn: Conn, engine_role: str, shards: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """``seal_state`` of each of ``shards`` that has an engine lease row, by shard: one
+    read for every shard a checkpointer holds (its idle shards then skip their fenced tick)."""
+    if not shards:
+        return {}
+    found = await rows(conn,
+        "SELECT e.shard_id, e.event_seq, e.barrier_epoch, e.barrier_seq, now() AS now,"
         " COALESCE(p.last_shard_seq, 0) AS projected_seq,"
         " COALESCE(c.epoch, 0) AS sealed_epoch, COALESCE(c.last_shard_seq, 0) AS sealed_seq, c.sealed_at"
         " FROM noetl.shard_lease e"
         " LEFT JOIN noetl.projection_checkpoint p ON p.shard_id = e.shard_id"
         " LEFT JOIN LATERAL (SELECT epoch, last_shard_seq, sealed_at FROM noetl.checkpoint"
         "   WHERE shard_id = e.shard_id ORDER BY epoch DESC LIMIT 1) c ON true"
-        " WHERE e.role = %s AND e.shard_id = %s", (engine_role, shard))
+        " WHERE e.role = %s AND e.shard_id = ANY(%s)", (engine_role, list(shards)))
+    return {int(r.pop("shard_id")): r for r in found}
 
 
 async def seal(conn: Conn, shard: int, epoch: int, last_shard_seq: int) -> None:

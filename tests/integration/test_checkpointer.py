@@ -30,7 +30,7 @@ from waiting import until
 
 from noetl_api.catalog import Catalog
 from noetl_api.engine.shard import EngineDeps, ShardEngine
-from noetl_checkpointer.worker import ShardCheckpointer
+from noetl_checkpointer.worker import SealStates, ShardCheckpointer
 from noetl_common import natsio
 from noetl_common.config import CommandSettings, ExecutionSettings
 from noetl_common.db import Pool
@@ -221,6 +221,27 @@ async def test_an_idle_shard_is_never_barriered(cell: Cell) -> None:
     assert await cell.last_request() is None, "a barrier was requested for a shard whose log is empty"
     assert await cell.sealed() == [] and await cell.barriers() == []
     assert (await cell.engine_lease())["event_seq"] == 0
+
+
+async def test_ticks_read_together_and_only_a_shard_with_work_takes_the_fenced_round(cell: Cell) -> None:
+    """The ticks' first read is shared (``SealStates``): two shards' in one read. An idle
+    shard then skips its fenced transaction (a member whose lease is gone is not even
+    fenced: it would write nothing); a shard whose log grew takes it and asks for a barrier."""
+    states = SealStates(cell.pool)
+    checkpointer = await cell.checkpointer()
+    checkpointer.states = states
+    other = ShardCheckpointer(cell.pool, cell.js, checkpointer.ownership, EPOCHS, cell.shard + 1, EPOCH,
+                              interval_sec=0.05, states=states)
+    stale = await cell.checkpointer(epoch=EPOCH + 5)  # no lease of that epoch: a fenced tick raises
+    stale.states = states
+    assert await asyncio.gather(checkpointer.tick_unless_idle(), other.tick_unless_idle(),
+                                stale.tick_unless_idle()) == ["idle", "idle", "idle"]
+    assert states.reads == 1
+    assert await cell.last_request() is None
+    await cell.grow(2)
+    assert await checkpointer.tick_unless_idle() == "requested"
+    with pytest.raises(LeaseLost):
+        await stale.tick_unless_idle()
 
 
 async def test_barrier_only_when_the_log_grew_and_sealed_once_projected(cell: Cell) -> None:

@@ -1249,7 +1249,7 @@ async def test_views_round_trip_and_only_changed_steps_are_written(db: Pool, cat
 
 # ================================================================ checkpoints
 
-@covers("checkpoints.seal_state", "checkpoints.seal")
+@covers("checkpoints.seal_state", "checkpoints.seal_states", "checkpoints.seal")
 async def test_seal_state_puts_the_engine_positions_beside_the_projection_and_the_latest_seal(db: Pool) -> None:
     role, shard = unique("engine"), new_shard()
     async with autocommit(db) as conn:
@@ -1269,6 +1269,13 @@ async def test_seal_state_puts_the_engine_positions_beside_the_projection_and_th
         got = await checkpoints.seal_state(conn, role, shard) or {}
     assert (got["projected_seq"], got["sealed_epoch"], got["sealed_seq"]) == (45, 3, 40)
     assert isinstance(got["sealed_at"], datetime)
+    # the same rows for a set of shards at once; shards without an engine lease left out
+    other = new_shard()
+    async with autocommit(db) as conn:
+        many = await checkpoints.seal_states(conn, role, [other, shard])
+        assert await checkpoints.seal_states(conn, role, []) == {}
+    assert list(many) == [shard]
+    assert {k: v for k, v in many[shard].items() if k != "now"} == {k: v for k, v in got.items() if k != "now"}
 
 
 @covers("checkpoints.MANIFEST", "checkpoints.PARTS", "checkpoints.TERMINAL_REF")
