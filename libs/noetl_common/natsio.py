@@ -449,10 +449,14 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
     listens for; a PING/PONG later everything it sent before has arrived) and a message that
     crossed the withdrawal is nak'ed at once for another fetcher: nothing lingers on the
     server or in this process. The consumers' own subscriptions are unused but for their
-    subjects. ``lost()`` true (the connection was re-established meanwhile: the server
-    forgot the requests) ends the wait within LOST_CHECK_SEC. NATS errors come out as
-    ``Unavailable``."""
+    subjects. The connection being re-established meanwhile (the server forgot the
+    requests) ends the wait at once on a connection ``connect()`` made (its reconnect
+    signal), else within LOST_CHECK_SEC of ``lost()`` turning true. NATS errors come out
+    as ``Unavailable``."""
     nc: NATS = subs[0]._nc
+    reconnected = _RECONNECTED.get(nc)
+    if reconnected is not None:  # woken by the signal: no polling of ``lost`` while idle
+        lost = None
     inbox = nc.new_inbox()
     expires = int(wait_sec * 1e9)
     request = b'{"batch":1,"expires":%d}' % expires
@@ -474,7 +478,12 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
             if lost is not None and lost():
                 return None
             try:
-                msg = await sub.next_msg(timeout=remaining if lost is None else min(remaining, LOST_CHECK_SEC))
+                if reconnected is not None:
+                    msg = await _next_unless(sub, remaining, reconnected)
+                    if msg is None:
+                        return None  # reconnected: the requests died with the old connection
+                else:
+                    msg = await sub.next_msg(timeout=remaining if lost is None else min(remaining, LOST_CHECK_SEC))
             except TimeoutError:
                 if lost is not None and remaining > LOST_CHECK_SEC:
                     continue
@@ -498,6 +507,24 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
 
 
 LOST_CHECK_SEC = 0.25
+
+
+async def _next_unless(sub: Any, wait_sec: float, reconnected: asyncio.Future[None]) -> Msg | None:
+    """``sub.next_msg(wait_sec)``, or None as soon as ``reconnected`` resolves (a message
+    already queued stays in the subscription for the withdrawal to give back)."""
+    if reconnected.done():
+        return None
+    getter = asyncio.ensure_future(sub.next_msg(timeout=wait_sec))
+    try:
+        await asyncio.wait((getter, reconnected), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not getter.done():
+            getter.cancel()
+            with contextlib.suppress(BaseException):
+                await getter
+    if getter.cancelled():
+        return None
+    return getter.result()
 _withdrawals: set[asyncio.Task[None]] = set()
 
 

@@ -99,3 +99,25 @@ async def test_nothing_to_fetch_returns_none_when_the_requests_expire(subs) -> N
     started = time.monotonic()
     assert await natsio.fetch_first(pulls, wait_sec=0.3) is None
     assert 0.25 < time.monotonic() - started < 2.0
+
+
+async def test_a_reconnect_ends_the_wait_at_once_without_polling(subs) -> None:  # type: ignore[no-untyped-def]
+    """On a connection connect() made, the reconnect signal (the server forgot the requests)
+    ends a waiting fetch at once: idle slots are not woken every LOST_CHECK_SEC to look."""
+    js, (high, normal) = subs
+    waiting = asyncio.ensure_future(natsio.fetch_first([high, normal], wait_sec=30.0))
+    await until(lambda: _requests_waiting(js, "normal"), timeout=5, what="the pull request on normal", interval=0.01)
+    started = time.monotonic()
+    natsio._reconnected(high._nc)  # what connect()'s reconnected callback does
+    assert await asyncio.wait_for(waiting, 2.0) is None
+    assert time.monotonic() - started < 0.2  # not after a LOST_CHECK_SEC poll, nor the 30 s wait
+    # its requests were withdrawn: a message stored now is there for the next fetch
+    async def withdrawn() -> bool:
+        return await _requests_waiting(js, "normal") == 0 and await _requests_waiting(js, "high") == 0
+
+    await until(withdrawn, timeout=2, what="the requests withdrawn", interval=0.01)
+    await js.publish("fetchfirst.normal", b"n9")
+    await _settled(js, "normal", pending=1)
+    got = await natsio.fetch_first([high, normal], wait_sec=5.0)  # the new signal does not end this one
+    assert got is not None and got.data == b"n9"
+    await got.ack()
