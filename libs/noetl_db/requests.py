@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from noetl_common.db import REDRIVE_LOCK_CLASS
+from noetl_common.vocab import EngineStatus
 
 from ._conn import Conn, one
 from .events import NOT_QUARANTINED
@@ -32,6 +33,29 @@ async def unstarted(conn: Conn, shard: int, after_id: int, limit: int) -> list[i
         (shard, after_id, limit),
     )
     return [r["execution_id"] for r in await cur.fetchall()]
+
+
+async def sweep_candidates(conn: Conn, engine_role: str, shards: Sequence[int]) -> set[int]:
+    """Those of ``shards`` whose engine sweep may find something: a submission past the
+    shard's ``sweep_from`` without engine state, a queued execution, a running one past
+    its deadline, a cancel or a redrive request. A superset of what the sweep's own
+    queries find (it leaves out their quarantine and queue-head conditions), so a shard
+    left out certainly has nothing to sweep. One read for every shard an api holds."""
+    if not shards:
+        return set()
+    cur = await conn.execute(
+        "SELECT s.shard_id FROM unnest(%s::int[]) AS s(shard_id) WHERE"
+        " EXISTS (SELECT 1 FROM noetl.execution_request r WHERE r.shard_id = s.shard_id"
+        "   AND r.execution_id > coalesce((SELECT l.sweep_from FROM noetl.shard_lease l"
+        "     WHERE l.role = %s AND l.shard_id = s.shard_id), 0)"
+        "   AND NOT EXISTS (SELECT 1 FROM noetl.engine_state e WHERE e.execution_id = r.execution_id))"
+        " OR EXISTS (SELECT 1 FROM noetl.concurrency_wait w WHERE w.shard_id = s.shard_id)"
+        " OR EXISTS (SELECT 1 FROM noetl.engine_state e WHERE e.shard_id = s.shard_id"
+        f"   AND e.status = '{EngineStatus.RUNNING}' AND e.deadline < now())"
+        " OR EXISTS (SELECT 1 FROM noetl.cancel_request c WHERE c.shard_id = s.shard_id)"
+        " OR EXISTS (SELECT 1 FROM noetl.redrive_request d WHERE d.shard_id = s.shard_id)",
+        (list(shards), engine_role))
+    return {int(r["shard_id"]) for r in await cur.fetchall()}
 
 
 async def pending_cancels(conn: Conn, shard: int, limit: int) -> list[dict[str, Any]]:

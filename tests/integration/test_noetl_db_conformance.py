@@ -1010,6 +1010,36 @@ async def test_unstarted_sweeps_submissions_not_started_queued_or_quarantined(db
         await limits.dequeue(conn, e[2])
 
 
+@covers("requests.sweep_candidates")
+async def test_sweep_candidates_are_the_shards_a_sweep_may_find_something_on(db: Pool, catalog_id: int) -> None:
+    role = unique("engine")
+    idle, unstarted, started, queued, late, cancelled, redriven = (new_shard() for _ in range(7))
+    shards = [idle, unstarted, started, queued, late, cancelled, redriven]
+    owner = new_owner()
+    for shard in shards:
+        await put_lease(db, role, shard, owner, 1)
+    async with autocommit(db) as conn:
+        assert await requests.sweep_candidates(conn, role, shards) == set()
+        assert await requests.sweep_candidates(conn, role, []) == set()
+    e_unstarted = await submit(db, catalog_id, unstarted)
+    e_started = await submit(db, catalog_id, started)
+    e_queued, e_late, e_cancelled, e_dead = new_eid(), new_eid(), new_eid(), new_eid()
+    dead = await add_dead_letter(db, redriven, e_dead)
+    async with autocommit(db) as conn:
+        now = datetime.now(UTC)
+        await engine_state.save_states(conn, started, [(ExecState(e_started, started, catalog_id), 1, None)])
+        await engine_state.save_states(conn, late, [(ExecState(e_late, late, catalog_id), 1, now - timedelta(hours=1))])
+        await limits.enqueue(conn, 1, "k", e_queued, queued)
+        await requests.request_cancel(conn, e_cancelled, cancelled, "asked")
+        await requests.request_redrive(conn, dead, e_dead, redriven, "alice")
+        assert await requests.sweep_candidates(conn, role, shards) == {unstarted, queued, late, cancelled, redriven}
+        # a submission at or below the shard's sweep_from is not looked for
+        await conn.execute("UPDATE noetl.shard_lease SET sweep_from = %s WHERE role = %s AND shard_id = %s",
+                           (e_unstarted, role, unstarted))
+        assert unstarted not in await requests.sweep_candidates(conn, role, [unstarted])
+        await limits.dequeue(conn, e_queued)
+
+
 @covers("requests.request_cancel", "requests.pending_cancels", "requests.applied_cancels", "requests.cascade_cancels",
         "requests.children", "events.NOT_QUARANTINED")
 async def test_cancel_requests_are_committed_once_cascade_to_children_and_go_when_applied(db: Pool,
