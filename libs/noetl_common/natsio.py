@@ -42,7 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import AuthorizationError
+from nats.errors import AuthorizationError, ConnectionClosedError
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -510,21 +510,36 @@ LOST_CHECK_SEC = 0.25
 
 
 async def _next_unless(sub: Any, wait_sec: float, reconnected: asyncio.Future[None]) -> Msg | None:
-    """``sub.next_msg(wait_sec)``, or None as soon as ``reconnected`` resolves (a message
-    already queued stays in the subscription for the withdrawal to give back)."""
+    """The subscription's next message within ``wait_sec`` (else TimeoutError), or None
+    as soon as ``reconnected`` resolves. It reads the subscription's queue as
+    ``next_msg`` does, with one task per wait where ``next_msg`` makes two and a uuid (the
+    race with the reconnect signal then costs nothing extra per fetch). A message that
+    arrives as the wait ends stays queued for the withdrawal to give back."""
     if reconnected.done():
         return None
-    getter = asyncio.ensure_future(sub.next_msg(timeout=wait_sec))
-    try:
-        await asyncio.wait((getter, reconnected), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not getter.done():
-            getter.cancel()
-            with contextlib.suppress(BaseException):
-                await getter
-    if getter.cancelled():
-        return None
-    return getter.result()
+    if sub._conn.is_closed:
+        raise ConnectionClosedError
+    queue: asyncio.Queue[Msg] = sub._pending_queue
+    if queue.empty():
+        getter = asyncio.ensure_future(queue.get())
+        try:
+            await asyncio.wait((getter, reconnected), timeout=wait_sec, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()  # a message not taken yet stays queued
+                await asyncio.wait((getter,))  # ended (cancelled, or with a message after all)
+        if getter.cancelled():
+            if reconnected.done():
+                return None
+            raise TimeoutError
+        msg = getter.result()
+    else:
+        msg = queue.get_nowait()
+    sub._pending_size -= len(msg.data)
+    queue.task_done()
+    return msg
+
+
 _withdrawals: set[asyncio.Task[None]] = set()
 
 
