@@ -5,17 +5,18 @@ of them go out as the next batch. By default there is no waiting window: a lone 
 is flushed at once, so latency under light load is unchanged, and under load each round
 trip carries many requests. ``gather_sec`` > 0 waits that long after a batch's first
 request: periodic loops that wake together (the shard loops of one process) make one
-round trip for all of them.
+round trip for all of them (``ShardRounds``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+K = TypeVar("K")
 
 Flush = Callable[[Sequence[T]], Awaitable[Sequence[R | BaseException]]]
 
@@ -67,3 +68,27 @@ class Coalescer(Generic[T, R]):
                     fut.set_exception(result)
                 else:
                     fut.set_result(result)
+
+
+class ShardRounds(Generic[K, R]):
+    """One read for the periodic rounds of all the shard loops of a process.
+
+    The loops wake on shared interval boundaries and ``await get(key)``; the keys asked
+    for within ``gather_sec`` of the first are read together by ``read(keys)``, which
+    returns a value per key it found something for (a key it leaves out gets ``missing``).
+    A failed read fails the round of every loop in it. ``reads`` counts the reads made."""
+
+    def __init__(self, read: Callable[[list[K]], Awaitable[Mapping[K, R]]], missing: R, *,
+                 gather_sec: float = 0.005) -> None:
+        self._read = read
+        self._missing = missing
+        self.reads = 0
+        self._rounds: Coalescer[K, R] = Coalescer(self._flush, max_batch=1_000_000, gather_sec=gather_sec)
+
+    async def get(self, key: K) -> R:
+        return await self._rounds.submit(key)
+
+    async def _flush(self, keys: Sequence[K]) -> list[R]:
+        self.reads += 1
+        found = await self._read(list(dict.fromkeys(keys)))
+        return [found.get(key, self._missing) for key in keys]

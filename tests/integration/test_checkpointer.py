@@ -30,7 +30,7 @@ from waiting import until
 
 from noetl_api.catalog import Catalog
 from noetl_api.engine.shard import EngineDeps, ShardEngine
-from noetl_checkpointer.worker import SealStates, ShardCheckpointer
+from noetl_checkpointer.worker import ShardCheckpointer, seal_rounds
 from noetl_common import natsio
 from noetl_common.config import CommandSettings, ExecutionSettings
 from noetl_common.db import Pool
@@ -224,10 +224,10 @@ async def test_an_idle_shard_is_never_barriered(cell: Cell) -> None:
 
 
 async def test_ticks_read_together_and_only_a_shard_with_work_takes_the_fenced_round(cell: Cell) -> None:
-    """The ticks' first read is shared (``SealStates``): two shards' in one read. An idle
+    """The ticks' first read is shared (``seal_rounds``): two shards' in one read. An idle
     shard then skips its fenced transaction (a member whose lease is gone is not even
     fenced: it would write nothing); a shard whose log grew takes it and asks for a barrier."""
-    states = SealStates(cell.pool)
+    states = seal_rounds(cell.pool)
     checkpointer = await cell.checkpointer()
     checkpointer.states = states
     other = ShardCheckpointer(cell.pool, cell.js, checkpointer.ownership, EPOCHS, cell.shard + 1, EPOCH,

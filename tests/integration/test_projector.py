@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -20,11 +20,12 @@ from nats.aio.client import Client as NATS
 from waiting import until, until_set
 
 from noetl_common import natsio
+from noetl_common.coalesce import ShardRounds
 from noetl_common.db import Pool, make_pool
 from noetl_common.errors import LeaseLost
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
-from noetl_projector.worker import ProjectionPolls, ShardProjector
+from noetl_projector.worker import ShardProjector, projection_polls
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +87,7 @@ class Shard:
                 " epoch = EXCLUDED.epoch, leased_until = EXCLUDED.leased_until", (self.shard, owner, epoch))
 
     def projector(self, nc: NATS, *, epoch: int = EPOCH, batch_size: int = 100,
-                  runtime_id: int = RUNTIME_ID, polls: ProjectionPolls | None = None) -> ShardProjector:
+                  runtime_id: int = RUNTIME_ID, polls: ShardRounds[int, bool] | None = None) -> ShardProjector:
         ownership = ShardOwnership(self.pool, "projector", lease_sec=60.0, margin_sec=5.0)
         ownership.runtime_id = runtime_id
         return ShardProjector(self.pool, nc, ownership, self.shard, epoch, batch_size=batch_size, poll_sec=1.0,
@@ -333,14 +334,17 @@ async def test_run_loop_survives_a_lost_database_connection(history: History, nc
         await own_pool.close()
 
 
-class RecordingPolls(ProjectionPolls):
-    def __init__(self, pool: Pool) -> None:
-        super().__init__(pool)
-        self.asked: list[list[int]] = []
+def recording_polls(pool: Pool) -> tuple[ShardRounds[int, bool], list[list[int]]]:
+    """``projection_polls`` that also records the shards each of its reads asked for."""
+    polls, asked = projection_polls(pool), []
+    read = polls._read
 
-    async def _read(self, shards: Any) -> list[bool]:
-        self.asked.append(sorted(shards))
-        return await super()._read(shards)
+    async def recording(shards: list[int]) -> Mapping[int, bool]:
+        asked.append(sorted(shards))
+        return await read(shards)
+
+    polls._read = recording
+    return polls, asked
 
 
 async def test_the_slow_polls_of_a_processs_shards_are_one_read(history: History, nc: NATS, pool: Pool) -> None:
@@ -349,7 +353,7 @@ async def test_the_slow_polls_of_a_processs_shards_are_one_read(history: History
     a = history.shard
     b = Shard(pool, shard=a.shard + 1)
     await b.own(EPOCH)
-    polls = RecordingPolls(pool)
+    polls, asked = recording_polls(pool)
     pa, pb = a.projector(nc, polls=polls), b.projector(nc, polls=polls)
     for p in (pa, pb):
         assert await p.ownership.renew({p.shard: EPOCH}) == ({p.shard: EPOCH}, set())
@@ -365,9 +369,9 @@ async def test_the_slow_polls_of_a_processs_shards_are_one_read(history: History
             return await b.watermark() == 1
 
         await until(polled_b, timeout=15, what="shard b's event found by the slow poll (no hint)")
-        assert polls.asked, "the slow polls went through ProjectionPolls"
+        assert asked, "the slow polls went through projection_polls"
         # the loops poll on shared boundaries: their polls went out together
-        assert sorted([a.shard, b.shard]) in polls.asked, polls.asked
+        assert sorted([a.shard, b.shard]) in asked, asked
     finally:
         for p in (pa, pb):
             p.stop()

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from noetl_common.coalesce import Coalescer
+from noetl_common.coalesce import Coalescer, ShardRounds
 
 
 async def test_concurrent_submissions_share_flushes_and_keep_order() -> None:
@@ -74,3 +74,23 @@ async def test_a_gather_window_joins_requests_that_come_soon_after_the_first() -
     assert batches == [[1, 2, 3]]
     with pytest.raises(ValueError):
         Coalescer(flush, gather_sec=-1)
+
+
+async def test_shard_rounds_read_the_keys_asked_together_once_and_default_the_rest() -> None:
+    asked: list[list[int]] = []
+
+    async def read(shards: list[int]) -> dict[int, str]:
+        asked.append(shards)
+        return {s: f"s{s}" for s in shards if s % 2 == 0}
+
+    rounds: ShardRounds[int, str | None] = ShardRounds(read, None, gather_sec=0.02)
+    # three loops of one process (one of them a second loop of shard 4) at one boundary
+    assert await asyncio.gather(rounds.get(4), rounds.get(7), rounds.get(4)) == ["s4", None, "s4"]
+    assert asked == [[4, 7]] and rounds.reads == 1
+
+    async def broken(shards: list[int]) -> dict[int, str]:
+        raise RuntimeError("database down")
+
+    failing: ShardRounds[int, str | None] = ShardRounds(broken, None)
+    results = await asyncio.gather(failing.get(1), failing.get(2), return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in results)  # every loop of the round sees it

@@ -16,7 +16,7 @@ seals at once (the same fenced transaction as a tick). A probe every ``poll_sec`
 backstop for a lost hint (then every 2x longer until the next tick). A seal that comes
 after a tick went by (the barrier still outstanding) asks for the next barrier at once if
 the last request is an interval old. An idle, fully sealed shard costs no transaction:
-the ticks of all the shards of a process start with one shared read (``SealStates``), and
+the ticks of all the shards of a process start with one shared read (``seal_rounds``), and
 only a shard with something to seal or ask for takes the fenced round.
 
 ``noetl_checkpoint_age_seconds{shard}`` (seed 004 section 12) is the age of the oldest event of
@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -40,7 +39,7 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from noetl_common import natsio
-from noetl_common.coalesce import Coalescer
+from noetl_common.coalesce import ShardRounds
 from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import SnowflakeGenerator
@@ -66,37 +65,26 @@ OLDEST_UNSEALED = ("SELECT created_at FROM noetl.event WHERE shard_id = %s AND s
                    " ORDER BY shard_seq LIMIT 1")
 
 
-class SealStates:
-    """The ticks' first read, made once for every shard checkpointer of a process: the
-    loops tick on the same interval boundaries, and the reads asked for within
-    ``gather_sec`` of the first share one query (``checkpoints.seal_states``;
-    ``noetl_common.coalesce``). A shard found idle (everything sealed, no barrier
-    outstanding) skips its fenced tick, so an idle checkpointer makes one query a tick,
-    not one transaction per shard."""
+def seal_rounds(pool: Pool) -> ShardRounds[int, dict[str, Any] | None]:
+    """The ticks' first read (``checkpoints.seal_states``), made once for every shard
+    checkpointer of a process: the loops tick on the same interval boundaries, and a
+    shard found idle (everything sealed, no barrier outstanding) skips its fenced tick,
+    so an idle checkpointer makes one query a tick, not one transaction per shard."""
 
-    def __init__(self, pool: Pool, *, gather_sec: float = 0.005) -> None:
-        self.pool = pool
-        self.reads = 0  # reads made (for tests and the measurement)
-        self._reads: Coalescer[int, dict[str, Any] | None] = Coalescer(self._read, max_batch=1_000_000,
-                                                                        gather_sec=gather_sec)
+    async def read(shards: list[int]) -> dict[int, dict[str, Any] | None]:
+        async with autocommit(pool) as conn:
+            return dict(await checkpoints.seal_states(conn, ENGINE_ROLE, shards))
 
-    async def state(self, shard: int) -> dict[str, Any] | None:
-        """``checkpoints.seal_state`` of the shard, read with the other shards'."""
-        return await self._reads.submit(shard)
-
-    async def _read(self, shards: Sequence[int]) -> list[dict[str, Any] | None]:
-        self.reads += 1
-        async with autocommit(self.pool) as conn:
-            found = await checkpoints.seal_states(conn, ENGINE_ROLE, sorted(set(shards)))
-        return [found.get(shard) for shard in shards]
+    return ShardRounds(read, None)
 
 
 class ShardCheckpointer:
     def __init__(self, pool: Pool, js: JetStreamContext, ownership: ShardOwnership, ids: SnowflakeGenerator,
                  shard: int, epoch: int, *, interval_sec: float, nc: NATS | None = None,
-                 poll_sec: float | None = None, states: SealStates | None = None) -> None:
+                 poll_sec: float | None = None, states: ShardRounds[int, dict[str, Any] | None] | None = None,
+                 ) -> None:
         self.pool = pool
-        self.states = states or SealStates(pool, gather_sec=0)
+        self.states = states or seal_rounds(pool)
         self.js = js
         self.nc = nc
         self.ownership = ownership
@@ -145,7 +133,7 @@ class ShardCheckpointer:
                     now = time.monotonic()
                     if now >= next_tick:
                         # to the next interval boundary: the shard loops of the process tick
-                        # together, and their first reads are one (``SealStates``)
+                        # together, and their first reads are one (``seal_rounds``)
                         next_tick = now + self.interval - now % self.interval
                         self._backoff = self.poll
                         await self.tick_unless_idle()
@@ -224,10 +212,10 @@ class ShardCheckpointer:
         return outcome
 
     async def tick_unless_idle(self) -> str:
-        """A tick, unless the shard's state read with the other shards' (``SealStates``)
+        """A tick, unless the shard's state read with the other shards' (``seal_rounds``)
         shows it idle: everything sealed and no barrier outstanding. An idle tick writes
         nothing and asks for nothing, so skipping its fenced transaction changes nothing."""
-        state = self._adopt(await self.states.state(self.shard))
+        state = self._adopt(await self.states.get(self.shard))
         if state["barrier_epoch"] > state["sealed_epoch"] or state["event_seq"] > state["sealed_seq"]:
             return await self.tick()
         self._pending = False

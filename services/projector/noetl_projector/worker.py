@@ -1,6 +1,6 @@
 """One shard's projection loop: batches past the watermark, one transaction each,
 woken by the engine's hint on ``noetl.projector.{shard}`` (a slow poll is the backstop; the
-polls of all the shards of a process are one query, ``ProjectionPolls``).
+polls of all the shards of a process are one query, ``projection_polls``).
 After a batch that held a checkpoint barrier it hints ``noetl.checkpointer.{shard}``: the
 checkpointer seals the barrier at once instead of at its next tick."""
 
@@ -11,7 +11,6 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,7 +18,7 @@ from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Gauge
 
 from noetl_common import faults, natsio
-from noetl_common.coalesce import Coalescer
+from noetl_common.coalesce import ShardRounds
 from noetl_common.db import Pool, autocommit, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
@@ -38,35 +37,25 @@ MAX_LAG_MS = 2**31 - 1  # projection_checkpoint.lag_ms is an int (~24.8 days)
 PROJECTED = Counter("noetl_projected_events_total", "Events folded into the read models", ["shard"])
 
 
-class ProjectionPolls:
-    """The slow polls of every shard projector of a process, made as one read: the loops
-    poll on the same boundaries, and the polls asked for within ``gather_sec`` of the
-    first share one query (``read_models.shards_behind``; ``noetl_common.coalesce``).
-    Only a shard with events past its watermark then takes its fenced round, so an idle
+def projection_polls(pool: Pool) -> ShardRounds[int, bool]:
+    """The slow polls of every shard projector of a process, made as one read
+    (``read_models.shards_behind``): the loops poll on the same boundaries, and only a
+    shard with events past its watermark then takes its fenced round, so an idle
     projector makes one query a poll, not one transaction per shard."""
 
-    def __init__(self, pool: Pool, *, gather_sec: float = 0.005) -> None:
-        self.pool = pool
-        self.reads = 0  # polls read (for tests and the measurement)
-        self._polls: Coalescer[int, bool] = Coalescer(self._read, max_batch=1_000_000, gather_sec=gather_sec)
+    async def read(shards: list[int]) -> dict[int, bool]:
+        async with autocommit(pool) as conn:
+            return dict.fromkeys(await read_models.shards_behind(conn, shards), True)
 
-    async def behind(self, shard: int) -> bool:
-        """Whether the shard has events past its watermark."""
-        return await self._polls.submit(shard)
-
-    async def _read(self, shards: Sequence[int]) -> list[bool]:
-        self.reads += 1
-        async with autocommit(self.pool) as conn:
-            behind = await read_models.shards_behind(conn, sorted(set(shards)))
-        return [shard in behind for shard in shards]
+    return ShardRounds(read, False)
 
 
 class ShardProjector:
     """A hint (or a full batch) runs the fenced round at once; a slow poll asks
-    ``polls`` first whether the shard has anything to project."""
+    ``polls`` (``projection_polls``) first whether the shard has anything to project."""
 
     def __init__(self, pool: Pool, nc: NATS, ownership: ShardOwnership, shard: int, epoch: int,
-                 *, batch_size: int, poll_sec: float, polls: ProjectionPolls | None = None) -> None:
+                 *, batch_size: int, poll_sec: float, polls: ShardRounds[int, bool] | None = None) -> None:
         self.pool = pool
         self.nc = nc
         self.ownership = ownership
@@ -74,7 +63,7 @@ class ShardProjector:
         self.epoch = epoch
         self.batch_size = batch_size
         self.poll_sec = poll_sec
-        self.polls = polls or ProjectionPolls(pool, gather_sec=0)
+        self.polls = polls or projection_polls(pool)
         self._wake = asyncio.Event()
         self._stopped = False
 
@@ -95,7 +84,7 @@ class ShardProjector:
                     raise LeaseLost(f"projector shard {self.shard} epoch {self.epoch} no longer trusted")
                 self._wake.clear()
                 try:
-                    n = await self.project_once() if not polled or await self.polls.behind(self.shard) else 0
+                    n = await self.project_once() if not polled or await self.polls.get(self.shard) else 0
                 except LeaseLost:
                     raise
                 except NoetlError as exc:

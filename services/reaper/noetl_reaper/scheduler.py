@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,7 +35,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from noetl_client import values
-from noetl_common.coalesce import Coalescer
+from noetl_common.coalesce import ShardRounds
 from noetl_common.config import ScheduleSettings
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_db.schedules import ScheduleStore, idempotency_key
@@ -62,30 +61,28 @@ MIN_SLEEP_SEC = 0.02
 class ScheduleRounds:
     """The scheduler loops' periodic reads, made together for the shards of a process:
     reads asked for within ``gather_sec`` of the first share one query
-    (``noetl_common.coalesce``)."""
+    (``noetl_common.coalesce.ShardRounds``)."""
 
     def __init__(self, store: ScheduleStore, *, gather_sec: float = 0.005) -> None:
         self.store = store
-        self._due: Coalescer[int, tuple[datetime, datetime | None]] = Coalescer(
-            self._read_due, max_batch=1_000_000, gather_sec=gather_sec)
-        self._pending: Coalescer[int, list[dict[str, Any]]] = Coalescer(
-            self._read_pending, max_batch=1_000_000, gather_sec=gather_sec)
+        self._due: ShardRounds[int, tuple[datetime, datetime | None] | None] = ShardRounds(
+            self._read_due, None, gather_sec=gather_sec)
+        self._pending: ShardRounds[int, list[dict[str, Any]]] = ShardRounds(
+            store.pending, [], gather_sec=gather_sec)
 
     async def due(self, shard: int) -> tuple[datetime, datetime | None]:
         """The database's now and the shard's earliest next tick (None: no unpaused schedule)."""
-        return await self._due.submit(shard)
+        due = await self._due.get(shard)
+        assert due is not None  # _read_due answers every shard
+        return due
 
     async def pending(self, shard: int) -> list[dict[str, Any]]:
         """The shard's fired ticks not submitted yet, oldest first."""
-        return await self._pending.submit(shard)
+        return list(await self._pending.get(shard))
 
-    async def _read_due(self, shards: Sequence[int]) -> list[tuple[datetime, datetime | None]]:
-        now, due = await self.store.next_due(sorted(set(shards)))
-        return [(now, due.get(shard)) for shard in shards]
-
-    async def _read_pending(self, shards: Sequence[int]) -> list[list[dict[str, Any]]]:
-        found = await self.store.pending(sorted(set(shards)))
-        return [found.get(shard, []) for shard in shards]
+    async def _read_due(self, shards: list[int]) -> dict[int, tuple[datetime, datetime | None] | None]:
+        now, due = await self.store.next_due(shards)
+        return {shard: (now, due.get(shard)) for shard in shards}
 
 
 def to_boundary(period: float) -> float:
@@ -103,7 +100,7 @@ class ShardScheduler:
         self.epoch = epoch
         self.owner = owner_runtime_id
         self.settings = settings
-        self.rounds = rounds or ScheduleRounds(store, gather_sec=0)
+        self.rounds = rounds or ScheduleRounds(store)
         self._stop = asyncio.Event()
         self._fired = asyncio.Event()  # ticks were recorded: the submit loop looks at once
 

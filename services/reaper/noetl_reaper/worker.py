@@ -7,14 +7,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from noetl_common import natsio, pools, tracing, vocab
-from noetl_common.coalesce import Coalescer
+from noetl_common.coalesce import ShardRounds
 from noetl_common.config import CommandSettings
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError
@@ -58,25 +58,28 @@ class ReapRounds:
     def __init__(self, pool: Pool, cfg: CommandSettings, *, gather_sec: float = 0.005) -> None:
         self.pool = pool
         self.cfg = cfg
-        self.transactions = 0  # rounds read (for tests and the measurement)
-        self._rounds: Coalescer[tuple[int, bool], ShardReads] = Coalescer(self._read, max_batch=1_000_000,
-                                                                            gather_sec=gather_sec)
+        self._rounds: ShardRounds[tuple[int, bool], ShardReads] = ShardRounds(
+            self._read, ShardReads([], [], {}), gather_sec=gather_sec)
+
+    @property
+    def transactions(self) -> int:
+        """Rounds read (for tests and the measurement)."""
+        return self._rounds.reads
 
     async def read(self, shard: int, *, judge_expiries: bool) -> ShardReads:
-        return await self._rounds.submit((shard, judge_expiries))
+        return await self._rounds.get((shard, judge_expiries))
 
-    async def _read(self, asked: Sequence[tuple[int, bool]]) -> list[ShardReads]:
+    async def _read(self, asked: list[tuple[int, bool]]) -> dict[tuple[int, bool], ShardReads]:
         shards = sorted({shard for shard, _ in asked})
         judged = sorted({shard for shard, judge in asked if judge})
-        self.transactions += 1
         async with transaction(self.pool) as conn:
             # as many rows a round as one query per shard returned before
             expired = await commands.expired_claims(conn, judged, self.cfg.lease_sec, limit=500 * max(1, len(judged)))
             stale = await commands.stale_queued(conn, shards, self.cfg.republish_after_sec, limit=500 * len(shards))
             waiting = await commands.unschedulable(conn, shards)
-        return [ShardReads([r for r in expired if judge and r["shard_id"] == shard],
-                           [r for r in stale if r["shard_id"] == shard], waiting.get(shard, {}))
-                for shard, judge in asked]
+        return {(shard, judge): ShardReads([r for r in expired if judge and r["shard_id"] == shard],
+                                           [r for r in stale if r["shard_id"] == shard], waiting.get(shard, {}))
+                for shard, judge in asked}
 
 
 class ShardReaper:
@@ -95,7 +98,7 @@ class ShardReaper:
         self.epoch = epoch
         self.cfg = cfg
         self.interval = interval
-        self.rounds = rounds or ReapRounds(pool, cfg, gather_sec=0)
+        self.rounds = rounds or ReapRounds(pool, cfg)
         self._hold = hold_expiries or (lambda: False)
         self._failing_since: float | None = None  # monotonic: the first failed round of a run of them
         self._outage_ended: float | None = None  # monotonic: when rounds succeeded again after an outage

@@ -16,7 +16,6 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,7 +28,7 @@ from prometheus_client import Counter, Histogram
 
 import noetl_store
 from noetl_common import auth, faults, natsio
-from noetl_common.coalesce import Coalescer
+from noetl_common.coalesce import ShardRounds
 from noetl_common.config import CommandSettings, ExecutionSettings, LimitSettings
 from noetl_common.db import Pool, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
@@ -131,31 +130,23 @@ class EngineDeps:
     priorities: OrderedDict[int, str] = field(default_factory=OrderedDict)
     traces: EngineTraces = field(default_factory=EngineTraces)
     concurrency: EngineLimits = field(default_factory=EngineLimits)
-    # the shard engines' sweeps start with one shared read (made on first use)
-    sweeps: SweepCandidates | None = None
+    # the shard engines' sweeps start with one shared read (``sweep_rounds``, made on first use)
+    sweeps: ShardRounds[int, bool] | None = None
 
 
-class SweepCandidates:
+def sweep_rounds(pool: Pool) -> ShardRounds[int, bool]:
     """Which shards' sweeps may find something, read once for every shard engine of a
-    process: the engines sweep on the same interval boundaries, and the reads asked for
-    within ``gather_sec`` of the first share one query (``requests.sweep_candidates``, a
-    superset of what a sweep finds; ``noetl_common.coalesce``). A shard left out skips its
-    six sweep statements, so an idle api makes one query a sweep, not six per shard."""
+    process (``requests.sweep_candidates``: a superset of what a sweep finds). The engines
+    sweep on the same interval boundaries, so an idle api makes one query a sweep, not
+    six per shard; a shard left out skips its six sweep statements."""
 
-    def __init__(self, pool: Pool, *, gather_sec: float = 0.005) -> None:
-        self.pool = pool
-        self.reads = 0  # reads made (for tests and the measurement)
-        self._reads: Coalescer[int, bool] = Coalescer(self._read, max_batch=1_000_000, gather_sec=gather_sec)
-
-    async def may_find(self, shard: int) -> bool:
-        return await self._reads.submit(shard)
-
-    async def _read(self, shards: Sequence[int]) -> list[bool]:
-        self.reads += 1
-        async with self.pool.connection() as conn:
-            found = await requests_db.sweep_candidates(conn, ROLE, sorted(set(shards)))
+    async def read(shards: list[int]) -> dict[int, bool]:
+        async with pool.connection() as conn:
+            found = await requests_db.sweep_candidates(conn, ROLE, shards)
             await conn.commit()
-        return [shard in found for shard in shards]
+        return dict.fromkeys(found, True)
+
+    return ShardRounds(read, False)
 
 
 @dataclass
@@ -236,7 +227,7 @@ class ShardEngine:
             synthetic: list[_Input] = []
             if time.monotonic() >= self._next_tick:
                 # to the next interval boundary: the shard engines of the process sweep
-                # together, and their first reads are one (``SweepCandidates``)
+                # together, and their first reads are one (``sweep_rounds``)
                 interval = self.d.executions.sweep_interval_sec
                 self._next_tick = time.monotonic() + interval - time.monotonic() % interval
                 synthetic = await self._tick_inputs()
@@ -364,12 +355,12 @@ class ShardEngine:
     async def _tick_inputs(self) -> list[_Input]:
         """Sweep inputs: committed submissions never started (a lost nudge), executions
         past their deadline, cancellations and redrives committed but not applied. A failed sweep is
-        logged and tried again next tick. A shard the shared read (``SweepCandidates``)
+        logged and tried again next tick. A shard the shared read (``sweep_rounds``)
         finds nothing for is not swept."""
         if self.d.sweeps is None:
-            self.d.sweeps = SweepCandidates(self.d.pool)
+            self.d.sweeps = sweep_rounds(self.d.pool)
         try:
-            if not await self.d.sweeps.may_find(self.shard):
+            if not await self.d.sweeps.get(self.shard):
                 return []
         except Exception as exc:  # the sweep itself then finds out (and logs what fails)
             logger.debug("engine shard %s: sweep candidates not read (%s); sweeping", self.shard, exc)
