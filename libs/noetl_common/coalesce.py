@@ -11,6 +11,7 @@ round trip for all of them (``ShardRounds``).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Generic, TypeVar
 
@@ -70,10 +71,17 @@ class Coalescer(Generic[T, R]):
                     fut.set_result(result)
 
 
+def to_boundary(period: float) -> float:
+    """Seconds to the next multiple of ``period`` on the monotonic clock: the shard loops of
+    a process that sleep this long wake together, and their reads go out as one
+    (``ShardRounds``)."""
+    return period - time.monotonic() % period
+
+
 class ShardRounds(Generic[K, R]):
     """One read for the periodic rounds of all the shard loops of a process.
 
-    The loops wake on shared interval boundaries and ``await get(key)``; the keys asked
+    The loops wake on shared interval boundaries (``to_boundary``) and ``await get(key)``; the keys asked
     for within ``gather_sec`` of the first are read together by ``read(keys)``, which
     returns a value per key it found something for (a key it leaves out gets ``missing``).
     A failed read fails the round of every loop in it. ``reads`` counts the reads made."""

@@ -440,8 +440,7 @@ async def fetch_now(sub: JetStreamContext.PullSubscription, *, wait_sec: float =
     raise Unavailable(f"nats pull from {sub._nms}: status {status} {msg.headers or ''}")
 
 
-async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec: float,
-                      lost: Callable[[], bool] | None = None) -> Msg | None:
+async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec: float) -> Msg | None:
     """The first message any of several pull consumers delivers within ``wait_sec``, else
     None: one long pull request of one message per consumer, all answering to one fresh
     inbox, so the caller hears of a message as soon as the server stores it. Once one has
@@ -450,13 +449,12 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
     crossed the withdrawal is nak'ed at once for another fetcher: nothing lingers on the
     server or in this process. The consumers' own subscriptions are unused but for their
     subjects. The connection being re-established meanwhile (the server forgot the
-    requests) ends the wait at once on a connection ``connect()`` made (its reconnect
-    signal), else within LOST_CHECK_SEC of ``lost()`` turning true. NATS errors come out
-    as ``Unavailable``."""
+    requests) ends the wait at once (the reconnect signal of a connection ``connect()``
+    made; on another, the requests' expiry ends it). NATS errors come out as
+    ``Unavailable``."""
     nc: NATS = subs[0]._nc
-    reconnected = _RECONNECTED.get(nc)
-    if reconnected is not None:  # woken by the signal: no polling of ``lost`` while idle
-        lost = None
+    # woken by the signal, not by polling while idle
+    reconnected = _RECONNECTED.get(nc) or asyncio.get_running_loop().create_future()
     inbox = nc.new_inbox()
     expires = int(wait_sec * 1e9)
     request = b'{"batch":1,"expires":%d}' % expires
@@ -475,18 +473,11 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return None  # requests lost with a NATS restart: the caller asks again
-            if lost is not None and lost():
-                return None
             try:
-                if reconnected is not None:
-                    msg = await _next_unless(sub, remaining, reconnected)
-                    if msg is None:
-                        return None  # reconnected: the requests died with the old connection
-                else:
-                    msg = await sub.next_msg(timeout=remaining if lost is None else min(remaining, LOST_CHECK_SEC))
+                msg = await _next_unless(sub, remaining, reconnected)
+                if msg is None:
+                    return None  # reconnected: the requests died with the old connection
             except TimeoutError:
-                if lost is not None and remaining > LOST_CHECK_SEC:
-                    continue
                 return None
             except NatsError as exc:
                 raise translate(exc) from exc
@@ -504,9 +495,6 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
         return None
     finally:
         _spawn(_withdraw(nc, sub, server_side=withdraw))
-
-
-LOST_CHECK_SEC = 0.25
 
 
 async def _next_unless(sub: Any, wait_sec: float, reconnected: asyncio.Future[None]) -> Msg | None:
@@ -572,10 +560,11 @@ async def publish(js: JetStreamContext, subject: str, payload: bytes, *, msg_id:
                   headers: dict[str, str] | None = None, ack_wait: float = 5.0,
                   trace_parent: Context | None = None) -> Any:
     """Publish to JetStream and wait up to ``ack_wait`` seconds for the ack (the message is stored).
-    A message with ``msg_id`` whose wait is ended by a reconnect is sent again at once (up to
-    ``RECONNECT_REPUBLISHES`` times; the stream's duplicate window keeps one copy); one
-    without raises ``Unavailable`` for its caller to decide. With tracing on, the publish is a producer span (child of ``trace_parent``, default the
-    current context) whose ``traceparent`` travels in the message headers."""
+    A message with ``msg_id`` whose wait is ended by a reconnect is sent again at once (up
+    to ``RECONNECT_REPUBLISHES`` times; the stream's duplicate window keeps one copy); one
+    without raises ``Unavailable`` for its caller to decide. With tracing on, the publish
+    is a producer span (child of ``trace_parent``, default the current context) whose
+    ``traceparent`` travels in the message headers."""
     hdrs = dict(headers or {})
     if msg_id:
         hdrs["Nats-Msg-Id"] = msg_id

@@ -245,10 +245,7 @@ class PostgresResultStore(ResultStore):
     async def get_many(self, ref_ids: Iterable[int]) -> dict[int, Any]:
         """One query for many references; missing ones (and references whose payload is
         missing from their tier) are left out. A tier that cannot be reached raises."""
-        ids = list(dict.fromkeys(int(i) for i in ref_ids))
-        if not ids:
-            return {}
-        return {i: value for i, (value, _) in (await self.get_many_sized(ids)).items()}
+        return {i: value for i, (value, _) in (await self.get_many_sized(ref_ids)).items()}
 
     async def get_many_sized(self, ref_ids: Iterable[int]) -> dict[int, tuple[Any, int]]:
         """``get_many`` with each value's encoded size (a loop's: its stats' and its

@@ -274,10 +274,6 @@ class CachedResultStore(ResultStore):
                 out[ref_id] = value
         return {i: out[i] for i in ids if i in out}
 
-    async def get_many_sized(self, ref_ids: Iterable[int]) -> dict[int, tuple[Any, int]]:
-        values = await self.get_many(ref_ids)
-        return {i: (v, self._cache[i][1] if i in self._cache else len(encode_json(v))) for i, v in values.items()}
-
     def _hit(self, n: int, start: float) -> None:
         """``n`` references served from memory (one resolve observed per call, as the
         tiers observe theirs)."""

@@ -33,6 +33,7 @@ from noetl_api.engine.shard import EngineDeps, ShardEngine
 from noetl_api.queries import Queries
 from noetl_api.servicers import ExecutionServicer
 from noetl_common import faults, natsio
+from noetl_common.coalesce import ShardRounds
 from noetl_common.config import CommandSettings, ExecutionSettings
 from noetl_common.db import Pool
 from noetl_common.ids import SnowflakeGenerator
@@ -76,12 +77,14 @@ class Cell:
                 "INSERT INTO noetl.shard_lease (role, shard_id, owner_runtime_id, epoch, leased_until)"
                 " VALUES ('api', %s, %s, %s, now() + interval '1 minute')", (self.shard, OWNER, EPOCH))
 
-    async def start_engine(self) -> ShardEngine:
+    async def start_engine(self, sweeps: ShardRounds[int, bool] | None = None) -> ShardEngine:
         own = ShardOwnership(self.pool, "api", lease_sec=60.0, margin_sec=5.0)
         own.runtime_id = OWNER
         assert await own.renew({self.shard: EPOCH}) == ({self.shard: EPOCH}, set())
         deps = EngineDeps(self.pool, self.nc, self.nc.jetstream(), Catalog(self.pool), MemoryResultStore(), own,
                           CommandSettings(), ExecutionSettings(sweep_interval_sec=0.2))
+        if sweeps is not None:
+            deps.sweeps = sweeps
         engine = ShardEngine(deps, self.shard, EPOCH)
         self.engine = (engine, asyncio.ensure_future(engine.run()))
         return engine
@@ -255,3 +258,21 @@ async def test_a_cancel_is_in_postgres_before_it_is_acknowledged(cell: Cell, nat
 
 async def _is(value: Awaitable[Any], wanted: Any) -> bool:
     return await value == wanted
+
+
+@pytest.mark.parametrize("candidates", ["read", "failing"])
+async def test_a_submission_whose_nudge_was_lost_is_started_by_the_sweep(cell: Cell, candidates: str) -> None:
+    """The sweep starts a committed submission nobody nudged: found by the shared read of
+    the shards with something to sweep (``sweep_rounds``), or, when that read fails, by
+    the shard's own full sweep."""
+    asked: list[list[int]] = []
+
+    async def broken(shards: list[int]) -> dict[int, bool]:
+        asked.append(shards)
+        raise OSError("connection refused")
+
+    await cell.start_engine(ShardRounds(broken, False) if candidates == "failing" else None)
+    eid = await cell.request(nudge=False)
+    await until(lambda: cell.status(eid), what="the swept submission to start", timeout=20)
+    if candidates == "failing":
+        assert asked, "the shared read was asked (and failed) before the full sweep"

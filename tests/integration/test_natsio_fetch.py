@@ -103,14 +103,14 @@ async def test_nothing_to_fetch_returns_none_when_the_requests_expire(subs) -> N
 
 async def test_a_reconnect_ends_the_wait_at_once_without_polling(subs) -> None:  # type: ignore[no-untyped-def]
     """On a connection connect() made, the reconnect signal (the server forgot the requests)
-    ends a waiting fetch at once: idle slots are not woken every LOST_CHECK_SEC to look."""
+    ends a waiting fetch at once: idle slots are not woken every so often to look."""
     js, (high, normal) = subs
     waiting = asyncio.ensure_future(natsio.fetch_first([high, normal], wait_sec=30.0))
     await until(lambda: _requests_waiting(js, "normal"), timeout=5, what="the pull request on normal", interval=0.01)
     started = time.monotonic()
     natsio._reconnected(high._nc)  # what connect()'s reconnected callback does
     assert await asyncio.wait_for(waiting, 2.0) is None
-    assert time.monotonic() - started < 0.2  # not after a LOST_CHECK_SEC poll, nor the 30 s wait
+    assert time.monotonic() - started < 0.2  # not after a poll interval, nor the 30 s wait
     # its requests were withdrawn: a message stored now is there for the next fetch
     async def withdrawn() -> bool:
         return await _requests_waiting(js, "normal") == 0 and await _requests_waiting(js, "high") == 0

@@ -39,7 +39,7 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from noetl_common import natsio
-from noetl_common.coalesce import ShardRounds
+from noetl_common.coalesce import ShardRounds, to_boundary
 from noetl_common.db import Pool, autocommit, transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import SnowflakeGenerator
@@ -134,7 +134,7 @@ class ShardCheckpointer:
                     if now >= next_tick:
                         # to the next interval boundary: the shard loops of the process tick
                         # together, and their first reads are one (``seal_rounds``)
-                        next_tick = now + self.interval - now % self.interval
+                        next_tick = now + to_boundary(self.interval)
                         self._backoff = self.poll
                         await self.tick_unless_idle()
                     elif self._pending or self._verify:

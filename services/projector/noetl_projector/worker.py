@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
@@ -18,7 +17,7 @@ from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Gauge
 
 from noetl_common import faults, natsio
-from noetl_common.coalesce import ShardRounds
+from noetl_common.coalesce import ShardRounds, to_boundary
 from noetl_common.db import Pool, autocommit, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
@@ -95,7 +94,7 @@ class ShardProjector:
                 if n >= self.batch_size:
                     continue
                 try:  # to the next poll boundary: the shard loops of the process poll together
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.poll_sec - time.monotonic() % self.poll_sec)
+                    await asyncio.wait_for(self._wake.wait(), timeout=to_boundary(self.poll_sec))
                 except TimeoutError:
                     polled = True
         except LeaseLost as exc:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,7 +34,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from noetl_client import values
-from noetl_common.coalesce import ShardRounds
+from noetl_common.coalesce import ShardRounds, to_boundary
 from noetl_common.config import ScheduleSettings
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_db.schedules import ScheduleStore, idempotency_key
@@ -83,12 +82,6 @@ class ScheduleRounds:
     async def _read_due(self, shards: list[int]) -> dict[int, tuple[datetime, datetime | None] | None]:
         now, due = await self.store.next_due(shards)
         return {shard: (now, due.get(shard)) for shard in shards}
-
-
-def to_boundary(period: float) -> float:
-    """Seconds to the next multiple of ``period`` on the monotonic clock: loops that sleep
-    this long wake together, and their reads go out as one (``ScheduleRounds``)."""
-    return period - time.monotonic() % period
 
 
 class ShardScheduler:

@@ -14,7 +14,7 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from noetl_common import natsio, pools, tracing, vocab
-from noetl_common.coalesce import ShardRounds
+from noetl_common.coalesce import ShardRounds, to_boundary
 from noetl_common.config import CommandSettings
 from noetl_common.db import Pool, transaction
 from noetl_common.errors import NoetlError
@@ -126,7 +126,7 @@ class ShardReaper:
             # to the next interval boundary: every shard loop of the process wakes together,
             # and ``ReapRounds`` reads their rounds in one transaction
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=self.interval - time.monotonic() % self.interval)
+                await asyncio.wait_for(self._stop.wait(), timeout=to_boundary(self.interval))
 
     def _holding(self) -> bool:
         """Workers renew every third of a lease: after an outage that kept them from it,

@@ -234,7 +234,6 @@ class WorkerService(Service):
         self.placement = worker_pb2.WorkerPlacement(pools=list(self.pools), labels=self.labels,
                                                     tools=list(pools.parse_tools(worker.tools)))
         self._queues = Queues(queues(self.pools))
-        self._connections = 0
 
     def join_fields(self) -> dict[str, Any]:
         return {"pools": list(self.pools), "labels": self.labels, "tools": list(self.placement.tools)}
@@ -310,7 +309,6 @@ class WorkerService(Service):
     # ------------------------------------------------------------ NATS restarts
 
     def _on_reconnect(self) -> None:
-        self._connections += 1  # waiting pull requests died with the old connection (notices.py)
         if self._recovering is None or self._recovering.done():
             self._recovering = asyncio.ensure_future(self._after_reconnect())
 
@@ -423,9 +421,7 @@ class WorkerService(Service):
             queues.found_empty(key)
         self._idle.add(n)
         try:
-            connection = self._connections
-            msg = await natsio.fetch_first(list(subs.values()), wait_sec=WAIT_SEC,
-                                           lost=lambda: self._connections != connection)
+            msg = await natsio.fetch_first(list(subs.values()), wait_sec=WAIT_SEC)
         finally:
             self._idle.discard(n)
         if msg is not None:

@@ -28,7 +28,7 @@ from prometheus_client import Counter, Histogram
 
 import noetl_store
 from noetl_common import auth, faults, natsio
-from noetl_common.coalesce import ShardRounds
+from noetl_common.coalesce import ShardRounds, to_boundary
 from noetl_common.config import CommandSettings, ExecutionSettings, LimitSettings
 from noetl_common.db import Pool, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
@@ -130,8 +130,11 @@ class EngineDeps:
     priorities: OrderedDict[int, str] = field(default_factory=OrderedDict)
     traces: EngineTraces = field(default_factory=EngineTraces)
     concurrency: EngineLimits = field(default_factory=EngineLimits)
-    # the shard engines' sweeps start with one shared read (``sweep_rounds``, made on first use)
-    sweeps: ShardRounds[int, bool] | None = None
+    # the shard engines' sweeps start with one shared read (``sweep_rounds``)
+    sweeps: ShardRounds[int, bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sweeps = sweep_rounds(self.pool)
 
 
 def sweep_rounds(pool: Pool) -> ShardRounds[int, bool]:
@@ -228,8 +231,7 @@ class ShardEngine:
             if time.monotonic() >= self._next_tick:
                 # to the next interval boundary: the shard engines of the process sweep
                 # together, and their first reads are one (``sweep_rounds``)
-                interval = self.d.executions.sweep_interval_sec
-                self._next_tick = time.monotonic() + interval - time.monotonic() % interval
+                self._next_tick = time.monotonic() + to_boundary(self.d.executions.sweep_interval_sec)
                 synthetic = await self._tick_inputs()
             if msgs or synthetic:
                 await self._consume(msgs, synthetic)
@@ -357,8 +359,6 @@ class ShardEngine:
         past their deadline, cancellations and redrives committed but not applied. A failed sweep is
         logged and tried again next tick. A shard the shared read (``sweep_rounds``)
         finds nothing for is not swept."""
-        if self.d.sweeps is None:
-            self.d.sweeps = sweep_rounds(self.d.pool)
         try:
             if not await self.d.sweeps.get(self.shard):
                 return []
