@@ -416,7 +416,8 @@ class Doc:
         q = sc.get("sequential")
         if _ok(q):
             full = q["items"] >= 1000
-            name = (f"sequential loop {q['items']:,} items (`mode: sequential`, one iteration at a time)"
+            batches = f", {q['commands']:,} commands" if q.get("commands") else ""
+            name = (f"sequential loop {q['items']:,} items (`mode: sequential`, one iteration at a time{batches})"
                     + ("" if full else f"; {self.res.get('mode')} mode: fewer than 1,000"))
             self.row(name, "iterations/s (ms per iteration)",
                      f"{_f(q['iterations_per_s'], 0)} ({_f(q['ms_per_iteration'], 1)})",

@@ -54,6 +54,7 @@ DEFAULT_BATCH_MAX = 32
 BATCH_SHARE = 2
 # Kinds whose iterations each run as their own command: a sub-playbook is an execution.
 UNBATCHED_KINDS = frozenset({"playbook", CURSOR_KIND})
+BATCHED_MODES = frozenset({"parallel", "sequential"})
 
 
 def template_names(step: Step) -> set[str]:
@@ -233,14 +234,16 @@ def command_kind(flow: Flow, step_name: str, run: StepRun) -> str:
 
 
 def batch_size(lr: LoopRun, kind: str, most: int) -> int:
-    """How many iterations the next command of a parallel loop runs, one after the other
+    """How many iterations the next command of a collection loop runs, one after the other
     (its worker runs them in index order: ``max_in_flight`` still bounds the iterations
     running at once). Guided self-scheduling: a share of what is left per lane,
     ``ceil(undispatched / (BATCH_SHARE * max_in_flight))``, at most ``most``
     (NOETL_EXECUTION_LOOP_BATCH_MAX), so batches shrink to single iterations as the loop ends and a
-    slow iteration holds back few others. Sequential loops (each iteration sees ``ctx``
-    as the previous one left it), cursor slots and sub-playbooks run one per command."""
-    if most <= 1 or lr.mode != "parallel" or kind in UNBATCHED_KINDS:
+    slow iteration holds back few others. A sequential loop's batch is still one iteration
+    at a time, in index order: its worker hands each iteration ``ctx`` as the previous one
+    left it (``noetl_worker.runner``), as the engine would between commands. Cursor slots
+    and sub-playbooks run one per command."""
+    if most <= 1 or lr.mode not in BATCHED_MODES or kind in UNBATCHED_KINDS:
         return 1
     share = -(-lr.undispatched // (BATCH_SHARE * lr.max_in_flight))
     return max(1, min(most, share))

@@ -58,8 +58,9 @@ class LoopRun:
 
     def take(self, most: int = 1) -> tuple[int, int]:
         """The next iterations to dispatch, (first index, count): up to ``most`` consecutive
-        indexes (call only when not ``exhausted``)."""
-        if self.next_index < self.total:
+        indexes (call only when not ``exhausted``). Ranges given back (``todo``) go first:
+        they are older than ``next_index``, and a sequential loop runs in index order."""
+        if self.next_index < self.total and not self.todo:
             index = self.next_index
             count = min(most, self.total - index)
             self.next_index += count

@@ -36,6 +36,7 @@ from waiting import until_sync
 
 from bench.fixture_api import DATA, TestApi, serve
 from noetl_client import values
+from noetl_common.vocab import loop_span
 
 pytestmark = pytest.mark.e2e
 
@@ -59,13 +60,16 @@ def loop_done_events(runner: Runner, execution_id: int, step: str | None = None)
 
 
 def assert_sequential(runner: Runner, execution_id: int, step: str) -> None:
-    """Each iteration command was created no earlier than the previous one finished."""
+    """Each command (one iteration, or a batch its worker runs one at a time) was created
+    no earlier than the previous one finished, and took up the indexes where it left off."""
     rows = runner.sql("SELECT command_id, created_at, updated_at, status FROM noetl.command"
                       " WHERE execution_id = %s AND step = %s", (execution_id, step))
-    rows.sort(key=lambda r: int(str(r[0]).rsplit(":", 1)[1]))
+    rows.sort(key=lambda r: r[1])
     assert all(r[3] == "done" for r in rows)
     for prev, cur in itertools.pairwise(rows):
         assert cur[1] >= prev[2], f"{cur[0]} was issued before {prev[0]} finished"
+    spans = [loop_span(str(r[0])) or (int(str(r[0]).rsplit(":", 1)[1]), 1) for r in rows]
+    assert spans[0][0] == 0 and all(prev[0] < cur[0] <= prev[0] + prev[1] for prev, cur in itertools.pairwise(spans)), spans
 
 
 # ---------------------------------------------------------------- upstream playbooks

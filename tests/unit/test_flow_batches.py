@@ -1,5 +1,6 @@
 """Batches of loop iterations as a pure function of inputs (noetl_flow.loops.batch_size):
-a parallel loop's command runs several consecutive iterations; every index is dispatched
+a collection loop's command runs several consecutive iterations (a sequential loop's one
+command at a time, in index order); every index is dispatched
 exactly once, at most ``max_in_flight`` commands run, batches shrink as the loop ends,
 each iteration keeps its own result (in index order), failure, dead letter and ``set``;
 a batch's result is accepted once; an expired batch runs again whole."""
@@ -125,17 +126,40 @@ def test_the_batch_size_follows_what_is_left_per_lane() -> None:
     assert batch_size(lr, "python", 32) == -(-100 // (BATCH_SHARE * 16))
     lr.next_index = 999
     assert batch_size(lr, "python", 32) == 1
+    # a sequential loop has one lane: half of what is left, at most `most`
     assert batch_size(LoopRun(instance="x:1", mode="sequential", iterator="n", total=1000, max_in_flight=1),
-                      "python", 32) == 1
+                      "python", 32) == 32
+    assert batch_size(LoopRun(instance="x:1", mode="sequential", iterator="n", total=1000, max_in_flight=1,
+                              next_index=994), "python", 32) == 3
     assert batch_size(LoopRun(instance="x:1", mode="parallel", iterator="n", total=1000, max_in_flight=16),
                       "playbook", 32) == 1
 
 
-@pytest.mark.parametrize("mode,kind", [("sequential", "python"), ("parallel", "playbook")])
-def test_sequential_loops_and_sub_playbooks_run_one_iteration_per_command(mode: str, kind: str) -> None:
-    r = Run(Flow(parse_playbook(playbook(mode=mode, kind=kind)), loop_batch=32))
+@pytest.mark.parametrize("mode", ["sequential", "parallel"])
+def test_sub_playbooks_run_one_iteration_per_command(mode: str) -> None:
+    r = Run(Flow(parse_playbook(playbook(mode=mode, kind="playbook")), loop_batch=32))
     assert all(count == 1 for _, count in r.spans().values())
     assert all(loop_span(c) is None for c in r.spans())
+
+
+def test_a_sequential_loop_runs_in_batches_one_at_a_time_in_index_order() -> None:
+    """One command at a time, each a batch of the next indexes; a batch the worker's budget
+    cut short gives its rest back, and the rest runs next, before any later index."""
+    r = Run(Flow(parse_playbook(playbook(mode="sequential")), loop_batch=8), numbers=40)
+    seen: list[int] = []
+    cut = True
+    while spans := r.spans():
+        assert len(spans) == 1  # one at a time
+        (cid, (index, count)), = spans.items()
+        assert index == len(seen)  # the next index, never a later one
+        ran = 2 if cut and count > 2 else count  # the first batch stops after two iterations
+        cut = False
+        r.answer(cid, [IterationOutcome(i, ok(1000 + i), {"ctx": {"last": i}}) for i in range(index, index + ran)])
+        seen.extend(range(index, index + ran))
+    assert seen == list(range(40))
+    assert r.state.ctx["last"] == 39
+    assert [e.result["context"] for e in r.events("loop.done")] == [{"total": 40, "success": 40, "failed": 0}]
+    assert max(c for e in r.events("call.done") if e.step == "each" for c in [e.meta.get("count", 1)]) == 8
 
 
 def test_a_failed_iteration_in_a_batch_is_its_own_dead_letter_and_fails_the_loop() -> None:

@@ -223,13 +223,41 @@ async def test_context_global_is_sent_only_when_code_names_it(tools: Tools) -> N
     assert env["context"] == {"value": 0}  # not named in the code: not shipped
 
 
-def batch(code: str, items: list[Any], first: int = 10) -> messages_pb2.Command:
+def batch(code: str, items: list[Any], first: int = 10, *, mode: str = "parallel",
+          tool: dict[str, Any] | None = None, context: dict[str, Any] | None = None) -> messages_pb2.Command:
     """A command that runs a batch of loop iterations, as the api hands it out."""
-    spec = {"step": "each", "tool": {"kind": "python", "code": code,
-                                     "input": {"n": "{{ n }}", "i": "{{ loop_index }}", "idx": "{{ iter._index }}"}}}
+    spec = {"step": "each", "tool": tool or {"kind": "python", "code": code, "input": {
+        "n": "{{ n }}", "i": "{{ loop_index }}", "idx": "{{ iter._index }}"}}}
     return command(spec, {"loop": {"instance": "each:1", "index": first, "count": len(items), "iterator": "n",
-                                   "mode": "parallel"},
-                          "iter": {"n": items[0], "_index": first}, "loop_index": first, "batch_items": items})
+                                   "mode": mode},
+                          "iter": {"n": items[0], "_index": first}, "loop_index": first, "batch_items": items,
+                          **(context or {})})
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel"])
+async def test_a_sequential_batch_hands_each_iteration_ctx_as_the_previous_one_left_it(tools: Tools,
+                                                                                       mode: str) -> None:
+    """As the engine would between commands: ctx with the previous iteration's `set`
+    applied, and the loop.next event after the first. A parallel batch's iterations all
+    see the ctx and event the command was dispatched with."""
+    tool = {"kind": "python", "input": {"n": "{{ n }}", "acc": "{{ ctx.acc }}", "ev": "{{ event.name }}"},
+            "code": "result = {'acc': acc + [n], 'ev': ev}",
+            "spec": {"policy": {"rules": [{"else": {"then": {"do": "continue",
+                                                             "set": {"ctx.acc": "{{ output.data.acc }}"}}}}]}}}
+    store = MemoryResultStore()
+    ctx = {"acc": [0], "other": "kept"}
+    result = await execute_command(batch("", [1, 2, 3], first=0, mode=mode, tool=tool,
+                                         context={"ctx": ctx, "event": {"name": "step.enter", "step": "each"}}),
+                                   store, tools)
+    values_ = [await store.get(envelope_from_proto(it.envelope)["reference"]["ref_id"]) for it in result.iterations]
+    sets = [json.loads(it.set_json)["ctx"] for it in result.iterations]
+    if mode == "sequential":
+        assert values_ == [{"acc": [0, 1], "ev": "step.enter"}, {"acc": [0, 1, 2], "ev": "loop.next"},
+                           {"acc": [0, 1, 2, 3], "ev": "loop.next"}]
+    else:
+        assert values_ == [{"acc": [0, n], "ev": "step.enter"} for n in (1, 2, 3)]
+    assert sets == [{"acc": v["acc"]} for v in values_]  # what the engine applies, in index order
+    assert ctx == {"acc": [0], "other": "kept"}  # the command's own snapshot is left as it was
 
 
 async def test_a_batch_runs_each_item_with_its_own_scope_and_stored_result(tools: Tools) -> None:

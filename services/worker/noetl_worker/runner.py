@@ -13,6 +13,7 @@ is the task's own failure: the command fails with ``RESULT_TOO_LARGE``, not retr
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -24,8 +25,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from noetl_common import tracing
 from noetl_common.errors import NoetlError
 from noetl_common.retry import retry_transient
-from noetl_common.vocab import iteration_command_id
-from noetl_dsl.templates import RenderContext
+from noetl_common.vocab import EventType, iteration_command_id
+from noetl_dsl.templates import RenderContext, set_path
 from noetl_proto.v1 import messages_pb2
 from noetl_store import Reference, ResultStore, ResultTooLarge, encode_json, envelope, envelope_to_proto
 
@@ -319,6 +320,9 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
     # with its own scope, result keys and stored results, under this command's claim.
     loop = context.get("loop") or {}
     first, iterator = int(loop.get("index") or 0), str(loop.get("iterator") or "item")
+    # A sequential loop's iterations each see ctx as the previous one left it, and the
+    # event that dispatches all but its first (the engine's view between commands).
+    carried = _Carried(scope, command.step, secrets) if loop.get("mode") == "sequential" else None
     outcomes: list[messages_pb2.IterationResult] = []
     failed = 0
     started = time.monotonic()
@@ -332,10 +336,13 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
         iteration = {iterator: item, "_index": index}
         caller = TaskCaller(command, spec, tools, timeout=timeout, cancelled=cancelled, worker_id=worker_id,
                             secrets=secrets, key_prefix=own.command_id)
+        names = {**scope, **iteration, "loop_index": index, "iter": iteration}
+        if carried is not None and offset:
+            names.update(carried.names())
         env, set_updates, details = await _run_tasks(
-            command, own, tasks, RenderContext({**scope, **iteration, "loop_index": index, "iter": iteration},
-                                               known=scope.known),
-            caller, store, sleep, infra_retry_sec)
+            command, own, tasks, RenderContext(names, known=scope.known), caller, store, sleep, infra_retry_sec)
+        if carried is not None:
+            carried.apply(set_updates)
         failed += env["status"] == "error"
         outcomes.append(messages_pb2.IterationResult(
             index=index, envelope=envelope_to_proto(env, error_details=details),
@@ -347,6 +354,29 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
     result = build_call_result(command, summary, worker_id=worker_id)
     result.iterations.extend(outcomes)
     return result
+
+
+class _Carried:
+    """What one iteration of a sequential batch leaves the next: ``ctx`` with its ``set``
+    updates applied as the engine applies them (``set_path``, masked as the engine would
+    receive them), and the ``loop.next`` event."""
+
+    def __init__(self, scope: RenderContext, step: str, secrets: CommandSecrets | None) -> None:
+        self.ctx: dict[str, Any] = copy.deepcopy(dict(scope.get("ctx") or {}))
+        self.event = {"name": EventType.LOOP_NEXT, "step": step}
+        self.redactor = secrets.redactor if secrets is not None else None
+
+    def names(self) -> dict[str, Any]:
+        return {"ctx": copy.deepcopy(self.ctx), "event": dict(self.event)}
+
+    def apply(self, set_updates: Mapping[str, Any] | None) -> None:
+        if not set_updates or not set_updates.get("ctx"):
+            return
+        updates = json.loads(_set_json(set_updates))["ctx"]  # as the engine receives them (JSON)
+        if self.redactor:
+            updates = self.redactor.value(updates)
+        for key, value in updates.items():
+            set_path(self.ctx, key, value)
 
 
 async def _run_tasks(command: messages_pb2.Command, own: messages_pb2.Command, tasks: list[dict[str, Any]],
