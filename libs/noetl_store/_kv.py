@@ -25,7 +25,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from ._codec import decode_json, encode_json
+from noetl_common.codec import decode_json, encode_json
 from ._metrics import CACHE, RESOLVE_SECONDS
 from ._store import Reference, ResultStore
 

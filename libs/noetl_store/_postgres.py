@@ -36,7 +36,7 @@ from noetl_common.coalesce import Coalescer
 from noetl_common.db import Conn, Pool, autocommit
 from noetl_common.errors import NoetlError, NotFound, Unavailable
 
-from ._codec import decode_json
+from noetl_common.codec import decode_json
 from ._metrics import WRITES, resolving
 from ._s3 import S3Client
 from ._store import Reference, ResultStore, ResultTooLarge, digest

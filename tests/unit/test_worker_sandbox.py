@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -294,3 +296,14 @@ async def test_children_survive_sigterm_to_the_process_group(tmp_path: Path) -> 
         os.kill(pid, signal.SIGINT)
         out = await task
         assert out.status == "ok" and out.data == "done"
+
+
+def test_a_sandbox_child_imports_the_standard_library_and_the_codec_only() -> None:
+    """Every child the pool starts (and replaces, every ``max_tasks_per_child`` tasks) pays
+    its imports: the result codec must not pull in ``noetl_store`` and its metrics."""
+    probe = ("import sys, noetl_worker.sandbox\n"
+             "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] not in sys.stdlib_module_names)))")
+    loaded = set(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                timeout=60).stdout.split())
+    ours = {m for m in loaded if not m.startswith("_")}  # `_`: import hooks of the environment (editable installs)
+    assert ours == {"noetl_common", "noetl_common.codec", "noetl_worker", "noetl_worker.sandbox"}

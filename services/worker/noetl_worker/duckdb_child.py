@@ -188,7 +188,7 @@ def _connect(spec: Mapping[str, Any]) -> Any:
 
 
 def _fetch_rows(cur: Any, limit: int) -> tuple[list[dict[str, Any]], list[str]]:
-    from noetl_store._codec import json_default
+    from noetl_common.codec import json_default
 
     columns = [d[0] for d in cur.description or []]
     rows: list[dict[str, Any]] = []

@@ -51,7 +51,7 @@ from contextlib import redirect_stdout
 from types import CodeType
 from typing import Any, BinaryIO
 
-from noetl_store._codec import json_default
+from noetl_common.codec import json_default
 
 HEADER = struct.Struct(">I")
 MAX_STDOUT_CHARS = 256 * 1024

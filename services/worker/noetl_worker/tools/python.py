@@ -22,7 +22,7 @@ A task that allocates beyond it gets ``MemoryError``; its reply fails the task w
 ``MEMORY_LIMIT`` and the child is replaced (a MemoryError can leave an interpreter in a
 bad state). The children run with ``MALLOC_ARENA_MAX=2`` (unless set): glibc reserves
 64 MiB of address space per thread arena, which would make a threaded task hit the
-limit without using the memory. An idle child uses ~23 MiB of address space; a limit
+limit without using the memory. An idle child uses ~18 MiB of address space; a limit
 that leaves less than ``MIN_MEMORY_HEADROOM`` above that fails the pool's start.
 
 ``result_bytes`` (``NOETL_LIMIT_RESULT_BYTES``): the child encodes the value once, as the
