@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from noetl_common.codec import decode_json, encode_json, json_default, to_jsonable
+
 from ._envelope import MAX_CONTEXT_KEYS, MAX_CONTEXT_STRING, context_of, envelope, error_info, is_secret_key
 from ._store import (
     RESULT_BYTES_SETTING,

@@ -26,6 +26,7 @@ from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundErro
 from nats.js.kv import KeyValue
 
 from noetl_common.codec import decode_json, encode_json
+
 from ._metrics import CACHE, RESOLVE_SECONDS
 from ._store import Reference, ResultStore
 

@@ -33,10 +33,10 @@ from typing import Any
 from psycopg.rows import dict_row
 
 from noetl_common.coalesce import Coalescer
+from noetl_common.codec import decode_json
 from noetl_common.db import Conn, Pool, autocommit
 from noetl_common.errors import NoetlError, NotFound, Unavailable
 
-from noetl_common.codec import decode_json
 from ._metrics import WRITES, resolving
 from ._s3 import S3Client
 from ._store import Reference, ResultStore, ResultTooLarge, digest

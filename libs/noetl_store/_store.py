@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from noetl_common.codec import decode_json, encode_json
 from noetl_common.errors import InvalidInput, NotFound
 
-from noetl_common.codec import decode_json, encode_json
 from ._metrics import CACHE, RESOLVE_SECONDS
 
 # The setting that bounds one result (noetl_common.config.LimitSettings.result_bytes).
