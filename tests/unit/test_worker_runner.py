@@ -3,6 +3,7 @@ result store (the Postgres store runs the same path in tests/integration)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -232,6 +233,51 @@ def batch(code: str, items: list[Any], first: int = 10, *, mode: str = "parallel
                                    "mode": mode},
                           "iter": {"n": items[0], "_index": first}, "loop_index": first, "batch_items": items,
                           **(context or {})})
+
+
+class GatheringStore(MemoryResultStore):
+    """Counts the puts in flight at once, and refuses the values listed in ``refuse``."""
+
+    def __init__(self, refuse: frozenset[int] = frozenset(), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.refuse = refuse
+        self.in_flight = 0
+        self.most = 0
+
+    async def put(self, value: Any, **kwargs: Any) -> Any:
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            await asyncio.sleep(0.01)
+            if value in self.refuse:
+                raise ValueError(f"cannot store {value}")
+            return await super().put(value, **kwargs)
+        finally:
+            self.in_flight -= 1
+
+
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+async def test_a_parallel_batch_stores_its_results_together_before_it_reports(tools: Tools, mode: str) -> None:
+    """A parallel batch's iterations do not wait for their own result's round trip: the
+    results go to the store together (one statement in the Postgres store) when the batch
+    ends; a sequential batch stores each before the next iteration starts."""
+    store = GatheringStore()
+    result = await execute_command(batch("result = n * 10", [1, 2, 3, 4], first=0, mode=mode), store, tools)
+    values_ = [await store.get(envelope_from_proto(it.envelope)["reference"]["ref_id"]) for it in result.iterations]
+    assert values_ == [10, 20, 30, 40]
+    assert store.most == (4 if mode == "parallel" else 1)
+
+
+async def test_a_result_of_a_batch_that_cannot_be_stored_fails_its_iteration_alone(tools: Tools) -> None:
+    store = GatheringStore(refuse=frozenset({20}), max_bytes=64)
+    code = "result = 'x' * 100 if n == 3 else n * 10"
+    result = await execute_command(batch(code, [1, 2, 3, 4], first=0), store, tools)
+    envs = [envelope_from_proto(it.envelope) for it in result.iterations]
+    assert [e["status"] for e in envs] == ["ok", "error", "error", "ok"]
+    assert envs[1]["error"]["code"] == "REFERENCE_NOT_AVAILABLE" and "cannot store 20" in envs[1]["error"]["message"]
+    assert envs[2]["error"]["code"] == "RESULT_TOO_LARGE"
+    assert [json.loads(it.set_json) for it in result.iterations][1] == {"ctx": {}, "iter": {}}
+    assert env_of(result)["context"] == {"count": 4, "failed": 2}
 
 
 @pytest.mark.parametrize("mode", ["sequential", "parallel"])

@@ -94,21 +94,39 @@ class _PutTimeout(TimeoutError):
 
 class _Persister:
     """Stores each task result (``persist_result``), chaining references through
-    ``parent_ref_id``."""
+    ``parent_ref_id``. With ``defer`` the last result is stored only when ``flush`` is
+    awaited (or when a later result needs it as its parent): a batch stores its
+    iterations' results together, one statement for the batch, before it reports."""
 
-    def __init__(self, store: ResultStore, command: messages_pb2.Command, retry_sec: float | None = None) -> None:
+    def __init__(self, store: ResultStore, command: messages_pb2.Command, retry_sec: float | None = None,
+                 *, defer: bool = False) -> None:
         self.store = store
         self.command = command
         self.retry_sec = retry_sec
+        self.defer = defer
         self.stored: list[tuple[TaskRun, Reference]] = []
+        self._deferred: TaskRun | None = None
 
     async def record(self, run: TaskRun) -> None:
         outcome = run.outcome
         log_task_run(self.command, run)
         if not outcome.ok and outcome.data is None:
             return  # nothing to keep: the error itself travels in the envelope
+        await self.flush()  # a deferred result is this one's parent
+        if self.defer:
+            self._deferred = run
+            return
+        await self._store(run)
+
+    async def flush(self) -> None:
+        """Store the deferred result, if any (StoreFailure / ResultTooLarge as ``record``)."""
+        run, self._deferred = self._deferred, None
+        if run is not None:
+            await self._store(run)
+
+    async def _store(self, run: TaskRun) -> None:
         parent = self.stored[-1][1].ref_id if self.stored else None
-        ref = await persist_result(self.store, outcome.data, command=self.command, task=run.name,
+        ref = await persist_result(self.store, run.outcome.data, command=self.command, task=run.name,
                                    parent_ref_id=parent, retry_sec=self.retry_sec)
         self.stored.append((run, ref))
 
@@ -323,8 +341,10 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
     # A sequential loop's iterations each see ctx as the previous one left it, and the
     # event that dispatches all but its first (the engine's view between commands).
     carried = _Carried(scope, command.step, secrets) if loop.get("mode") == "sequential" else None
-    outcomes: list[messages_pb2.IterationResult] = []
-    failed = 0
+    # A parallel loop's iterations store their results together when the batch ends (one
+    # statement, not one round trip per iteration), before the batch reports; a sequential
+    # one's iteration is finished before the next starts (its `set` is carried forward).
+    finishers: list[tuple[int, Callable[[], Awaitable[_Outcome]]]] = []
     started = time.monotonic()
     for offset, item in enumerate(items):
         if offset and time.monotonic() - started >= batch_budget_sec:
@@ -339,10 +359,17 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
         names = {**scope, **iteration, "loop_index": index, "iter": iteration}
         if carried is not None and offset:
             names.update(carried.names())
-        env, set_updates, details = await _run_tasks(
-            command, own, tasks, RenderContext(names, known=scope.known), caller, store, sleep, infra_retry_sec)
+        finish = await _start_tasks(command, own, tasks, RenderContext(names, known=scope.known), caller, store,
+                                    sleep, infra_retry_sec, defer=carried is None)
         if carried is not None:
-            carried.apply(set_updates)
+            done = await finish()
+            carried.apply(done[1])
+            finish = _finished(done)
+        finishers.append((index, finish))
+    outcomes: list[messages_pb2.IterationResult] = []
+    failed = 0
+    for index, (env, set_updates, details) in zip([i for i, _ in finishers],
+                                                  await asyncio.gather(*(f() for _, f in finishers)), strict=True):
         failed += env["status"] == "error"
         outcomes.append(messages_pb2.IterationResult(
             index=index, envelope=envelope_to_proto(env, error_details=details),
@@ -354,6 +381,12 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
     result = build_call_result(command, summary, worker_id=worker_id)
     result.iterations.extend(outcomes)
     return result
+
+
+def _finished(outcome: _Outcome) -> Callable[[], Awaitable[_Outcome]]:
+    async def done() -> _Outcome:
+        return outcome
+    return done
 
 
 class _Carried:
@@ -379,29 +412,51 @@ class _Carried:
             set_path(self.ctx, key, value)
 
 
+_Outcome = tuple[dict[str, Any], Mapping[str, Any] | None, Mapping[str, Any] | None]
+
+
 async def _run_tasks(command: messages_pb2.Command, own: messages_pb2.Command, tasks: list[dict[str, Any]],
                      scope: RenderContext, caller: TaskCaller, store: ResultStore,
-                     sleep: Callable[[float], Awaitable[Any]], infra_retry_sec: float | None
-                     ) -> tuple[dict[str, Any], Mapping[str, Any] | None, Mapping[str, Any] | None]:
+                     sleep: Callable[[float], Awaitable[Any]], infra_retry_sec: float | None) -> _Outcome:
     """Run the command's tasks in ``scope`` (``own``: the command, or one iteration of its
     batch, whose results are stored): (envelope, set updates, error details)."""
+    finish = await _start_tasks(command, own, tasks, scope, caller, store, sleep, infra_retry_sec, defer=False)
+    return await finish()
+
+
+async def _start_tasks(command: messages_pb2.Command, own: messages_pb2.Command, tasks: list[dict[str, Any]],
+                       scope: RenderContext, caller: TaskCaller, store: ResultStore,
+                       sleep: Callable[[float], Awaitable[Any]], infra_retry_sec: float | None, *, defer: bool
+                       ) -> Callable[[], Awaitable[_Outcome]]:
+    """Run the tasks; returns what finishes them: it stores a result ``defer`` held back
+    (``_Persister``), then gives (envelope, set updates, error details)."""
     extra = {"execution_id": command.execution_id, "command_id": own.command_id, "step": command.step}
-    persister = _Persister(store, own, infra_retry_sec)
+    persister = _Persister(store, own, infra_retry_sec, defer=defer)
+
+    def failed(exc: StoreFailure | ResultTooLarge) -> _Outcome:
+        _, parent = persister.references(None)
+        if isinstance(exc, ResultTooLarge):
+            logger.info("%s", exc, extra=extra)
+            return _error_envelope(RESULT_TOO_LARGE, str(exc), "ResultTooLarge", False, parent), None, None
+        logger.error("%s", exc, extra=extra)
+        return _error_envelope(REFERENCE_NOT_AVAILABLE, str(exc), "StoreFailure", True, parent), None, None
+
     try:
         result: PipelineResult = await run_pipeline(tasks, scope, caller, on_result=persister.record,
                                                     sleep=sleep)
-    except StoreFailure as exc:
-        logger.error("%s", exc, extra=extra)
-        _, parent = persister.references(None)
-        return _error_envelope(REFERENCE_NOT_AVAILABLE, str(exc), "StoreFailure", True, parent), None, None
-    except ResultTooLarge as exc:
-        logger.info("%s", exc, extra=extra)
-        _, parent = persister.references(None)
-        return _error_envelope(RESULT_TOO_LARGE, str(exc), "ResultTooLarge", False, parent), None, None
-    ref, parent = persister.references(result.last)
-    error = result.error.to_dict() if result.error is not None else None
-    return (envelope(result.status, ref, parent, result.data, error), result.set_updates,
-            result.error.details if result.error is not None else None)
+    except (StoreFailure, ResultTooLarge) as exc:
+        return _finished(failed(exc))
+
+    async def finish() -> _Outcome:
+        try:
+            await persister.flush()
+        except (StoreFailure, ResultTooLarge) as exc:
+            return failed(exc)
+        ref, parent = persister.references(result.last)
+        error = result.error.to_dict() if result.error is not None else None
+        return (envelope(result.status, ref, parent, result.data, error), result.set_updates,
+                result.error.details if result.error is not None else None)
+    return finish
 
 
 def _error_envelope(code: str, message: str, kind: str, retryable: bool, parent: Reference | None) -> dict[str, Any]:
