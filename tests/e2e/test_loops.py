@@ -371,6 +371,10 @@ def test_max_in_flight_bounds_concurrent_iterations(runner: Runner, http_api: Te
     assert http_api.state.stats() == {"started": n, "completed": n, "active": 0, "max_active": expected_max}
     labels = [r["body"]["label"] for r in out.result("probes")["results"]]
     assert labels == [f"probe-{i}" for i in range(n)]
+    if mode == "sequential":  # batches whose budget (0.25 s) each 0.3 s probe outruns: the rest runs next
+        assert_sequential(runner, out.execution_id, "probes")
+        assert len(runner.sql("SELECT 1 FROM noetl.command WHERE execution_id = %s AND step = 'probes'",
+                              (out.execution_id,))) == n
 
 
 def test_empty_collection_completes_the_loop_at_once(runner: Runner) -> None:
