@@ -15,7 +15,7 @@ from noetl_common.errors import Unavailable
 from noetl_common.redact import Redactor
 from noetl_proto.v1 import messages_pb2
 from noetl_store import MemoryResultStore, envelope_from_proto
-from noetl_worker.runner import execute_command
+from noetl_worker.runner import DEFER_MAX_BYTES, _small, execute_command
 from noetl_worker.scope import template_names
 from noetl_worker.tools import CommandSecrets, PythonPool, Tools
 from noetl_worker.tools.credentials import Holder
@@ -266,6 +266,34 @@ async def test_a_parallel_batch_stores_its_results_together_before_it_reports(to
     values_ = [await store.get(envelope_from_proto(it.envelope)["reference"]["ref_id"]) for it in result.iterations]
     assert values_ == [10, 20, 30, 40]
     assert store.most == (4 if mode == "parallel" else 1)
+
+
+async def test_a_batch_holds_back_small_results_only(tools: Tools) -> None:
+    """A result larger than DEFER_MAX_BYTES is stored when its iteration ends, so a batch
+    never holds many large results in memory at once."""
+    store = GatheringStore()
+    order: list[Any] = []
+    put = store.put
+
+    async def recording(value: Any, **kwargs: Any) -> Any:
+        order.append(value if isinstance(value, int) else len(value))
+        return await put(value, **kwargs)
+    store.put = recording  # type: ignore[method-assign]
+    code = f"result = 'x' * {DEFER_MAX_BYTES + 1} if n == 2 else n"
+    result = await execute_command(batch(code, [1, 2, 3], first=0), store, tools)
+    assert [envelope_from_proto(it.envelope)["status"] for it in result.iterations] == ["ok", "ok", "ok"]
+    assert order == [DEFER_MAX_BYTES + 1, 1, 3]
+
+
+@pytest.mark.parametrize(("value", "small"), [
+    (1, True), ("x" * 100, True), ({"a": [1, 2, {"b": "c"}]}, True), (None, True),
+    ("x" * 20_000, False), (list(range(20_000)), False), ({str(i): i for i in range(5_000)}, False),
+    ([["x" * 1000] * 10] * 10, False), ([[[[[[1]]]]]] * 100, True),
+])
+def test_small_estimates_the_encoded_size_within_its_budget(value: Any, small: bool) -> None:
+    assert _small(value, DEFER_MAX_BYTES) is small
+    if small:
+        assert len(json.dumps(value)) <= DEFER_MAX_BYTES
 
 
 async def test_a_result_of_a_batch_that_cannot_be_stored_fails_its_iteration_alone(tools: Tools) -> None:

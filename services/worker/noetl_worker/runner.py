@@ -88,6 +88,37 @@ async def persist_result(store: ResultStore, value: Any, *, command: messages_pb
         raise StoreFailure(f"cannot store the result of task '{task}': {exc}") from exc
 
 
+# A batch holds back only results this small (an estimate of their JSON size): a batch of
+# NOETL_EXECUTION_LOOP_BATCH_MAX iterations keeps at most that many of them in memory.
+DEFER_MAX_BYTES = 16 * 1024
+
+
+def _small(value: Any, budget: int) -> bool:
+    """Whether ``value`` encodes to about ``budget`` bytes or fewer; stops looking as soon
+    as it has seen more (O(budget), whatever the value's size)."""
+    left = budget
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str | bytes):
+            left -= len(item) + 2
+        elif isinstance(item, Mapping):
+            left -= 2 + 4 * len(item)
+            if left >= 0:
+                for key, member in item.items():
+                    stack.append(key)
+                    stack.append(member)
+        elif isinstance(item, list | tuple):
+            left -= 2 + len(item)
+            if left >= 0:
+                stack.extend(item)
+        else:
+            left -= 24  # a number, a bool, None, or something the codec converts
+        if left < 0:
+            return False
+    return True
+
+
 class _PutTimeout(TimeoutError):
     """One put attempt ran out of time (transient: retried)."""
 
@@ -113,7 +144,7 @@ class _Persister:
         if not outcome.ok and outcome.data is None:
             return  # nothing to keep: the error itself travels in the envelope
         await self.flush()  # a deferred result is this one's parent
-        if self.defer:
+        if self.defer and _small(outcome.data, DEFER_MAX_BYTES):
             self._deferred = run
             return
         await self._store(run)
