@@ -141,8 +141,9 @@ class ExecutionSettings(BaseSettings):
     # answer RESOURCE_EXHAUSTED with a retry hint.
     max_active: int = Field(default=10_000, ge=1)
     max_queued_commands: int = Field(default=100_000, ge=1)
-    # The most iterations of a parallel loop one command runs, one after the other
-    # (NOETL_EXECUTION_LOOP_BATCH_MAX; noetl_flow.loops.batch_size). 1: one per command.
+    # The most iterations of a collection loop (parallel or sequential) one command runs,
+    # one after the other (NOETL_EXECUTION_LOOP_BATCH_MAX; noetl_flow.loops.batch_size).
+    # 1: one per command.
     loop_batch_max: int = Field(default=32, ge=1, le=1000)
 
 
