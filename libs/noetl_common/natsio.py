@@ -98,6 +98,11 @@ def progress_subject(execution_id: int | str) -> str:
     return f"noetl.progress.{execution_id}"
 
 
+# The payload of a progress hint whose batch projected the execution's terminal status
+# (watchers read at once; other hints they may coalesce).
+PROGRESS_TERMINAL = b"terminal"
+
+
 def projector_subject(shard: int | str) -> str:
     return f"noetl.projector.{shard}"
 

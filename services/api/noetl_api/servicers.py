@@ -189,16 +189,24 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
 
     async def WatchExecution(self, request: execution_pb2.WatchExecutionRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[execution_pb2.WatchExecutionResponse]:
-        changed = asyncio.Event()
+        """Reads the read model when the projector hints a change (every second without
+        one): at once for the hint of a terminal status, else at most every
+        WATCH_MIN_INTERVAL_SEC (a running loop's hints come per projector batch; its
+        watchers get the latest state, not every one)."""
+        changed, final = asyncio.Event(), asyncio.Event()
 
-        async def hint(_msg: Any) -> None:
+        async def hint(msg: Any) -> None:
+            if msg.data == natsio.PROGRESS_TERMINAL:
+                final.set()
             changed.set()
 
         sub = await self._nc.subscribe(natsio.progress_subject(request.execution_id), cb=hint)
+        loop = asyncio.get_running_loop()
         try:
             last: tuple[Any, ...] | None = None
             while True:
                 changed.clear()
+                read_at = loop.time()
                 row = await self._queries.execution(request.execution_id, request.include_results)
                 key = (row["status"], row.get("last_shard_seq"), len(row["steps"]))
                 if key != last:
@@ -208,6 +216,10 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
                     return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), timeout=1.0)
+                pause = WATCH_MIN_INTERVAL_SEC - (loop.time() - read_at)
+                if changed.is_set() and pause > 0 and not final.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(final.wait(), timeout=pause)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -322,6 +334,10 @@ def _command_pb(got: Claimed) -> messages_pb2.Command:
     set_timestamp(cmd.lease_until, row["lease_until"])
     return cmd
 
+
+# WatchExecution reads a running execution's read model at most this often (a terminal
+# status is read as soon as the projector hints it).
+WATCH_MIN_INTERVAL_SEC = 0.1
 
 PRIORITY_NAMES = {execution_pb2.PRIORITY_HIGH: Priority.HIGH.value, execution_pb2.PRIORITY_NORMAL: Priority.NORMAL.value,
                   execution_pb2.PRIORITY_LOW: Priority.LOW.value}

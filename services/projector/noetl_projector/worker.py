@@ -22,7 +22,7 @@ from noetl_common.db import Pool, autocommit, pipelined_transaction
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
 from noetl_common.shardtasks import forget_on_loss
-from noetl_common.vocab import EventType
+from noetl_common.vocab import PUBLIC_TERMINAL, EventType
 from noetl_db import read_models
 from noetl_flow.projection import fold
 
@@ -136,5 +136,6 @@ class ShardProjector:
         if barrier:
             await natsio.hint(self.nc, natsio.checkpointer_subject(self.shard))
         for eid in touched:
-            await natsio.hint(self.nc, natsio.progress_subject(eid))
+            await natsio.hint(self.nc, natsio.progress_subject(eid),
+                              natsio.PROGRESS_TERMINAL if views[eid].status in PUBLIC_TERMINAL else b"")
         return len(events)
