@@ -285,6 +285,22 @@ async def test_a_batch_holds_back_small_results_only(tools: Tools) -> None:
     assert order == [DEFER_MAX_BYTES + 1, 1, 3]
 
 
+async def test_a_held_back_result_is_stored_before_the_next_task_of_its_pipeline_runs(tools: Tools,
+                                                                                       tmp_path: Any) -> None:
+    """A result the store refuses stops its iteration's pipeline before the next task runs,
+    held back or not (as when every result was stored at once)."""
+    marks = tmp_path / "ran"
+    tool = [{"name": "first", "kind": "python", "input": {"n": "{{ n }}"}, "code": "result = n * 10"},
+            {"name": "second", "kind": "python", "input": {"n": "{{ n }}", "path": str(marks)},
+             "code": "open(path, 'a').write(f'{n},')\nresult = n"}]
+    store = GatheringStore(refuse=frozenset({20}))
+    result = await execute_command(batch("", [1, 2, 3], first=0, tool=tool), store, tools)
+    envs = [envelope_from_proto(it.envelope) for it in result.iterations]
+    assert [e["status"] for e in envs] == ["ok", "error", "ok"]
+    assert envs[1]["error"]["code"] == "REFERENCE_NOT_AVAILABLE"
+    assert sorted(marks.read_text().strip(",").split(",")) == ["1", "3"]  # item 2's second task never ran
+
+
 @pytest.mark.parametrize(("value", "small"), [
     (1, True), ("x" * 100, True), ({"a": [1, 2, {"b": "c"}]}, True), (None, True),
     ("x" * 20_000, False), (list(range(20_000)), False), ({str(i): i for i in range(5_000)}, False),

@@ -125,9 +125,10 @@ class _PutTimeout(TimeoutError):
 
 class _Persister:
     """Stores each task result (``persist_result``), chaining references through
-    ``parent_ref_id``. With ``defer`` the last result is stored only when ``flush`` is
-    awaited (or when a later result needs it as its parent): a batch stores its
-    iterations' results together, one statement for the batch, before it reports."""
+    ``parent_ref_id``. With ``defer`` a small result is held back until ``flush``: the
+    runner flushes before the pipeline runs another task (``run_task``), so a result the
+    store refuses still stops the pipeline before anything else runs, and at the end, when
+    a batch stores its iterations' results together (one statement) before it reports."""
 
     def __init__(self, store: ResultStore, command: messages_pb2.Command, retry_sec: float | None = None,
                  *, defer: bool = False) -> None:
@@ -143,11 +144,20 @@ class _Persister:
         log_task_run(self.command, run)
         if not outcome.ok and outcome.data is None:
             return  # nothing to keep: the error itself travels in the envelope
-        await self.flush()  # a deferred result is this one's parent
         if self.defer and _small(outcome.data, DEFER_MAX_BYTES):
             self._deferred = run
             return
         await self._store(run)
+
+    def run_task(self, caller: TaskCaller) -> Callable[[Mapping[str, Any], RenderContext], Awaitable[ToolOutcome]]:
+        """``caller``, storing a held-back result first (the next task's parent)."""
+        if not self.defer:
+            return caller
+
+        async def run(task: Mapping[str, Any], scope: RenderContext) -> ToolOutcome:
+            await self.flush()
+            return await caller(task, scope)
+        return run
 
     async def flush(self) -> None:
         """Store the deferred result, if any (StoreFailure / ResultTooLarge as ``record``)."""
@@ -414,6 +424,10 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
     return result
 
 
+# (envelope, set updates, error details) of one command or one iteration of its batch
+_Outcome = tuple[dict[str, Any], Mapping[str, Any] | None, Mapping[str, Any] | None]
+
+
 def _finished(outcome: _Outcome) -> Callable[[], Awaitable[_Outcome]]:
     async def done() -> _Outcome:
         return outcome
@@ -443,9 +457,6 @@ class _Carried:
             set_path(self.ctx, key, value)
 
 
-_Outcome = tuple[dict[str, Any], Mapping[str, Any] | None, Mapping[str, Any] | None]
-
-
 async def _run_tasks(command: messages_pb2.Command, own: messages_pb2.Command, tasks: list[dict[str, Any]],
                      scope: RenderContext, caller: TaskCaller, store: ResultStore,
                      sleep: Callable[[float], Awaitable[Any]], infra_retry_sec: float | None) -> _Outcome:
@@ -473,8 +484,8 @@ async def _start_tasks(command: messages_pb2.Command, own: messages_pb2.Command,
         return _error_envelope(REFERENCE_NOT_AVAILABLE, str(exc), "StoreFailure", True, parent), None, None
 
     try:
-        result: PipelineResult = await run_pipeline(tasks, scope, caller, on_result=persister.record,
-                                                    sleep=sleep)
+        result: PipelineResult = await run_pipeline(tasks, scope, persister.run_task(caller),
+                                                    on_result=persister.record, sleep=sleep)
     except (StoreFailure, ResultTooLarge) as exc:
         return _finished(failed(exc))
 
