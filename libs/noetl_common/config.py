@@ -145,6 +145,10 @@ class ExecutionSettings(BaseSettings):
     # one after the other (NOETL_EXECUTION_LOOP_BATCH_MAX; noetl_flow.loops.batch_size).
     # 1: one per command.
     loop_batch_max: int = Field(default=32, ge=1, le=1000)
+    # Once a loop's batches have shown their pace, a batch runs at least about this many
+    # ms of iterations (NOETL_EXECUTION_LOOP_BATCH_MS; 0: batches shrink to one iteration
+    # at the loop's end whatever their pace).
+    loop_batch_ms: int = Field(default=100, ge=0, le=60_000)
 
 
 class AuthSettings(BaseSettings):

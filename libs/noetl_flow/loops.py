@@ -52,6 +52,13 @@ CURSOR_KIND = "cursor"
 # and about 1 / BATCH_SHARE of what each lane has left.
 DEFAULT_BATCH_MAX = 32
 BATCH_SHARE = 2
+# Once a loop has seen how long its iterations take (LoopRun.iteration_ms, from its
+# batches' results), a batch is at least as many iterations as run in about this long
+# (NOETL_EXECUTION_LOOP_BATCH_MS; 0: guided self-scheduling alone): a batch shorter than
+# that saves less imbalance at the loop's end than its command costs.
+DEFAULT_BATCH_MS = 100
+# Weight of the newest batch in LoopRun.iteration_ms (an exponential moving average).
+PACE_WEIGHT = 0.5
 # Kinds whose iterations each run as their own command: a sub-playbook is an execution.
 UNBATCHED_KINDS = frozenset({"playbook", CURSOR_KIND})
 BATCHED_MODES = frozenset({"parallel", "sequential"})
@@ -151,14 +158,17 @@ def resume(flow: Flow, t: Transition, step: Step, run: StepRun, original_eid: in
 
 def on_command_done(flow: Flow, t: Transition, step_name: str, run: StepRun,
                     iterations: list[tuple[int, Mapping[str, Any]]], io: Inputs,
-                    returned: list[list[int]] | None = None) -> bool | None:
+                    returned: list[list[int]] | None = None,
+                    summary: Mapping[str, Any] | None = None) -> bool | None:
     """Fold the accepted result of one loop command: its iterations' envelopes in index
-    order (one, or a batch's), and the ``returned`` index ranges of a batch the worker
-    did not get to (dispatched again, next). Returns the loop's outcome when this was
-    the last command, else None (more were dispatched if any remain)."""
+    order (one, or a batch's), the ``returned`` index ranges of a batch the worker did not
+    get to (dispatched again, next), and a batch's ``summary`` (its envelope's context:
+    the pace, ``observe_pace``). Returns the loop's outcome when this was the last
+    command, else None (more were dispatched if any remain)."""
     lr = run.loop
     assert lr is not None
     lr.in_flight -= 1
+    observe_pace(lr, summary)
     if returned:
         lr.todo = [*(lr.todo or []), *(list(r) for r in returned)]
     for index, envelope in iterations:
@@ -233,20 +243,44 @@ def command_kind(flow: Flow, step_name: str, run: StepRun) -> str:
     return flow.kind(flow.pb.step(step_name))
 
 
-def batch_size(lr: LoopRun, kind: str, most: int) -> int:
+def batch_size(lr: LoopRun, kind: str, most: int, target_ms: float = DEFAULT_BATCH_MS) -> int:
     """How many iterations the next command of a collection loop runs, one after the other
     (its worker runs them in index order: ``max_in_flight`` still bounds the iterations
     running at once). Guided self-scheduling: a share of what is left per lane,
     ``ceil(undispatched / (BATCH_SHARE * max_in_flight))``, at most ``most``
-    (NOETL_EXECUTION_LOOP_BATCH_MAX), so batches shrink to single iterations as the loop ends and a
-    slow iteration holds back few others. A sequential loop's batch is still one iteration
-    at a time, in index order: its worker hands each iteration ``ctx`` as the previous one
-    left it (``noetl_worker.runner``), as the engine would between commands. Cursor slots
-    and sub-playbooks run one per command."""
+    (NOETL_EXECUTION_LOOP_BATCH_MAX), so batches shrink as the loop ends and a slow
+    iteration holds back few others. They shrink no further than the iterations that run in
+    ``target_ms`` at the pace the loop's batches have shown (``LoopRun.iteration_ms``):
+    fast iterations keep sharing commands to the end, slow ones still end one per command.
+    A sequential loop's batch is still one iteration at a time, in index order: its worker
+    hands each iteration ``ctx`` as the previous one left it (``noetl_worker.runner``), as
+    the engine would between commands. Cursor slots and sub-playbooks run one per command."""
     if most <= 1 or lr.mode not in BATCHED_MODES or kind in UNBATCHED_KINDS:
         return 1
     share = -(-lr.undispatched // (BATCH_SHARE * lr.max_in_flight))
+    pace = lr.iteration_ms
+    if pace is not None and target_ms > 0:
+        share = max(share, most if pace <= 0 else int(target_ms / pace))
     return max(1, min(most, share))
+
+
+def observe_pace(lr: LoopRun, summary: Mapping[str, Any] | None) -> None:
+    """Fold a batch's pace into ``lr.iteration_ms``: the wall time its worker spent on it
+    (``context.ms`` of the batch's summary envelope, ``runner.execute_command``) over the
+    iterations it ran (``context.count``). It only sizes later batches (``batch_size``
+    bounds them whatever it says), and it is in the engine's state, so a replay of the same
+    results sizes the same batches."""
+    if not isinstance(summary, Mapping):
+        return
+    try:
+        count, ms = int(summary["count"]), float(summary["ms"])
+    except (KeyError, TypeError, ValueError):
+        return
+    if count < 1 or not 0 <= ms < 1e9:  # also refuses NaN
+        return
+    pace = ms / count
+    lr.iteration_ms = round(pace if lr.iteration_ms is None
+                            else PACE_WEIGHT * pace + (1 - PACE_WEIGHT) * lr.iteration_ms, 3)
 
 
 def loop_context(lr: LoopRun, index: int, count: int = 1) -> dict[str, Any]:
@@ -263,7 +297,7 @@ def _refill(flow: Flow, t: Transition, step_name: str, run: StepRun, event: dict
     assert lr is not None
     kind = command_kind(flow, step_name, run)
     while lr.in_flight < lr.max_in_flight and not lr.exhausted:
-        index, count = lr.take(batch_size(lr, kind, flow.loop_batch))
+        index, count = lr.take(batch_size(lr, kind, flow.loop_batch, flow.loop_batch_ms))
         lr.in_flight += 1
         command_id = make_command_id(t.state.execution_id, step_name, run.visits, index, count)
         extra: dict[str, Any] = {"loop": loop_context(lr, index, count)}

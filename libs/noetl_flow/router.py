@@ -94,17 +94,20 @@ class Flow:
     """Routing for one playbook version (cache one per catalog id)."""
 
     def __init__(self, playbook: Playbook, *, copy_state: bool = True, max_loop_items: int = 500_000,
-                 loop_batch: int = loops.DEFAULT_BATCH_MAX) -> None:
+                 loop_batch: int = loops.DEFAULT_BATCH_MAX, loop_batch_ms: float = loops.DEFAULT_BATCH_MS) -> None:
         """``copy_state=False`` folds inputs into the given state object in place (the
         engine does, to skip a deep copy per input: its cache is dropped whenever a batch
         fails, so a half-applied state never outlives the failed transaction).
         ``max_loop_items``: a loop whose collection is larger fails its step
         (NOETL_LIMIT_LOOP_ITEMS). ``loop_batch``: the most iterations of a parallel loop
-        one command runs (NOETL_EXECUTION_LOOP_BATCH_MAX; 1: one iteration per command)."""
+        one command runs (NOETL_EXECUTION_LOOP_BATCH_MAX; 1: one iteration per command);
+        ``loop_batch_ms``: the least time a batch runs once the loop's pace is known
+        (NOETL_EXECUTION_LOOP_BATCH_MS; loops.batch_size)."""
         self.pb = playbook
         self._copy_state = copy_state
         self.max_loop_items = max_loop_items
         self.loop_batch = loop_batch
+        self.loop_batch_ms = loop_batch_ms
         preds = predecessors(playbook)
         self.joins = {name for name, p in preds.items() if len(p) >= 2}
         self.reach = Reachability(successors(playbook))
@@ -256,7 +259,8 @@ class Flow:
         try:
             if in_loop and run.loop is not None:
                 finished = loops.on_command_done(self, t, step_name, run,
-                                                 [(o.index, o.envelope) for o in outcomes], io, returned)
+                                                 [(o.index, o.envelope) for o in outcomes], io, returned,
+                                                 res.envelope.get("context") if pending.count > 1 else None)
                 if finished is not None:
                     self._complete(t, step_name, finished, io, loop_done=True)
             else:

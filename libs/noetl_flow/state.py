@@ -46,6 +46,9 @@ class LoopRun:
     # successfully: [start, end) index ranges, the next one LAST (popped from the end).
     # O(failed ranges), not O(items); None for every other loop.
     todo: list[list[int]] | None = None
+    # Wall ms per iteration its batches have taken (loops.observe_pace); None until the
+    # first batch's result. Sizes batches (loops.batch_size), nothing else.
+    iteration_ms: float | None = None
 
     @property
     def exhausted(self) -> bool:

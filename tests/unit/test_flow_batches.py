@@ -14,7 +14,7 @@ import pytest
 from noetl_common.vocab import command_id, iteration_command_id, loop_span
 from noetl_dsl import parse_playbook
 from noetl_flow import CallResultInput, ExecState, Flow, IterationOutcome, RedriveItem, StartInput, refusal
-from noetl_flow.loops import BATCH_SHARE, batch_size
+from noetl_flow.loops import BATCH_SHARE, batch_size, observe_pace
 from noetl_flow.state import LoopRun
 
 HEADER = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: b, path: b}\n"
@@ -70,13 +70,15 @@ class Run:
         return {c: (p.index or 0, p.count) for c, p in self.state.pending.items() if p.step == "each"}
 
     def answer(self, cid: str, outcomes: list[IterationOutcome] | None = None, *,
-               fail: frozenset[int] = frozenset(), attempt: int = 1) -> Any:
+               fail: frozenset[int] = frozenset(), attempt: int = 1, pace_ms: float | None = None) -> Any:
         p = self.state.pending[cid]
         assert p.index is not None
         if outcomes is None:
             outcomes = [IterationOutcome(i, err(f"boom {i}") if i in fail else ok(1000 + i), {"ctx": {"last": i}})
                         for i in range(p.index, p.index + p.count)]
         summary = {**SUMMARY, "status": "error" if any(o.envelope["status"] == "error" for o in outcomes) else "ok"}
+        if pace_ms is not None:  # what the worker reports of a batch: the iterations it ran, its wall time
+            summary["context"] = {"count": len(outcomes), "failed": 0, "ms": pace_ms * len(outcomes)}
         res = CallResultInput(cid, attempt, summary, {}, "w1", tuple(outcomes) if p.count > 1 else ())
         if p.count == 1:  # a single iteration answers with its own envelope
             res = CallResultInput(cid, attempt, outcomes[0].envelope, outcomes[0].set_updates, "w1")
@@ -85,14 +87,15 @@ class Run:
     def events(self, kind: str) -> list[Any]:
         return [e for t in self.log for e in t.events if e.event_type == kind]
 
-    def drain(self, fail: frozenset[int] = frozenset(), most: int = 4) -> list[tuple[int, int]]:
+    def drain(self, fail: frozenset[int] = frozenset(), most: int = 4,
+              pace_ms: float | None = None) -> list[tuple[int, int]]:
         """Answer the lowest pending batch until the loop is done; the spans answered."""
         seen = []
         while spans := self.spans():
             assert len(spans) <= most  # max_in_flight bounds commands (each runs its iterations in turn)
             cid = min(spans, key=lambda c: spans[c][0])
             seen.append(spans[cid])
-            self.answer(cid, fail=fail)
+            self.answer(cid, fail=fail, pace_ms=pace_ms)
         return seen
 
 
@@ -133,6 +136,49 @@ def test_the_batch_size_follows_what_is_left_per_lane() -> None:
                               next_index=994), "python", 32) == 3
     assert batch_size(LoopRun(instance="x:1", mode="parallel", iterator="n", total=1000, max_in_flight=16),
                       "playbook", 32) == 1
+
+
+def test_batches_of_fast_iterations_stay_large_to_the_loops_end() -> None:
+    """Once results show how long iterations take, batches shrink no further than the
+    iterations that run in loop_batch_ms: fast ones keep sharing commands to the end
+    (each command costs more than the imbalance it would save), slow ones still end one per
+    command. Every index still runs once, in index order."""
+    fast = Run(Flow(parse_playbook(playbook()), loop_batch=8, loop_batch_ms=100))
+    spans = fast.drain(pace_ms=2.0)  # 50 iterations fit in 100 ms: every batch is `most` (8)
+    assert sorted(i for index, count in spans for i in range(index, index + count)) == list(range(100))
+    sizes = [count for _, count in spans]
+    assert sizes == [8] * 12 + [4] and fast.state.steps["each"].loop.iteration_ms == 2.0
+    # without a pace (a worker that does not report one) or with the floor off: guided self-scheduling alone
+    for flow, pace in ((Flow(parse_playbook(playbook()), loop_batch=8, loop_batch_ms=100), None),
+                       (Flow(parse_playbook(playbook()), loop_batch=8, loop_batch_ms=0), 2.0)):
+        plain = [count for _, count in Run(flow).drain(pace_ms=pace)]
+        assert plain[-1] == 1 and len(plain) > 20
+    slow = [count for _, count in Run(Flow(parse_playbook(playbook()), loop_batch=8, loop_batch_ms=100))
+            .drain(pace_ms=40.0)]  # 2 fit in 100 ms
+    assert min(slow[:-1]) == 2 and len(slow) > len(sizes)  # the last takes what is left
+    done = Run(Flow(parse_playbook(playbook()), loop_batch=8, loop_batch_ms=100))
+    done.drain(pace_ms=2.0)
+    assert len(done.events("loop.done")) == 1
+
+
+def test_the_pace_is_a_moving_average_of_what_batches_report_and_ignores_nonsense() -> None:
+    lr = LoopRun(instance="x:1", mode="parallel", iterator="n", total=1000, max_in_flight=16, next_index=990)
+    assert batch_size(lr, "python", 32, 100) == 1  # no pace yet: guided self-scheduling
+    observe_pace(lr, {"count": 10, "failed": 0, "ms": 40.0})
+    assert lr.iteration_ms == 4.0 and batch_size(lr, "python", 32, 100) == 25
+    observe_pace(lr, {"count": 4, "ms": 8.0})  # newest batch weighs half
+    assert lr.iteration_ms == 3.0 and batch_size(lr, "python", 32, 100) == 32
+    assert batch_size(lr, "python", 32, 0) == 1  # the floor off
+    for nonsense in (None, {}, {"count": 0, "ms": 1}, {"count": 3}, {"count": "x", "ms": 1}, {"count": 2, "ms": -1},
+                     {"count": 2, "ms": float("nan")}, {"count": 2, "ms": float("inf")}, {"count": 2, "ms": "1e400"},
+                     ["count", 2]):
+        observe_pace(lr, nonsense)  # type: ignore[arg-type]
+        assert lr.iteration_ms == 3.0
+    observe_pace(lr, {"count": 1, "ms": 0})
+    assert batch_size(lr, "python", 32, 100) == 32  # a pace of 0 ms: as many as a batch may hold
+    lr.iteration_ms = 0.0
+    assert batch_size(lr, "python", 32, 100) == 32
+    assert batch_size(lr, "playbook", 32, 100) == 1  # sub-playbooks stay one per command whatever the pace
 
 
 @pytest.mark.parametrize("mode", ["sequential", "parallel"])

@@ -321,7 +321,7 @@ async def test_a_result_of_a_batch_that_cannot_be_stored_fails_its_iteration_alo
     assert envs[1]["error"]["code"] == "REFERENCE_NOT_AVAILABLE" and "cannot store 20" in envs[1]["error"]["message"]
     assert envs[2]["error"]["code"] == "RESULT_TOO_LARGE"
     assert [json.loads(it.set_json) for it in result.iterations][1] == {"ctx": {}, "iter": {}}
-    assert env_of(result)["context"] == {"count": 4, "failed": 2}
+    assert {**env_of(result)["context"], "ms": 0} == {"count": 4, "failed": 2, "ms": 0}
 
 
 @pytest.mark.parametrize("mode", ["sequential", "parallel"])
@@ -354,7 +354,7 @@ async def test_a_batch_runs_each_item_with_its_own_scope_and_stored_result(tools
     store = MemoryResultStore()
     result = await execute_command(batch("result = {'n': n, 'i': i, 'idx': idx}", [3, 4, 5]),
                                    store, tools)
-    assert env_of(result)["status"] == "ok" and env_of(result)["context"] == {"count": 3, "failed": 0}
+    assert env_of(result)["status"] == "ok" and {**env_of(result)["context"], "ms": 0} == {"count": 3, "failed": 0, "ms": 0}
     assert [it.index for it in result.iterations] == [10, 11, 12]
     values_ = [await store.get(envelope_from_proto(it.envelope)["reference"]["ref_id"]) for it in result.iterations]
     assert values_ == [{"n": 3, "i": 10, "idx": 10}, {"n": 4, "i": 11, "idx": 11}, {"n": 5, "i": 12, "idx": 12}]
@@ -377,4 +377,6 @@ async def test_a_batch_stops_starting_iterations_when_its_budget_is_spent(tools:
                                    batch_budget_sec=0.15)
     ran = [it.index for it in result.iterations]
     assert 1 <= len(ran) < 6 and ran == list(range(len(ran)))  # a prefix, at least one: the rest go back
-    assert env_of(result)["context"] == {"count": len(ran), "failed": 0}
+    took = env_of(result)["context"]
+    assert {**took, "ms": 0} == {"count": len(ran), "failed": 0, "ms": 0}
+    assert took["ms"] >= 100 * len(ran)  # its wall time (loops.observe_pace): each iteration slept 0.1 s

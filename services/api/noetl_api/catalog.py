@@ -16,7 +16,7 @@ from noetl_common.errors import NotFound
 from noetl_db import catalog as catalog_db
 from noetl_dsl import Placement, Playbook, load_playbook, parse_playbook, placements
 from noetl_flow import Flow
-from noetl_flow.loops import DEFAULT_BATCH_MAX
+from noetl_flow.loops import DEFAULT_BATCH_MAX, DEFAULT_BATCH_MS
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,11 @@ def parse(content: str, limits: LimitSettings | None = None) -> Playbook:
 
 class Catalog:
     def __init__(self, pool: Pool, cache_size: int = 256, *, limits: LimitSettings | None = None,
-                 loop_batch: int = DEFAULT_BATCH_MAX) -> None:
+                 loop_batch: int = DEFAULT_BATCH_MAX, loop_batch_ms: float = DEFAULT_BATCH_MS) -> None:
         self._pool = pool
         self.limits = limits or LimitSettings.model_construct()
         self.loop_batch = loop_batch
+        self.loop_batch_ms = loop_batch_ms
         self._cache: OrderedDict[int, Compiled] = OrderedDict()
         self._cache_size = cache_size
         # inline texts already parsed, by SHA-256 (a client submitting the same YAML again)
@@ -136,7 +137,7 @@ class Catalog:
     def _compile(self, doc: Any) -> tuple[Playbook, Flow]:
         playbook = load_playbook(doc, limits=self.limits)
         return playbook, Flow(playbook, copy_state=False, max_loop_items=self.limits.loop_items,
-                              loop_batch=self.loop_batch)
+                              loop_batch=self.loop_batch, loop_batch_ms=self.loop_batch_ms)
 
     async def compiled(self, catalog_id: int) -> Compiled:
         hit = self._cache.get(catalog_id)

@@ -132,7 +132,8 @@ class ApiService(Service):
         # A NATS that lost its store comes back without the streams; workers may not
         # create them (their NATS user), the api does, at once.
         self.reconnects.listen(self._on_reconnect)
-        self.catalog = Catalog(self.pool, limits=self.limits, loop_batch=self.executions.loop_batch_max)
+        self.catalog = Catalog(self.pool, limits=self.limits, loop_batch=self.executions.loop_batch_max,
+                               loop_batch_ms=self.executions.loop_batch_ms)
         # The api reads every tier (engine templates, GetExecution with results).
         self.results = CachedResultStore(await make_result_store(self.results_cfg, self.pool, self.js),
                                          max_items=RESULT_CACHE_ITEMS)

@@ -416,7 +416,9 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
             index=index, envelope=envelope_to_proto(env, error_details=details),
             set_json=_set_json(set_updates)))
     ran = len(outcomes)
-    summary = envelope("error" if failed else "ok", None, None, {"count": ran, "failed": failed},
+    # The batch's pace (its wall ms) sizes the loop's later batches (noetl_flow.loops.batch_size).
+    took = {"count": ran, "failed": failed, "ms": round(1000 * (time.monotonic() - started), 1)}
+    summary = envelope("error" if failed else "ok", None, None, took,
                        {"code": "ITERATIONS_FAILED", "message": f"{failed} of {ran} iteration(s) failed"}
                        if failed else None)
     result = build_call_result(command, summary, worker_id=worker_id)
