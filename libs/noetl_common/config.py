@@ -64,6 +64,12 @@ class CoreSettings(BaseSettings):
     ready_file: str = Field(default="", description="write {role,pid,grpc,metrics} JSON here once serving")
     log_level: str = "INFO"
     shutdown_grace_sec: float = Field(default=5.0, gt=0)
+    # Calls a gRPC server holds before the role's event loop takes them up. gRPC's own
+    # default holds 1,000 and cancels the calls past that at random (the client sees
+    # CANCELLED with no reason), all of them past 3,000: a burst of 1,500 calls in flight on
+    # one connection lost some (docs/DEPLOY.md "Calls in flight"). Past twice this, gRPC still
+    # cancels new calls: the bound on what a flood of calls can hold in a role's memory.
+    grpc_max_pending_calls: int = Field(default=8192, ge=16, le=1_000_000)
     # Tests only: a file of armed fault points (noetl_common.faults).
     faults_file: str = ""
 

@@ -39,6 +39,14 @@ from .rpchandlers import rewrapped
 
 logger = logging.getLogger(__name__)
 
+
+def pending_call_options(most: int) -> list[tuple[str, int]]:
+    """A server's options that let it hold ``most`` calls its application has not taken up
+    yet (NOETL_GRPC_MAX_PENDING_CALLS) before gRPC cancels new ones at random, and all of
+    them past twice that."""
+    return [("grpc.server.max_pending_requests", most), ("grpc.server.max_pending_requests_hard_limit", 2 * most)]
+
+
 STATUS_FOR: list[tuple[type[NoetlError], grpc.StatusCode]] = [
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),

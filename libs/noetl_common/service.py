@@ -125,6 +125,7 @@ class Service:
                                  options=[("grpc.so_reuseport", 0),
                                           ("grpc.max_receive_message_length", self.max_receive_bytes()),
                                           ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                                          *grpcutil.pending_call_options(self.core.grpc_max_pending_calls),
                                           *grpcutil.SERVER_KEEPALIVE_OPTIONS])
         creds = grpcutil.server_credentials(self.tls)
         port = server.add_secure_port(listen, creds) if creds is not None else server.add_insecure_port(listen)

@@ -285,6 +285,24 @@ def vm_hwm_mib(pid: int) -> float:
     raise AssertionError(f"no VmHWM for pid {pid}")
 
 
+def test_a_burst_of_calls_in_flight_together_is_served_none_cancelled(runner: Runner) -> None:
+    """3,000 calls in flight at once on one connection. gRPC's own default holds 1,000
+    calls the role has not taken up yet and cancels the others at random (CANCELLED, no
+    reason: 409 of 3,000 here before NOETL_GRPC_MAX_PENDING_CALLS); every call is answered."""
+    calls = [runner.api.executions.GetExecution.future(
+        execution_pb2.GetExecutionRequest(execution_id=10**15 + i), timeout=120) for i in range(3000)]
+    codes: dict[str, int] = {}
+    for call in calls:
+        try:
+            call.result()
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name  # type: ignore[attr-defined]
+        codes[code] = codes.get(code, 0) + 1
+    assert codes == {"NOT_FOUND": 3000}
+    canary_completes(runner, canary(runner))
+
+
 def test_zz_every_role_stayed_within_its_memory_bound(runner: Runner) -> None:
     """Last in the module: the peak resident memory of every role process over all of the
     above (python task interpreters are children of the worker, bounded on their own by
