@@ -66,7 +66,7 @@ class CoreSettings(BaseSettings):
     shutdown_grace_sec: float = Field(default=5.0, gt=0)
     # Calls a gRPC server holds before the role's event loop takes them up. gRPC's own
     # default holds 1,000 and cancels the calls past that at random (the client sees
-    # CANCELLED with no reason), all of them past 3,000: a burst of 1,500 calls in flight on
+    # CANCELLED with no reason), all of them past 3,000: a burst of 2,000 calls in flight on
     # one connection lost some (docs/DEPLOY.md "Calls in flight"). Past twice this, gRPC still
     # cancels new calls: the bound on what a flood of calls can hold in a role's memory.
     grpc_max_pending_calls: int = Field(default=8192, ge=16, le=1_000_000)
