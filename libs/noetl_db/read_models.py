@@ -32,16 +32,26 @@ async def fence_and_read(conn: Conn, shard: int, owner: int, epoch: int,
     return list(await events.fetchall())
 
 
+# One index probe per shard and partition (a LATERAL subquery is evaluated row by row;
+# ordered by shard_seq, each partition's index scan stops at its first entry past the
+# watermark, however long the backlog): written as a plain EXISTS, the planner hashed the
+# whole log once it held a few thousand events (a seq scan of every partition on every
+# projector tick: 10 ms at 8,000 events, linear in them).
+_SHARDS_BEHIND = (
+    "SELECT s.shard_id FROM unnest(%s::int[]) AS s(shard_id)"
+    " LEFT JOIN noetl.projection_checkpoint c ON c.shard_id = s.shard_id"
+    " CROSS JOIN LATERAL (SELECT 1 FROM noetl.event e WHERE e.shard_id = s.shard_id"
+    " AND e.shard_seq > coalesce(c.last_shard_seq, 0) ORDER BY e.shard_seq LIMIT 1) AS behind")
+
+
 async def shards_behind(conn: Conn, shards: Sequence[int]) -> set[int]:
     """Those of ``shards`` with events past their projection watermark (a shard never
     projected counts from 0). One read for every shard a projector holds, no fence: it
-    decides only whether a shard's fenced round (``fence_and_read``) has anything to do."""
+    decides only whether a shard's fenced round (``fence_and_read``) has anything to do.
+    Its cost does not grow with the log (``_SHARDS_BEHIND``)."""
     if not shards:
         return set()
-    cur = await conn.execute(
-        "SELECT s.shard_id FROM unnest(%s::int[]) AS s(shard_id) WHERE EXISTS (SELECT 1 FROM noetl.event e"
-        " WHERE e.shard_id = s.shard_id AND e.shard_seq > coalesce((SELECT c.last_shard_seq"
-        " FROM noetl.projection_checkpoint c WHERE c.shard_id = s.shard_id), 0))", (list(shards),))
+    cur = await conn.execute(_SHARDS_BEHIND, (list(shards),))
     return {int(r["shard_id"]) for r in await cur.fetchall()}
 
 

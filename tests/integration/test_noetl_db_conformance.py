@@ -1236,6 +1236,23 @@ async def test_the_projector_reads_past_its_watermark_only_under_its_fence(db: P
         with pytest.raises(LeaseLost):
             async with pipelined_transaction(db) as conn:
                 await read_models.fence_and_read(conn, shard, owner, epoch, 10)
+    # the check probes an index entry per shard, whatever the log holds: 20,000 more events
+    big, big_eid = new_shard(), new_eid()
+    async with autocommit(db) as conn:
+        await conn.execute("INSERT INTO noetl.event (execution_id, shard_id, shard_seq, event_type, meta)"
+                           " SELECT %s, %s, n, 'step.started', '{}' FROM generate_series(1, 20000) n", (big_eid, big))
+        await conn.execute("ANALYZE noetl.event")
+        held = [big, shard, idle, *range(100_000, 100_061)]  # a projector holding 64 shards (61 never written)
+        assert await read_models.shards_behind(conn, held) == {big, shard}
+        cur = await conn.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {read_models._SHARDS_BEHIND}", (held,))
+        plan = (await cur.fetchone())["QUERY PLAN"][0]["Plan"]
+
+    def scans(node: dict[str, Any]) -> list[dict[str, Any]]:
+        own = str(node.get("Relation Name") or node.get("Index Name") or "").startswith("event")
+        return [*([node] if own else []),
+                *(s for child in node.get("Plans", ()) for s in scans(child))]
+    # a scan per shard and partition, none reading more than the one entry it looks for
+    assert scans(plan) and all(s["Actual Rows"] <= 1 for s in scans(plan)), json.dumps(plan, indent=1)
     with pytest.raises(LeaseLost):
         async with transaction(db) as conn:
             await read_models.fence_and_read(conn, shard, new_owner(), 2, 10)
