@@ -73,6 +73,14 @@ class Queries:
                     s["result"] = values[ref]
         return {**row, "steps": steps}
 
+    async def versions(self, execution_ids: builtins.list[int]) -> dict[int, tuple[str, int]]:
+        """(status, last_shard_seq) of each projected one of ``execution_ids`` (one query)."""
+        async with autocommit(self._pool) as conn:
+            cur = await conn.execute("SELECT execution_id, status, last_shard_seq FROM noetl.execution"
+                                     " WHERE execution_id = ANY(%s)", (execution_ids,))
+            return {int(r["execution_id"]): (str(r["status"]), int(r["last_shard_seq"] or 0))
+                    for r in await cur.fetchall()}
+
     async def submitted_by(self, execution_id: int) -> int | None:
         """The token that submitted an execution (None: unknown, or submitted without one)."""
         async with autocommit(self._pool) as conn:

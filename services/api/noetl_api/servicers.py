@@ -16,6 +16,7 @@ from prometheus_client import Counter
 
 from noetl_client import values
 from noetl_common import auth, natsio
+from noetl_common.coalesce import to_boundary
 from noetl_common.errors import (
     InvalidInput,
     NoetlError,
@@ -45,6 +46,7 @@ from .grants import CredentialGrants
 from .queries import TERMINAL, Queries
 from .reruns import Rerunner
 from .submissions import Submitter
+from .watching import WatchHub
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +137,7 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
         self._nc = nc
         self._js = js
         self._claim_key = claim_key
+        self._hub: WatchHub | None = None
 
     def bind(self, submitter: Submitter, rerunner: Rerunner | None = None) -> None:
         self._submitter_ = submitter
@@ -189,40 +192,43 @@ class ExecutionServicer(execution_pb2_grpc.ExecutionServiceServicer):
 
     async def WatchExecution(self, request: execution_pb2.WatchExecutionRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[execution_pb2.WatchExecutionResponse]:
-        """Reads the read model when the projector hints a change (every second without
-        one): at once for the hint of a terminal status, else at most every
-        WATCH_MIN_INTERVAL_SEC (a running loop's hints come per projector batch; its
-        watchers get the latest state, not every one)."""
-        changed, final = asyncio.Event(), asyncio.Event()
-
-        async def hint(msg: Any) -> None:
-            if msg.data == natsio.PROGRESS_TERMINAL:
-                final.set()
-            changed.set()
-
-        sub = await self._nc.subscribe(natsio.progress_subject(request.execution_id), cb=hint)
+        """Reads the read model when the projector hints a change: at once for the hint of
+        a terminal status, else at most every WATCH_MIN_INTERVAL_SEC (a running loop's hints
+        come per projector batch; its watchers get the latest state, not every one).
+        Without a hint, it checks the projected version every second and reads only if it
+        moved. The streams of this replica share their subscriptions, reads and checks
+        (``watching.WatchHub``)."""
+        hub = self._watch_hub()
+        eid = request.execution_id
+        wake = asyncio.Event()
         loop = asyncio.get_running_loop()
-        try:
+        async with hub.watching(eid, wake) as watched:
             last: tuple[Any, ...] | None = None
             while True:
-                changed.clear()
+                wake.clear()
                 read_at = loop.time()
-                row = await self._queries.execution(request.execution_id, request.include_results)
+                row = await hub.read(eid, request.include_results, watched)
                 key = (row["status"], row.get("last_shard_seq"), len(row["steps"]))
                 if key != last:
                     last = key
                     yield execution_pb2.WatchExecutionResponse(execution=_execution_pb(row))
                 if row["status"] in TERMINAL:
                     return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), timeout=1.0)
-                pause = WATCH_MIN_INTERVAL_SEC - (loop.time() - read_at)
-                if changed.is_set() and pause > 0 and not final.is_set():
+                seen = (str(row["status"]), int(row.get("last_shard_seq") or 0))
+                while not wake.is_set():
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(final.wait(), timeout=pause)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+                        await asyncio.wait_for(wake.wait(), timeout=to_boundary(hub.backstop_sec))
+                    if not wake.is_set() and (now := await hub.version(eid)) is not None and now != seen:
+                        break  # it moved, and no hint said so
+                while not watched.final and (pause := WATCH_MIN_INTERVAL_SEC - (loop.time() - read_at)) > 0:
+                    wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(wake.wait(), timeout=pause)
+
+    def _watch_hub(self) -> WatchHub:
+        if self._hub is None:
+            self._hub = WatchHub(self._nc, self._queries.execution, self._queries.versions)
+        return self._hub
 
     async def CancelExecution(self, request: execution_pb2.CancelExecutionRequest,
                               context: grpc.aio.ServicerContext) -> execution_pb2.CancelExecutionResponse:
