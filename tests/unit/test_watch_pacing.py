@@ -169,3 +169,35 @@ async def test_a_shared_read_is_never_older_than_the_hint_a_stream_was_woken_by(
         w.hinted(False)  # a change projected while that read was in flight
         fresh = await hub.read(1, False, w)
         assert hub.reads == 3 and fresh["last_shard_seq"] > (await slow)["last_shard_seq"]
+
+
+async def test_a_failed_subscription_fails_its_stream_and_the_next_one_subscribes_again() -> None:
+    class Flaky(Hints):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attempts = 0
+            self.gate = asyncio.Event()
+
+        async def subscribe(self, subject: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
+            self.attempts += 1
+            if self.attempts == 1:  # NATS refuses the first one, after a while
+                await self.gate.wait()
+                raise ConnectionError("nats: connection closed")
+            return await super().subscribe(subject, cb)
+
+    model, hints = ReadModel(), Flaky()
+    hub = watching.WatchHub(hints, model.execution, model.versions)
+
+    async def stream() -> bool:
+        async with hub.watching(1, asyncio.Event()) as w:
+            return w.sub is not None
+
+    first = asyncio.create_task(stream())
+    await asyncio.sleep(0.01)
+    joined = asyncio.create_task(stream())  # arrives while the first subscription is pending
+    await asyncio.sleep(0.01)
+    hints.gate.set()
+    with pytest.raises(ConnectionError):
+        await first
+    assert await joined is True and hints.attempts == 2  # it made its own subscription
+    assert hints.cb is None  # and left none behind

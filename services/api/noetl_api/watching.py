@@ -37,6 +37,9 @@ class Watched:
         self.final = False
         self.wakers: set[asyncio.Event] = set()
         self.sub: Any = None
+        # Resolved once the subscription is made (True) or failed (False: a stream that
+        # joined meanwhile makes its own attempt).
+        self.ready: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         # (include_results) -> (generation the read started at, the read)
         self.reads: dict[bool, tuple[int, asyncio.Future[dict[str, Any]]]] = {}
 
@@ -59,19 +62,15 @@ class WatchHub:
     @contextlib.asynccontextmanager
     async def watching(self, execution_id: int, wake: asyncio.Event) -> Any:
         """Registers a stream's ``wake`` event for ``execution_id``'s hints while in the block."""
-        w = self._watched.get(execution_id)
-        if w is None:
+        while True:
+            w = self._watched.get(execution_id)
+            if w is not None:
+                if await asyncio.shield(w.ready):
+                    break
+                continue  # its subscription failed: try our own
             w = self._watched[execution_id] = Watched()
-
-            async def hint(msg: Any) -> None:
-                w.hinted(msg.data == natsio.PROGRESS_TERMINAL)
-
-            try:
-                w.sub = await self._nc.subscribe(natsio.progress_subject(execution_id), cb=hint)
-            except BaseException:
-                if not w.wakers:
-                    self._watched.pop(execution_id, None)
-                raise
+            await self._subscribe(execution_id, w)
+            break
         w.wakers.add(wake)
         try:
             yield w
@@ -81,6 +80,18 @@ class WatchHub:
                 del self._watched[execution_id]
                 with contextlib.suppress(Exception):
                     await w.sub.unsubscribe()
+
+    async def _subscribe(self, execution_id: int, w: Watched) -> None:
+        async def hint(msg: Any) -> None:
+            w.hinted(msg.data == natsio.PROGRESS_TERMINAL)
+
+        try:
+            w.sub = await self._nc.subscribe(natsio.progress_subject(execution_id), cb=hint)
+        except BaseException:
+            del self._watched[execution_id]
+            w.ready.set_result(False)
+            raise
+        w.ready.set_result(True)
 
     async def read(self, execution_id: int, include_results: bool, w: Watched) -> dict[str, Any]:
         """The read model, from a read that started after every hint ``w`` had when this
