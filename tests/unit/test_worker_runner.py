@@ -4,6 +4,7 @@ result store (the Postgres store runs the same path in tests/integration)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -380,3 +381,48 @@ async def test_a_batch_stops_starting_iterations_when_its_budget_is_spent(tools:
     took = env_of(result)["context"]
     assert {**took, "ms": 0} == {"count": len(ran), "failed": 0, "ms": 0}
     assert took["ms"] >= 100 * len(ran)  # its wall time (loops.observe_pace): each iteration slept 0.1 s
+
+
+# what each iteration reports: its child, its place in that child's sequence, its item, when it ran
+TRACE = ("import os, sys, time\nsys.seq = getattr(sys, 'seq', 0) + 1\nt0 = time.monotonic()\ntime.sleep(0.002)\n"
+         "return [os.getpid(), sys.seq, n, t0, time.monotonic()]")
+
+
+async def traced_iterations(result: messages_pb2.CallResult, store: MemoryResultStore) -> list[list[Any]]:
+    envs = [envelope_from_proto(it.envelope) for it in result.iterations]
+    assert all(e["status"] == "ok" for e in envs), envs
+    return [await store.get(e["reference"]["ref_id"]) for e in envs]
+
+
+async def test_a_parallel_batch_of_python_iterations_runs_in_one_child_one_at_a_time_in_index_order(
+        tools: Tools) -> None:
+    """Their worker-side work overlaps (noetl_worker.runner._overlapped); their tasks do not."""
+    store = MemoryResultStore()
+    result = await execute_command(batch(TRACE, list(range(12)), first=0), store, tools)
+    runs = await traced_iterations(result, store)
+    assert [it.index for it in result.iterations] == list(range(12))
+    assert len({pid for pid, *_ in runs}) == 1
+    seqs = [seq for _, seq, *_ in runs]
+    assert seqs == list(range(seqs[0], seqs[0] + 12)) and [r[2] for r in runs] == list(range(12))
+    assert all(later[3] >= earlier[4] for earlier, later in itertools.pairwise(runs))
+
+
+async def test_a_batch_with_a_task_other_than_python_runs_its_iterations_one_after_another(tools: Tools) -> None:
+    """Only python (and noop) tasks queue in one child: other tools would run side by side."""
+    store = MemoryResultStore()
+    tool = [{"name": "a", "kind": "noop", "input": {"n": "{{ n }}"}},
+            {"name": "b", "kind": "postgres", "query": "SELECT 1"},
+            {"name": "c", "kind": "python", "code": TRACE, "input": {"n": "{{ n }}"}}]
+    spec_calls: list[bool] = []
+    original = tools.run_task
+
+    async def spy(task: Any, scope: Any, **kw: Any) -> Any:
+        spec_calls.append(kw["call"].python_lane is not None)
+        return await original(task, scope, **kw)
+
+    tools.run_task = spy  # type: ignore[method-assign]
+    try:
+        await execute_command(batch("", [0, 1, 2], first=0, tool=tool), store, tools)  # type: ignore[arg-type]
+    finally:
+        del tools.run_task
+    assert spec_calls and not any(spec_calls)

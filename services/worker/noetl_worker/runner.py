@@ -35,6 +35,7 @@ from .scope import build_scope
 from .secrecy import KeychainError, keychain_scope, scrub_call_result, scrub_outcome
 from .tools import CallInfo, CommandSecrets, ToolOutcome, Tools
 from .tools.outcome import INVALID_COMMAND, REFERENCE_NOT_AVAILABLE, RESULT_TOO_LARGE, ErrorDetail
+from .tools.python import PythonLane
 
 logger = logging.getLogger(__name__)
 
@@ -209,8 +210,10 @@ class TaskCaller:
 
     def __init__(self, command: messages_pb2.Command, spec: Mapping[str, Any], tools: Tools, *,
                  timeout: float | None, cancelled: asyncio.Event | None = None, key_prefix: str = "",
-                 worker_id: str = "", secrets: CommandSecrets | None = None) -> None:
+                 worker_id: str = "", secrets: CommandSecrets | None = None,
+                 python_lane: PythonLane | None = None) -> None:
         self.command = command
+        self.python_lane = python_lane
         self.worker_id = worker_id
         self.tools = tools
         self.secrets = secrets
@@ -227,7 +230,7 @@ class TaskCaller:
         key = f"{self.prefix}#{name}" + (f"#{n}" if n > 1 else "")
         return CallInfo(self.command.execution_id, self.command.command_id, self.command.step, key, self.cancelled,
                         self.command.attempt, self.worker_id, self.command.claim_token, self.secrets,
-                        self.playbook_path)
+                        self.playbook_path, self.python_lane)
 
     async def __call__(self, task: Mapping[str, Any], scope: RenderContext) -> ToolOutcome:
         name = str(scope.get("_task") or task.get("name") or "task")
@@ -385,28 +388,38 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
     # A parallel loop's iterations store their results together when the batch ends (one
     # statement, not one round trip per iteration), before the batch reports; a sequential
     # one's iteration is finished before the next starts (its `set` is carried forward).
-    finishers: list[tuple[int, Callable[[], Awaitable[_Outcome]]]] = []
     started = time.monotonic()
-    for offset, item in enumerate(items):
-        if offset and time.monotonic() - started >= batch_budget_sec:
-            break  # the rest go back to the loop (noetl_flow.router: the iterations not answered for)
+
+    def iteration(offset: int, item: Any, lane: PythonLane | None = None) -> Awaitable[Finish]:
         index = first + offset
         own = messages_pb2.Command(command_id=iteration_command_id(command.command_id, index),
                                    execution_id=command.execution_id, shard_id=command.shard_id, step=command.step,
                                    attempt=command.attempt, kind=command.kind)
-        iteration = {iterator: item, "_index": index}
-        caller = TaskCaller(command, spec, tools, timeout=timeout, cancelled=cancelled, worker_id=worker_id,
-                            secrets=secrets, key_prefix=own.command_id)
-        names = {**scope, **iteration, "loop_index": index, "iter": iteration}
+        names = {**scope, iterator: item, "_index": index, "loop_index": index,
+                 "iter": {iterator: item, "_index": index}}
         if carried is not None and offset:
             names.update(carried.names())
-        finish = await _start_tasks(command, own, tasks, RenderContext(names, known=scope.known), caller, store,
-                                    sleep, infra_retry_sec, defer=carried is None)
-        if carried is not None:
-            done = await finish()
-            carried.apply(done[1])
-            finish = _finished(done)
-        finishers.append((index, finish))
+        caller = TaskCaller(command, spec, tools, timeout=timeout, cancelled=cancelled, worker_id=worker_id,
+                            secrets=secrets, key_prefix=own.command_id, python_lane=lane)
+        return _start_tasks(command, own, tasks, RenderContext(names, known=scope.known), caller, store,
+                            sleep, infra_retry_sec, defer=carried is None)
+
+    finishers: list[tuple[int, Finish]] = []
+    if carried is None and tools.python is not None and _python_only(tasks):
+        # python tasks in one child, written ahead of their turn (PythonLane): still one at a time
+        async with tools.python.lane() as lane:
+            finishers = await _overlapped(items, first, batch_budget_sec, started,
+                                          lambda o, i: iteration(o, i, lane))
+    else:
+        for offset, item in enumerate(items):
+            if offset and time.monotonic() - started >= batch_budget_sec:
+                break  # the rest go back to the loop (noetl_flow.router: the iterations not answered for)
+            finish = await iteration(offset, item)
+            if carried is not None:
+                done = await finish()
+                carried.apply(done[1])
+                finish = _finished(done)
+            finishers.append((first + offset, finish))
     outcomes: list[messages_pb2.IterationResult] = []
     failed = 0
     for index, (env, set_updates, details) in zip([i for i, _ in finishers],
@@ -428,12 +441,68 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
 
 # (envelope, set updates, error details) of one command or one iteration of its batch
 _Outcome = tuple[dict[str, Any], Mapping[str, Any] | None, Mapping[str, Any] | None]
+# what finishes an iteration that has run: stores a result held back, then gives its _Outcome
+Finish = Callable[[], Awaitable[_Outcome]]
+# Iterations of a batch under way at once, at most (_overlapped): their python tasks are
+# written to the lane's child up to this far ahead of their turn.
+LANE_DEPTH = 8
+# Task kinds whose batch may overlap: python (one child runs them one at a time) and noop.
+LANE_KINDS = frozenset({"python", "noop"})
 
 
-def _finished(outcome: _Outcome) -> Callable[[], Awaitable[_Outcome]]:
+def _finished(outcome: _Outcome) -> Finish:
     async def done() -> _Outcome:
         return outcome
     return done
+
+
+def _python_only(tasks: list[dict[str, Any]]) -> bool:
+    """Whether every task of a pipeline is python (or noop): only then may a batch's
+    iterations overlap, their tools still running one at a time in one child."""
+    return all(str(task.get("kind") or "").lower() in LANE_KINDS for task in tasks)
+
+
+async def _overlapped(items: list[Any], first: int, budget_sec: float, started: float,
+                      start: Callable[[int, Any], Awaitable[Finish]]) -> list[tuple[int, Finish]]:
+    """Run a parallel batch's iterations (``start``) in index order, several under way at
+    once: (index, finish) of each one started. An iteration's own work is unchanged; what
+    overlaps is its rendering, its waits and its result handling with the next ones'
+    (their python tasks queue in one child, ``PythonLane``, so the tools still run one at
+    a time, in index order). How many are under way follows the budget as the serial loop
+    does (no new iteration once ``budget_sec`` have passed since ``started``): one until one
+    has finished, then as many as fit in the budget left at the pace so far, at most
+    LANE_DEPTH, so slow iterations still end a batch in small groups."""
+    running: list[tuple[int, asyncio.Task[Finish]]] = []
+    freed = asyncio.Event()
+    state = {"under_way": 0, "done": 0}
+
+    def finished(_: object) -> None:
+        state["under_way"] -= 1
+        state["done"] += 1
+        freed.set()
+
+    def depth() -> int:
+        if not state["done"]:
+            return 1
+        spent = time.monotonic() - started
+        return max(1, min(LANE_DEPTH, int((budget_sec - spent) * state["done"] / max(spent, 1e-6))))
+
+    try:
+        for offset, item in enumerate(items):
+            while state["under_way"] >= depth():
+                freed.clear()
+                await freed.wait()
+            if offset and time.monotonic() - started >= budget_sec:
+                break  # the rest go back to the loop (noetl_flow.router: the iterations not answered for)
+            task = asyncio.ensure_future(start(offset, item))
+            state["under_way"] += 1
+            task.add_done_callback(finished)
+            running.append((first + offset, task))
+        return [(index, await task) for index, task in running]
+    finally:
+        for _, task in running:
+            task.cancel()  # a no-op for the finished ones (cancelled or failed: the rest stop)
+        await asyncio.gather(*(task for _, task in running), return_exceptions=True)
 
 
 class _Carried:

@@ -6,6 +6,8 @@ an idempotency key and re-attach after a worker died. ``cancelled`` is set when 
 cancelled the command (not when the worker merely lost its lease or shuts down: then
 another attempt takes over and re-attaches). ``secrets`` is the command attempt's access
 to stored credentials (``credentials.py``), which records what it hands out for redaction.
+``python_lane``: the child a batch's python tasks run in, one after another (``PythonLane``);
+None: each takes an idle child of the pool.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .credentials import CommandSecrets
+    from .python import PythonLane
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,7 @@ class CallInfo:
     secrets: CommandSecrets | None = None
     # the catalog path of the command's playbook (file scripts are looked up beside it)
     playbook_path: str = ""
+    python_lane: PythonLane | None = None
 
     @property
     def is_cancelled(self) -> bool:

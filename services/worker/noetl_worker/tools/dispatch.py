@@ -202,7 +202,8 @@ class Tools:
             # The render scope can be large (workload, resolved results): ship it to the
             # child only when the code can name it.
             context = scope if any(word in code for word in SCOPE_WORDS) else {}
-            return await self.python.run(code, inputs, libs, timeout_sec, context=context)
+            runner = call.python_lane if call is not None and call.python_lane is not None else self.python
+            return await runner.run(code, inputs, libs, timeout_sec, context=context)
         if kind == "http":
             if self.http is None:
                 return _unsupported(kind)

@@ -36,6 +36,7 @@ task's ``RESULT_TOO_LARGE`` error).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -378,64 +379,103 @@ class PythonPool:
         (None or 0 = none) bounds the run; on overrun the child is killed. Task failures
         are outcomes (``MEMORY_LIMIT`` past ``memory_mb``); a value larger than
         ``result_bytes`` raises ``ResultTooLarge``."""
-        if self._closed:
-            raise RuntimeError("python pool is closed")
-        if not self._started:
-            await self.start()
-        try:
-            request = {"code": code, "input": dict(input or {}), "context": dict(context or {}),
-                       "libs": dict(libs or {})}
-            payload = encode_json(request)
-        except (TypeError, ValueError) as exc:
-            return ToolOutcome.failure(TOOL_ERROR, f"task input is not JSON serialisable: {exc}",
-                                       kind=type(exc).__name__)
-        if self._idle.empty():
-            self._grow()
-        child = await self._idle.get()
+        payload = await self._request(code, input, libs, context)
+        if isinstance(payload, ToolOutcome):
+            return payload
+        child = await self._take()
         try:
             reply = await asyncio.wait_for(self._exchange(child, payload), timeout=timeout_sec or None)
         except _FrameTooLarge as exc:
             # Not read: the child is killed mid-write and replaced.
             self._retire(child, kill=True)
-            logger.warning("python sandbox pid=%s sent a %d-byte reply (limit %d + slack); killed it",
-                           child.pid, exc.size, self.result_bytes)
-            raise ResultTooLarge(max(self.result_bytes + 1, exc.size - FRAME_SLACK), self.result_bytes,
-                                 exact=False) from None
+            raise self._frame_too_large(child, exc) from None
         except TimeoutError:
-            logger.warning("python task exceeded %ss; killing sandbox pid=%s", timeout_sec, child.pid)
             self._retire(child, kill=True)
-            return ToolOutcome.failure(TIMEOUT, f"task exceeded its timeout of {timeout_sec:g} s",
-                                       kind="TimeoutError", retryable=True)
+            return self._timed_out(child, timeout_sec)
         except asyncio.CancelledError:
             self._retire(child, kill=True)
             raise
         except _ChildExited:
             rc = await child.proc.wait()
             self._retire(child, kill=True)
-            logger.warning("python sandbox pid=%s %s while running a task", child.pid, _exit_text(rc))
-            return ToolOutcome.failure(SANDBOX_EXITED,
-                                       f"python sandbox process {_exit_text(rc)} while running the task",
-                                       kind="ChildProcessError", details={"exit_code": rc})
+            return self._exited(child, rc)
         except BaseException:
             self._retire(child, kill=True)
             raise
-        child.tasks_run += 1
-        error = reply.get("error") if reply.get("status") != "ok" else None
-        kind = str(error.get("kind") or "") if isinstance(error, Mapping) else ""
-        if kind == MEMORY_ERROR:
-            # The interpreter may be left in a bad state (half-built objects, a failed import).
-            self._retire(child, kill=True)
-            return self._memory_outcome(reply)
+        if self._answered(child, reply):
+            self._give_back(child)
+        return self._settle(reply)
+
+    def lane(self) -> PythonLane:
+        """A child lent to a run of tasks that go one after another (``PythonLane``)."""
+        return PythonLane(self)
+
+    async def _request(self, code: str, input: Mapping[str, Any] | None, libs: Mapping[str, Any] | None,
+                       context: Mapping[str, Any] | None) -> bytes | ToolOutcome:
+        """A task's request frame payload (or its failure: input that is not JSON)."""
+        if self._closed:
+            raise RuntimeError("python pool is closed")
+        if not self._started:
+            await self.start()
+        try:
+            return encode_json({"code": code, "input": dict(input or {}), "context": dict(context or {}),
+                                "libs": dict(libs or {})})
+        except (TypeError, ValueError) as exc:
+            return ToolOutcome.failure(TOOL_ERROR, f"task input is not JSON serialisable: {exc}",
+                                       kind=type(exc).__name__)
+
+    async def _take(self) -> _Child:
+        """An idle child (the pool grows by one when none is)."""
+        if self._idle.empty():
+            self._grow()
+        return await self._idle.get()
+
+    def _give_back(self, child: _Child) -> None:
+        """A child done with its tasks: idle again, or retired once it ran its share."""
         if self.max_tasks_per_child and child.tasks_run >= self.max_tasks_per_child:
             self._retire(child, kill=False)
         else:
             self._idle.put_nowait(child)
+
+    def _answered(self, child: _Child, reply: Mapping[str, Any]) -> bool:
+        """Count a task ``child`` answered; False when the reply says its interpreter ran out
+        of memory (it may be left in a bad state: half-built objects, a failed import), in
+        which case the child is killed and replaced."""
+        child.tasks_run += 1
+        if _error_kind(reply) == MEMORY_ERROR:
+            self._retire(child, kill=True)
+            return False
+        return True
+
+    def _settle(self, reply: Mapping[str, Any]) -> ToolOutcome:
+        """A reply's outcome (``ResultTooLarge`` raised for a value over ``result_bytes``)."""
+        kind = _error_kind(reply)
+        if kind == MEMORY_ERROR:
+            return self._memory_outcome(reply)
+        error = reply.get("error")
         if kind == RESULT_TOO_LARGE and self.result_bytes and isinstance(error, Mapping):
             size = error.get("size")
             if isinstance(size, int) and size > self.result_bytes:
                 raise ResultTooLarge(size, self.result_bytes)
             raise ResultTooLarge(self.result_bytes + 1, self.result_bytes, exact=False)
         return _outcome(reply)
+
+    def _frame_too_large(self, child: _Child, exc: _FrameTooLarge) -> ResultTooLarge:
+        logger.warning("python sandbox pid=%s sent a %d-byte reply (limit %d + slack); killed it",
+                       child.pid, exc.size, self.result_bytes)
+        return ResultTooLarge(max(self.result_bytes + 1, exc.size - FRAME_SLACK), self.result_bytes, exact=False)
+
+    @staticmethod
+    def _timed_out(child: _Child, timeout_sec: float | None) -> ToolOutcome:
+        logger.warning("python task exceeded %ss; killed sandbox pid=%s", timeout_sec, child.pid)
+        return ToolOutcome.failure(TIMEOUT, f"task exceeded its timeout of {timeout_sec:g} s",
+                                   kind="TimeoutError", retryable=True)
+
+    @staticmethod
+    def _exited(child: _Child, rc: int | None) -> ToolOutcome:
+        logger.warning("python sandbox pid=%s %s while running a task", child.pid, _exit_text(rc))
+        return ToolOutcome.failure(SANDBOX_EXITED, f"python sandbox process {_exit_text(rc)} while running the task",
+                                   kind="ChildProcessError", details={"exit_code": rc})
 
     async def _exchange(self, child: _Child, payload: bytes) -> dict[str, Any]:
         with contextlib.suppress(_ChildExited):
@@ -451,6 +491,182 @@ class PythonPool:
         message = f"python task exceeded its memory limit {MEMORY_SETTING}={self.memory_mb}"
         details = outcome.error.details if outcome.error is not None else {}
         return ToolOutcome.failure(MEMORY_LIMIT, message, kind=MEMORY_ERROR, details=details, stdout=outcome.stdout)
+
+
+class _Queued:
+    """One request of a lane: its frame, its reply, and whether the child has started it."""
+
+    __slots__ = ("begun", "frame", "reply")
+
+    def __init__(self, frame: bytes) -> None:
+        self.frame = frame
+        self.reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.begun = asyncio.Event()
+
+
+class PythonLane:
+    """A child of the pool lent to tasks that run one after another in it (the python
+    iterations of one batch of a parallel loop, ``noetl_worker.runner``), as an async
+    context manager. Each request is written as soon as it is made, without waiting for
+    the replies before it, and the replies are read back in order: the child reads its
+    next request as soon as it has answered one, so k requests cost each side about one
+    wake-up instead of k (``scripts/measure_python_pipelining.py``). The tasks still run one
+    at a time, in the order they were made; only the worker's side of them overlaps.
+
+    A request's timeout runs from when the child starts it: when the reply before it came
+    back, or when it was written if that was later. When a task overruns it, is cancelled,
+    ends its interpreter or sends a reply frame too large to read, the child is killed and
+    replaced; the requests behind it, which the child had not started, are written again
+    to another child. A reply that reports an interpreter out of memory does the same, and
+    the task behind it, which that child may have started, runs again from the start in
+    the new one (a task may run more than once anyway: a worker can die mid-command). A
+    child that reaches ``max_tasks_per_child`` mid-lane finishes the lane first."""
+
+    def __init__(self, pool: PythonPool) -> None:
+        self.pool = pool
+        self.child: _Child | None = None
+        self.pending: collections.deque[_Queued] = collections.deque()  # written, not answered, in order
+        self._reader: asyncio.Task[None] | None = None
+        self._resends: set[asyncio.Task[None]] = set()
+        self._taking = asyncio.Lock()
+
+    async def __aenter__(self) -> PythonLane:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Give the child back (killed if a request is still outstanding: a cancelled lane)."""
+        for task in list(self._resends):
+            task.cancel()
+        await asyncio.gather(*self._resends, return_exceptions=True)
+        child, self.child = self.child, None
+        reader = self._stop_reader()
+        if reader is not None:
+            # done reading before the child is anyone else's (one reader at a time on its pipe)
+            await asyncio.gather(reader, return_exceptions=True)
+        outstanding = [q for q in self.pending if not q.reply.done()]
+        for queued in outstanding:
+            queued.reply.cancel()
+        self.pending.clear()
+        if child is not None:
+            if outstanding:
+                self.pool._retire(child, kill=True)
+            else:
+                self.pool._give_back(child)
+
+    async def run(self, code: str, input: Mapping[str, Any] | None = None,
+                  libs: Mapping[str, Any] | None = None, timeout_sec: float | None = None, *,
+                  context: Mapping[str, Any] | None = None) -> ToolOutcome:
+        """As ``PythonPool.run``, in this lane's child, behind the requests made before."""
+        payload = await self.pool._request(code, input, libs, context)
+        if isinstance(payload, ToolOutcome):
+            return payload
+        queued = _Queued(HEADER.pack(len(payload)) + payload)
+        child: _Child | None = None
+        try:
+            await self._write(queued)
+            await queued.begun.wait()
+            child = self.child
+            reply = await asyncio.wait_for(asyncio.shield(queued.reply), timeout=timeout_sec or None)
+        except TimeoutError:
+            self._restart(queued, child)
+            assert child is not None
+            return self.pool._timed_out(child, timeout_sec)
+        except _FrameTooLarge as exc:
+            self._restart(queued, child)
+            assert child is not None
+            raise self.pool._frame_too_large(child, exc) from None
+        except _ChildExited:
+            assert child is not None
+            rc = await child.proc.wait()  # before the restart reaps it (its exit code is the report)
+            self._restart(queued, child)
+            return self.pool._exited(child, rc)
+        except BaseException:
+            self._restart(queued, child)
+            raise
+        assert child is not None
+        child.tasks_run += 1
+        if _error_kind(reply) == MEMORY_ERROR:
+            self._restart(queued, child)
+        return self.pool._settle(reply)
+
+    async def _write(self, queued: _Queued) -> None:
+        async with self._taking:
+            if self.child is None:
+                self.child = await self.pool._take()
+                self._reader = asyncio.ensure_future(self._read(self.child))
+            child = self.child
+            self.pending.append(queued)
+            if len(self.pending) == 1:
+                queued.begun.set()
+            assert child.proc.stdin is not None
+            child.proc.stdin.write(queued.frame)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            await child.proc.stdin.drain()  # a dead child: its reader fails the request at its head
+
+    async def _read(self, child: _Child) -> None:
+        """Answer the requests in order from ``child``'s replies; when it fails, fail the
+        request at the head (whose owner restarts the lane)."""
+        while True:
+            try:
+                reply = await child.receive(self.pool.max_frame)
+            except (_ChildExited, _FrameTooLarge, ValueError) as exc:
+                if self.pending and not self.pending[0].reply.done():
+                    self.pending[0].reply.set_exception(exc)  # its owner restarts the lane
+                elif self.pending:
+                    self._restart(self.pending[0], child)  # nobody waits for the head any more
+                elif self.child is child:
+                    # it died with nothing asked of it: the next request takes another child
+                    self.child, self._reader = None, None
+                    self.pool._retire(child, kill=True)
+                return
+            if not self.pending:
+                return  # nothing to answer (a child replies once per request)
+            head = self.pending.popleft()
+            if not head.reply.done():
+                head.reply.set_result(reply)
+            if self.pending:
+                self.pending[0].begun.set()
+
+    def _restart(self, failed: _Queued, child: _Child | None) -> None:
+        """``failed`` is over (its outcome is its owner's): kill the child it ran in, if
+        still the lane's, and write the requests behind it to another in the background
+        (a cancelled owner does not wait for that)."""
+        if not failed.reply.done():
+            failed.reply.cancel()
+        if child is not None and child is not self.child:
+            return  # restarted already (the child was killed for another request)
+        old, self.child = self.child, None
+        self._stop_reader()
+        if old is not None:
+            self.pool._retire(old, kill=True)
+        rest = [q for q in self.pending if not q.reply.done()]
+        self.pending.clear()
+        if rest:
+            task = asyncio.ensure_future(self._resend(rest))
+            self._resends.add(task)
+            task.add_done_callback(self._resends.discard)
+
+    async def _resend(self, rest: list[_Queued]) -> None:
+        for queued in rest:
+            if not queued.reply.done():
+                queued.begun.clear()
+                await self._write(queued)
+
+    def _stop_reader(self) -> asyncio.Task[None] | None:
+        """Cancel the reader (the current one: unless it is the caller); returns it."""
+        reader, self._reader = self._reader, None
+        if reader is None or reader is asyncio.current_task():
+            return None
+        reader.cancel()
+        return reader
+
+
+def _error_kind(reply: Mapping[str, Any]) -> str:
+    error = reply.get("error") if reply.get("status") != "ok" else None
+    return str(error.get("kind") or "") if isinstance(error, Mapping) else ""
 
 
 def _outcome(reply: Mapping[str, Any]) -> ToolOutcome:
