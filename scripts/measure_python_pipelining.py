@@ -5,8 +5,8 @@ the same child and their k replies read back (pipelined: the sandbox protocol un
     .venv/bin/python scripts/measure_python_pipelining.py [--tasks 2000] [--depths 8,32]
 
 Prints wall time per task and the worker process's CPU per task (user + system; the
-child's own CPU is not counted). The measure behind issue 16's next step: a batch's
-python iterations sent to one child together.
+child's own CPU is not counted). The measure behind ``PythonLane``: a parallel batch's
+python iterations written ahead to one child.
 """
 
 from __future__ import annotations
