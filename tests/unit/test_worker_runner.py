@@ -426,3 +426,25 @@ async def test_a_batch_with_a_task_other_than_python_runs_its_iterations_one_aft
     finally:
         del tools.run_task
     assert spec_calls and not any(spec_calls)
+
+
+async def test_a_python_batchs_clock_starts_when_it_has_a_child(tools: Tools) -> None:
+    """Its budget and its reported pace leave out the wait for a child of the pool: with
+    every child busy, a batch still runs its iterations and reports their own time."""
+    pool = tools.python
+    assert pool is not None
+    held = [await pool._take() for _ in range(pool.alive)]  # every child busy for 0.4 s
+
+    def give_back() -> None:
+        while held:
+            pool._give_back(held.pop())
+
+    release = asyncio.get_running_loop().call_later(0.4, give_back)
+    try:
+        result = await execute_command(batch("result = n", list(range(6)), first=0), MemoryResultStore(), tools,
+                                       batch_budget_sec=0.25)
+    finally:
+        release.cancel()
+        give_back()
+    assert [it.index for it in result.iterations] == list(range(6))  # the wait spent none of the budget
+    assert env_of(result)["context"]["ms"] < 300  # the wait is not the iterations' pace

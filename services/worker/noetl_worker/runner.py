@@ -408,6 +408,8 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
     if carried is None and tools.python is not None and _python_only(tasks):
         # python tasks in one child, written ahead of their turn (PythonLane): still one at a time
         async with tools.python.lane() as lane:
+            await lane.acquire()
+            started = time.monotonic()  # the budget and the pace count from when the batch has a child
             finishers = await _overlapped(items, first, batch_budget_sec, started,
                                           lambda o, i: iteration(o, i, lane))
     else:

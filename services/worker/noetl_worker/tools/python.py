@@ -592,12 +592,22 @@ class PythonLane:
             self._restart(queued, child)
         return self.pool._settle(reply)
 
+    async def acquire(self) -> None:
+        """Take the lane's child now (the first request would): a batch's clock starts when
+        its tasks have a child to run in, not while it waits for one."""
+        async with self._taking:
+            await self._child()
+
+    async def _child(self) -> _Child:
+        """The lane's child (taken from the pool if it has none); under ``_taking``."""
+        if self.child is None:
+            self.child = await self.pool._take()
+            self._reader = asyncio.ensure_future(self._read(self.child))
+        return self.child
+
     async def _write(self, queued: _Queued) -> None:
         async with self._taking:
-            if self.child is None:
-                self.child = await self.pool._take()
-                self._reader = asyncio.ensure_future(self._read(self.child))
-            child = self.child
+            child = await self._child()
             self.pending.append(queued)
             if len(self.pending) == 1:
                 queued.begun.set()
