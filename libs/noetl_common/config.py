@@ -378,6 +378,12 @@ class WorkerSettings(BaseSettings):
     # Address space of each python task interpreter, in MiB (0 = unlimited): a task that
     # allocates beyond it fails with MemoryError instead of taking the worker's memory.
     python_memory_mb: int = Field(default=1024, ge=0)
+    # Tasks a python interpreter runs before it is replaced (0 = never): module state a task
+    # leaves (imports, caches, patched globals) lives no longer than this. A replacement
+    # costs about 45 ms of CPU: at the former fixed 1,000, about 45 µs per task, more than
+    # a batched task's exchange with its child costs both sides (about 32 µs,
+    # docs/PERFORMANCE.md).
+    python_tasks_per_child: int = Field(default=10_000, ge=0)
     # Most claims one ClaimCommands call carries (concurrent claims are group-committed).
     claim_batch: int = Field(default=64, ge=1, le=1000)
     # A batch of loop iterations stops starting new ones once it has run this long; the

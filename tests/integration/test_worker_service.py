@@ -300,3 +300,18 @@ async def test_hostile_tasks_fail_alone_within_the_worker_limits(harness: Harnes
 
     fine = await run(make_command("return 'fine'"))
     assert fine["status"] == "ok" and fine["context"] == {"value": "fine"}
+
+
+@pytest.mark.parametrize("harness", [{"worker": WorkerSettings(concurrency=2, python_pool=1,
+                                                               python_tasks_per_child=2)}], indirect=True)
+async def test_python_interpreters_are_replaced_after_the_tasks_per_child_setting(
+        harness: Harness, pool: AsyncConnectionPool) -> None:
+    """NOETL_WORKER_PYTHON_TASKS_PER_CHILD as the service wires it: 2 tasks, then a new interpreter."""
+    pids = []
+    for _ in range(4):
+        command = make_command("import os\nreturn os.getpid()")
+        await harness.submit(command)
+        env = envelope_from_proto((await harness.result_for(command.command_id)).envelope)
+        assert env["status"] == "ok", env
+        pids.append(await PostgresResultStore(pool).get(env["reference"]["ref_id"]))
+    assert pids[0] == pids[1] != pids[2] == pids[3], pids

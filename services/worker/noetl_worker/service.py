@@ -275,6 +275,7 @@ class WorkerService(Service):
         if self.tools is None:
             # Tools stop reading a result as soon as it passes the limit (the store checks it exactly).
             python = PythonPool(self.worker_cfg.python_pool_size, warm=PYTHON_WARM,
+                                max_tasks_per_child=self.worker_cfg.python_tasks_per_child,
                                 memory_mb=self.worker_cfg.python_memory_mb, result_bytes=result_bytes)
             pools = PoolRegistry()
             duckdb = DuckdbTool(python, self.worker_cfg.duckdb_dir or default_directory(), max_result_bytes=result_bytes,

@@ -186,7 +186,7 @@ class PythonPool:
     kills the children."""
 
     def __init__(self, size: int, *, warm: int | None = None, executable: str | None = None,
-                 max_tasks_per_child: int = 1000, start_timeout: float = 30.0, env: Mapping[str, str] | None = None,
+                 max_tasks_per_child: int = 10_000, start_timeout: float = 30.0, env: Mapping[str, str] | None = None,
                  memory_mb: int = 0, result_bytes: int = 0) -> None:
         """``env``: the children's environment (default: this process's, without the
         runtime's secrets: ``hidden_env``), captured when the pool is built. ``memory_mb``:
