@@ -86,7 +86,12 @@ async def test_a_task_that_ends_its_interpreter_fails_alone() -> None:
 async def test_a_task_past_the_memory_limit_fails_alone_and_the_ones_behind_it_run_in_a_fresh_child() -> None:
     async with PythonPool(1, memory_mb=256) as pool, pool.lane() as lane:
         code = "import os\nif n == 1:\n    x = bytearray(512 * 1024 * 1024)\nreturn [n, os.getpid()]"
-        outs = await asyncio.gather(*(lane.run(code, {"n": n}, timeout_sec=30) for n in range(4)))
+        runs = [asyncio.ensure_future(lane.run(code, {"n": n}, timeout_sec=30)) for n in range(4)]
+        first = await runs[0]
+        # The worker busy while the child answers the rest: all the replies wait in the pipe
+        # together, the one after the out-of-memory one included.
+        time.sleep(1.0)
+        outs = [first, *await asyncio.gather(*runs[1:])]
         assert outs[1].error is not None and outs[1].error.code == "MEMORY_LIMIT"
         values = [o.data for o in outs if o.ok]
         assert [v[0] for v in values] == [0, 2, 3]

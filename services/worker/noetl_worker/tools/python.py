@@ -587,9 +587,7 @@ class PythonLane:
             self._restart(queued, child)
             raise
         assert child is not None
-        child.tasks_run += 1
-        if _error_kind(reply) == MEMORY_ERROR:
-            self._restart(queued, child)
+        child.tasks_run += 1  # (after an out-of-memory reply the reader has restarted the lane)
         return self.pool._settle(reply)
 
     async def acquire(self) -> None:
@@ -637,6 +635,11 @@ class PythonLane:
             head = self.pending.popleft()
             if not head.reply.done():
                 head.reply.set_result(reply)
+            if _error_kind(reply) == MEMORY_ERROR:
+                # no reply of this interpreter is taken after it ran out of memory: the
+                # tasks behind run again in another (the next may have started here)
+                self._restart(head, child)
+                return
             if self.pending:
                 self.pending[0].begun.set()
 
