@@ -265,8 +265,9 @@ def batch_size(lr: LoopRun, kind: str, most: int, target_ms: float = DEFAULT_BAT
 
 
 def observe_pace(lr: LoopRun, summary: Mapping[str, Any] | None) -> None:
-    """Fold a batch's pace into ``lr.iteration_ms``: the wall time its worker spent on it
-    (``context.ms`` of the batch's summary envelope, ``runner.execute_command``) over the
+    """Fold a batch's pace into ``lr.iteration_ms``: the time its worker spent on it
+    (``context.ms`` of the batch's summary envelope, ``runner.execute_command``: its wall
+    time, or for a python lane that time without the lanes sharing the cores) over the
     iterations it ran (``context.count``). It only sizes later batches (``batch_size``
     bounds them whatever it says), and it is in the engine's state, so a replay of the same
     results sizes the same batches."""

@@ -151,3 +151,27 @@ async def test_an_unused_lane_takes_no_child() -> None:
         start = time.perf_counter()
         assert (await pool.run("return 1", {}, timeout_sec=5)).data == 1
         assert time.perf_counter() - start < 1
+
+
+async def test_a_lanes_pace_leaves_out_the_lanes_it_shared_the_pool_with_but_not_its_tasks_waits() -> None:
+    """What sizes a loop's later batches (runner: the summary's ``ms``): four lanes of quick
+    tasks at once report about a quarter of their wall time each; tasks that wait report
+    their own time, however many lanes there are."""
+    async with PythonPool(4) as pool:
+
+        async def lane_of(code: str, k: int) -> tuple[float, float, float]:
+            async with pool.lane() as lane:
+                await lane.acquire()
+                start = time.monotonic()
+                outs = await asyncio.gather(*(lane.run(code, {"n": n}) for n in range(k)))
+                assert all(o.ok for o in outs)
+                wall = 1000 * (time.monotonic() - start)
+            return wall, lane.pace_ms(wall), lane.task_ms
+
+        quick = await asyncio.gather(*(lane_of("return n", 300) for _ in range(4)))
+        for wall, pace, task_ms in quick:
+            assert task_ms <= pace < wall / 2.5  # about wall / 4: four lanes held children throughout
+        waiting = await asyncio.gather(*(lane_of("import time\ntime.sleep(0.05)\nreturn n", 3) for _ in range(4)))
+        for wall, pace, task_ms in waiting:
+            assert pace >= task_ms >= 150 and pace <= wall
+        assert pool.lanes == 0

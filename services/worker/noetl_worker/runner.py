@@ -405,6 +405,7 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
                             sleep, infra_retry_sec, defer=carried is None)
 
     finishers: list[tuple[int, Finish]] = []
+    pace: Callable[[float], float] = float  # the batch's time as its pace (below)
     if carried is None and tools.python is not None and _python_only(tasks):
         # python tasks in one child, written ahead of their turn (PythonLane): still one at a time
         async with tools.python.lane() as lane:
@@ -412,6 +413,7 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
             started = time.monotonic()  # the budget and the pace count from when the batch has a child
             finishers = await _overlapped(items, first, batch_budget_sec, started,
                                           lambda o, i: iteration(o, i, lane))
+        pace = lane.pace_ms
     else:
         for offset, item in enumerate(items):
             if offset and time.monotonic() - started >= batch_budget_sec:
@@ -431,8 +433,9 @@ async def _execute(command: messages_pb2.Command, store: ResultStore, tools: Too
             index=index, envelope=envelope_to_proto(env, error_details=details),
             set_json=_set_json(set_updates)))
     ran = len(outcomes)
-    # The batch's pace (its wall ms) sizes the loop's later batches (noetl_flow.loops.batch_size).
-    took = {"count": ran, "failed": failed, "ms": round(1000 * (time.monotonic() - started), 1)}
+    # The batch's pace sizes the loop's later batches (noetl_flow.loops.batch_size): its wall
+    # ms, or for a python lane what its tasks took without the lanes it shared the cores with.
+    took = {"count": ran, "failed": failed, "ms": round(pace(1000 * (time.monotonic() - started)), 1)}
     summary = envelope("error" if failed else "ok", None, None, took,
                        {"code": "ITERATIONS_FAILED", "message": f"{failed} of {ran} iteration(s) failed"}
                        if failed else None)

@@ -8,8 +8,9 @@ sent back with the reply.
 
     parent -> child  {"id", "code", "input", "context", "libs"}
     child -> parent  {"ready": true, "pid", "vm_size", "memory_limit", "memory_error"} once, then per task
-                     {"id", "status": "ok", "result", "stdout"} or
-                     {"id", "status": "error", "error": {"kind", "message", "traceback"[, "size"]}, "stdout"}
+                     {"id", "status": "ok", "result", "stdout", "ms"} or
+                     {"id", "status": "error", "error": {"kind", "message", "traceback"[, "size"]}, "stdout", "ms"}
+                     (``ms``: the task's own time in this process)
 
 Limits (command-line options the pool passes, applied before any task code runs):
 ``--memory-mb N`` sets this process's address-space limit (``RLIMIT_AS``, soft and hard,
@@ -45,6 +46,7 @@ import os
 import signal
 import struct
 import sys
+import time
 import traceback
 from collections import OrderedDict
 from contextlib import redirect_stdout
@@ -214,6 +216,7 @@ def _capped(text: str, limit: int, *, keep_tail: bool = False) -> str:
 def handle(request: dict[str, Any]) -> dict[str, Any]:
     out = _CappedText()
     reply: dict[str, Any] = {"id": request.get("id")}
+    started = time.monotonic()
     try:
         with redirect_stdout(out):
             value = run_task(str(request.get("code") or ""), dict(request.get("input") or {}),
@@ -231,6 +234,7 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
             "kind": type(exc).__name__, "message": _capped(message, MAX_MESSAGE_CHARS),
             "traceback": _capped(_user_traceback(exc), MAX_TRACEBACK_CHARS, keep_tail=True)})
     reply["stdout"] = out.text()
+    reply["ms"] = round(1000 * (time.monotonic() - started), 3)  # the task's own time here (a lane's pace)
     return reply
 
 

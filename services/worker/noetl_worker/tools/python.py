@@ -215,6 +215,7 @@ class PythonPool:
         self._started = False
         self._growing = 0  # children being started to grow the pool
         self.replacements = 0
+        self.lanes = 0  # lanes holding a child (``PythonLane``)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -529,6 +530,11 @@ class PythonLane:
         self._reader: asyncio.Task[None] | None = None
         self._resends: set[asyncio.Task[None]] = set()
         self._taking = asyncio.Lock()
+        self._counted = False  # among the pool's lanes holding a child (``PythonPool.lanes``)
+        # what the pace of the lane's tasks is taken from (``pace_ms``)
+        self.answered = 0
+        self.task_ms = 0.0  # the children's own time on the tasks (their replies' ``ms``)
+        self._lanes_seen = 0  # the pool's lanes at each reply, summed
 
     async def __aenter__(self) -> PythonLane:
         return self
@@ -536,8 +542,23 @@ class PythonLane:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def pace_ms(self, wall_ms: float) -> float:
+        """The lane's time on its tasks as the sizing of later batches should see it, given
+        its wall time: the children's own time on them, or the wall time over the lanes that
+        shared the pool meanwhile, whichever is longer. The wall time alone is what lanes
+        sharing the worker's cores make it: 16 lanes of trivial tasks stretch each one's
+        about 16-fold, which made a loop's later batches small; a task that waits (a sleep,
+        a request) shows its own time in the child and keeps batches small as it should."""
+        if not self.answered:
+            return wall_ms
+        sharing = max(1.0, self._lanes_seen / self.answered)
+        return max(self.task_ms, wall_ms / sharing)
+
     async def close(self) -> None:
         """Give the child back (killed if a request is still outstanding: a cancelled lane)."""
+        if self._counted:
+            self._counted = False
+            self.pool.lanes -= 1
         for task in list(self._resends):
             task.cancel()
         await asyncio.gather(*self._resends, return_exceptions=True)
@@ -601,6 +622,9 @@ class PythonLane:
         if self.child is None:
             self.child = await self.pool._take()
             self._reader = asyncio.ensure_future(self._read(self.child))
+            if not self._counted:
+                self._counted = True
+                self.pool.lanes += 1
         return self.child
 
     async def _write(self, queued: _Queued) -> None:
@@ -635,6 +659,11 @@ class PythonLane:
             head = self.pending.popleft()
             if not head.reply.done():
                 head.reply.set_result(reply)
+            self.answered += 1
+            self._lanes_seen += self.pool.lanes
+            ms = reply.get("ms")
+            if isinstance(ms, int | float) and 0 <= ms < 1e9:
+                self.task_ms += ms
             if _error_kind(reply) == MEMORY_ERROR:
                 # no reply of this interpreter is taken after it ran out of memory: the
                 # tasks behind run again in another (the next may have started here)
