@@ -175,3 +175,26 @@ async def test_a_lanes_pace_leaves_out_the_lanes_it_shared_the_pool_with_but_not
         for wall, pace, task_ms in waiting:
             assert pace >= task_ms >= 150 and pace <= wall
         assert pool.lanes == 0
+
+
+# A task that writes a reply of its own on the protocol pipe (the child's private copy of
+# its stdout: the write end of a pipe that is not its stderr), one that is not a reply
+# object, then keeps running: the worker must not wait for that interpreter to exit.
+FORGED = """import fcntl, os, struct, time
+err = os.readlink('/proc/self/fd/2')
+for name in os.listdir('/proc/self/fd'):
+    fd = int(name)
+    path = os.readlink(f'/proc/self/fd/{fd}')
+    if path.startswith('pipe:') and path != err and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+        os.write(fd, struct.pack('>I', 3) + b'[1]')
+time.sleep(60)"""
+
+
+async def test_a_forged_reply_costs_the_child_without_waiting_for_it_to_exit() -> None:
+    async with PythonPool(1) as pool:
+        out = await asyncio.wait_for(pool.run(FORGED, {}), timeout=20)
+        assert out.error is not None and out.error.code == "SANDBOX_EXITED"
+        async with pool.lane() as lane:
+            outs = await asyncio.wait_for(asyncio.gather(lane.run(FORGED, {}), lane.run("return 2", {})), 20)
+        assert outs[0].error is not None and outs[0].error.code == "SANDBOX_EXITED"
+        assert outs[1].data == 2  # behind it, in another child

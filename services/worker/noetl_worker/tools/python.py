@@ -5,7 +5,8 @@ it starts ``warm`` of them up front and grows by one, in the background, wheneve
 finds none idle, up to ``size`` (it never shrinks: the peak demand stays warm). Each runs
 one task at a time, talking length-prefixed JSON over
 its stdin/stdout pipes. A child that overruns its timeout, whose task is cancelled, or
-that dies mid-task is killed and replaced in the background; a child is also retired
+that dies mid-task (or sends what is not a reply: task code can write to the protocol
+pipe) is killed and replaced in the background; a child is also retired
 after ``max_tasks_per_child`` tasks (module state leaks between tasks of a child).
 
     idle queue --get--> [request frame] --> child --> [reply frame] --put--> idle queue
@@ -397,7 +398,7 @@ class PythonPool:
             self._retire(child, kill=True)
             raise
         except _ChildExited:
-            rc = await child.proc.wait()
+            rc = await _exit_code(child)
             self._retire(child, kill=True)
             return self._exited(child, rc)
         except BaseException:
@@ -601,7 +602,7 @@ class PythonLane:
             raise self.pool._frame_too_large(child, exc) from None
         except _ChildExited:
             assert child is not None
-            rc = await child.proc.wait()  # before the restart reaps it (its exit code is the report)
+            rc = await _exit_code(child)  # before the restart reaps it (its exit code is the report)
             self._restart(queued, child)
             return self.pool._exited(child, rc)
         except BaseException:
@@ -704,6 +705,21 @@ class PythonLane:
             return None
         reader.cancel()
         return reader
+
+
+# How long a child whose protocol pipe ended (or sent what is not a reply: task code can
+# write to it) gets to exit on its own before it is killed.
+EXIT_WAIT_SEC = 2.0
+
+
+async def _exit_code(child: _Child) -> int | None:
+    """The exit code of a child that stopped answering: its own when it exits within
+    EXIT_WAIT_SEC, else the kill's (one still running, e.g. after a forged reply)."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(child.proc.wait()), timeout=EXIT_WAIT_SEC)
+    except TimeoutError:
+        child.kill()
+        return await child.proc.wait()
 
 
 def _error_kind(reply: Mapping[str, Any]) -> str:
