@@ -78,9 +78,16 @@ def _breakdown(ctx: Ctx, runs: list[tuple[int, int, float, float, float, float]]
             "SELECT execution_id, event_type, step, extract(epoch FROM created_at) FROM noetl.event"
             " WHERE execution_id = ANY(%s)", (ids,)):
         ev.setdefault(eid, {})[f"{etype}:{step or ''}"] = float(at)
+    claimed = {(eid, step): float(at) for eid, step, at in ctx.stack.sql(
+        "SELECT execution_id, step, extract(epoch FROM claimed_at) FROM noetl.command"
+        " WHERE execution_id = ANY(%s) AND claimed_at IS NOT NULL", (ids,))}
+    stored = {(eid, step): float(at) for eid, step, at in ctx.stack.sql(
+        "SELECT execution_id, step, extract(epoch FROM max(created_at)) FROM noetl.result_ref"
+        " WHERE execution_id = ANY(%s) GROUP BY 1, 2", (ids,))}
     parts: dict[str, list[float]] = {k: [] for k in (
         "submit -> request committed", "request committed -> step a entered", "step a (enter -> next enter)",
-        "step b (enter -> next enter)", "step c (enter -> completed)", "completed -> client saw it")}
+        "step b (enter -> next enter)", "step c (enter -> completed)", "completed -> client saw it",
+        "step b: entered -> claimed", "step b: claimed -> result stored", "step b: result stored -> c entered")}
     for eid in ids:
         e = ev.get(eid, {})
         try:
@@ -90,6 +97,8 @@ def _breakdown(ctx: Ctx, runs: list[tuple[int, int, float, float, float, float]]
         except (KeyError, StopIteration):
             continue
         vals = [r - sent_at[eid], a - r, b - a, c - b, done - c, seen_at[eid] - done]
-        for k, v in zip(parts, vals, strict=True):
+        if (eid, "b") in claimed and (eid, "b") in stored:
+            vals += [claimed[eid, "b"] - b, stored[eid, "b"] - claimed[eid, "b"], c - stored[eid, "b"]]
+        for k, v in zip(parts, vals, strict=False):
             parts[k].append(v * 1000)
     return {k: round(statistics.median(v), 2) for k, v in parts.items() if v}

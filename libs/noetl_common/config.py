@@ -118,6 +118,9 @@ class CommandSettings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1)
     # A queued command not claimed for this long is republished.
     republish_after_sec: float = Field(default=10.0, gt=0)
+    # The engine hands the next command straight to the worker that offered to take it
+    # (docs/ARCHITECTURE.md "Handoff"); false: every command is queued and claimed.
+    handoff: bool = True
 
 
 class ScheduleSettings(BaseSettings):

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import ssl
 import weakref
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -113,6 +115,17 @@ def checkpointer_subject(shard: int | str) -> str:
 
 def cancel_subject(shard: int | str) -> str:
     return f"noetl.cancel.{shard}"
+
+
+def handoff_subject(worker_id: int | str) -> str:
+    """Where the engine sends a worker the commands it hands it (docs/ARCHITECTURE.md
+    "Handoff"): one subject per worker, named by a digest of its id, so any id makes one
+    valid subject token."""
+    digest = hashlib.sha256(str(worker_id).encode()).hexdigest()[:24]
+    return f"{HANDOFF_PREFIX}.{digest}"
+
+
+HANDOFF_PREFIX = "noetl.handoff"
 
 
 def cancel_filter() -> str:
@@ -226,6 +239,8 @@ async def connect(url: str, *, name: str, reconnects: Reconnects | None = None, 
     connected = False
 
     async def on_error(exc: Exception) -> None:
+        if "permissions violation" in str(exc).lower():  # the connection stays up
+            _VIOLATIONS.setdefault(nc, deque(maxlen=32)).append(str(exc).lower())
         if _is_auth_violation(exc):
             logger.error("nats refused this client's credentials (authorization violation) at %s: check "
                          "the user/password in NOETL_NATS_URL or NOETL_NATS_CREDS_FILE", redact(url))
@@ -283,6 +298,30 @@ async def connect(url: str, *, name: str, reconnects: Reconnects | None = None, 
         raise ConfigError(f"nats at {redact(url)} does not require TLS (a tls:// URL or "
                           "NOETL_NATS_TLS_CA_FILE asks for it): refusing a plaintext connection")
     return nc
+
+
+# The permission violations the server reported on each connection (recent ones), for
+# ``subscribe_permitted``.
+_VIOLATIONS: weakref.WeakKeyDictionary[NATS, deque[str]] = weakref.WeakKeyDictionary()
+
+
+async def subscribe_permitted(nc: NATS, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Any:
+    """Subscribe, and make sure the server accepted it: a subscription the user's
+    permissions refuse is only reported asynchronously (the connection stays up and the
+    subscription never gets a message). After a PING/PONG, everything the server said about
+    the SUB has arrived: refused, the subscription is dropped and None returned (the
+    violation is logged by ``connect``'s error handler). Only on connections ``connect()``
+    made."""
+    try:
+        sub = await nc.subscribe(subject, cb=cb)
+        await nc.flush(timeout=5)
+    except (NatsError, OSError, TimeoutError) as exc:
+        raise translate(exc) from exc
+    if any(f'"{subject.lower()}"' in v for v in _VIOLATIONS.get(nc, ())):
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        return None
+    return sub
 
 
 async def _abandon(nc: NATS) -> None:
@@ -445,7 +484,8 @@ async def fetch_now(sub: JetStreamContext.PullSubscription, *, wait_sec: float =
     raise Unavailable(f"nats pull from {sub._nms}: status {status} {msg.headers or ''}")
 
 
-async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec: float) -> Msg | None:
+async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec: float,
+                      wake: asyncio.Future[None] | None = None) -> Msg | None:
     """The first message any of several pull consumers delivers within ``wait_sec``, else
     None: one long pull request of one message per consumer, all answering to one fresh
     inbox, so the caller hears of a message as soon as the server stores it. Once one has
@@ -455,7 +495,8 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
     server or in this process. The consumers' own subscriptions are unused but for their
     subjects. The connection being re-established meanwhile (the server forgot the
     requests) ends the wait at once (the reconnect signal of a connection ``connect()``
-    made; on another, the requests' expiry ends it). NATS errors come out as
+    made; on another, the requests' expiry ends it), and so does ``wake`` resolving (the
+    caller has other work: the requests are withdrawn as above). NATS errors come out as
     ``Unavailable``."""
     nc: NATS = subs[0]._nc
     # woken by the signal, not by polling while idle
@@ -479,9 +520,9 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
             if remaining <= 0:
                 return None  # requests lost with a NATS restart: the caller asks again
             try:
-                msg = await _next_unless(sub, remaining, reconnected)
+                msg = await _next_unless(sub, remaining, reconnected, wake)
                 if msg is None:
-                    return None  # reconnected: the requests died with the old connection
+                    return None  # reconnected (the requests died with the old connection) or woken
             except TimeoutError:
                 return None
             except NatsError as exc:
@@ -502,13 +543,15 @@ async def fetch_first(subs: list[JetStreamContext.PullSubscription], *, wait_sec
         _spawn(_withdraw(nc, sub, server_side=withdraw))
 
 
-async def _next_unless(sub: Any, wait_sec: float, reconnected: asyncio.Future[None]) -> Msg | None:
+async def _next_unless(sub: Any, wait_sec: float, reconnected: asyncio.Future[None],
+                       wake: asyncio.Future[None] | None = None) -> Msg | None:
     """The subscription's next message within ``wait_sec`` (else TimeoutError), or None
-    as soon as ``reconnected`` resolves. It reads the subscription's queue as
+    as soon as ``reconnected`` (or ``wake``) resolves. It reads the subscription's queue as
     ``next_msg`` does, with one task per wait where ``next_msg`` makes two and a uuid (the
     race with the reconnect signal then costs nothing extra per fetch). A message that
     arrives as the wait ends stays queued for the withdrawal to give back."""
-    if reconnected.done():
+    stops = (reconnected,) if wake is None else (reconnected, wake)
+    if any(f.done() for f in stops):
         return None
     if sub._conn.is_closed:
         raise ConnectionClosedError
@@ -516,13 +559,13 @@ async def _next_unless(sub: Any, wait_sec: float, reconnected: asyncio.Future[No
     if queue.empty():
         getter = asyncio.ensure_future(queue.get())
         try:
-            await asyncio.wait((getter, reconnected), timeout=wait_sec, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((getter, *stops), timeout=wait_sec, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not getter.done():
                 getter.cancel()  # a message not taken yet stays queued
                 await asyncio.wait((getter,))  # ended (cancelled, or with a message after all)
         if getter.cancelled():
-            if reconnected.done():
+            if any(f.done() for f in stops):
                 return None
             raise TimeoutError
         msg = getter.result()
@@ -620,6 +663,18 @@ async def _acked(js: JetStreamContext, subject: str, payload: bytes, ack_wait: f
     ack.cancel()
     raise _ReconnectedWhileAwaiting(f"nats reconnected while the publish on {subject} awaited its ack; "
                                     "publish it again")
+
+
+async def send(nc: NATS, subject: str, payload: bytes, *, trace_parent: Context | None = None) -> None:
+    """Publish on core NATS (no stream, no ack: delivered to whoever listens now, else
+    dropped), raising ``Unavailable``. With tracing on, a producer span (child of
+    ``trace_parent``) whose ``traceparent`` travels in the headers."""
+    hdrs: dict[str, str] = {}
+    with tracing.producer(subject, hdrs, parent=trace_parent):
+        try:
+            await nc.publish(subject, payload, headers=hdrs or None)
+        except (NatsError, OSError) as exc:
+            raise translate(exc) from exc
 
 
 async def hint(nc: NATS, subject: str, payload: bytes = b"") -> None:

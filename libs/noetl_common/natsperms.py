@@ -10,11 +10,11 @@ Least privilege, by role:
 
   role          publishes                                subscribes
   api           events .submit/.cancel/.redrive,         progress hints, its inbox
-                commands, cancel/projector hints; manages both
+                commands, handoffs, cancel/projector hints; manages both
                 streams, the worker consumer, its own
                 ordered consumers on NOETL_EVENTS; the
                 result KV (create, read, write)
-  worker        events .call only; creates (filtered on  cancel hints, its inbox
+  worker        events .call only; creates (filtered on  cancel hints, handoffs, its inbox
                 commands only), pulls and acks its pool's
                 ``noetl-workers-{pool}-{priority}``
                 consumers; reads stream info; the
@@ -76,6 +76,8 @@ USES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "projector_subject": (natsio.projector_subject(ANY), ("api",), ("projector", "checkpointer")),
     "checkpointer_subject": (natsio.checkpointer_subject(ANY), ("projector",), ("checkpointer",)),
     "cancel_subject": (natsio.cancel_subject(ANY), ("api",), ("worker",)),
+    # the engine hands a command to the worker that offered to take it (per worker, by digest)
+    "handoff_subject": (f"{natsio.HANDOFF_PREFIX}.{ANY}", ("api",), ("worker",)),
 }
 
 _API = "$JS.API"

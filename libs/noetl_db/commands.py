@@ -33,29 +33,36 @@ async def queued_commands(conn: Conn, shard: int) -> list[dict[str, Any]]:
 
 
 class QueuedCommand(NamedTuple):
-    """A new command of an execution, with where it runs."""
+    """A new command of an execution, with where it runs; ``holder``: the worker it is
+    handed to (inserted claimed by it), else None (inserted queued)."""
 
     execution_id: int
     catalog_id: int
     command: NewCommand
     placement: Placement
+    holder: str | None = None
 
 
-async def insert_commands(conn: Conn, shard: int, commands: Iterable[QueuedCommand]) -> None:
-    """Insert the batch's new commands, queued, with their placement (one statement)."""
+async def insert_commands(conn: Conn, shard: int, commands: Iterable[QueuedCommand], lease_sec: float = 0.0) -> None:
+    """Insert the batch's new commands with their placement (one statement): queued, or,
+    when handed to a worker, claimed by it with a lease of ``lease_sec``."""
     rows = [(c.command_id, eid, shard, catalog_id, c.step, c.kind, c.attempt, json.dumps(c.context),
-             float(c.timeout_sec), p.pool, json.dumps(p.requires) if p.requires else None, p.priority)
-            for eid, catalog_id, c, p in commands]
+             float(c.timeout_sec), p.pool, json.dumps(p.requires) if p.requires else None, p.priority,
+             q[4] if len(q) > 4 else None)
+            for q in commands for eid, catalog_id, c, p in (q[:4],)]
     if not rows:
         return
     await conn.execute(
         "INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
-        " attempt, context, timeout_sec, pool, requires, priority)"
-        f" SELECT c, e, sh, cat, st, k, '{CommandStatus.QUEUED}', a, ctx::jsonb, t, po, rq::jsonb, pr FROM unnest(%b::text[],"
-        " %b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::int[], %b::text[], %b::float8[],"
-        " %b::text[], %b::text[], %b::text[]) AS x(c, e, sh, cat, st, k, a, ctx, t, po, rq, pr)"
+        " attempt, context, timeout_sec, pool, requires, priority, worker_id, claimed_at, lease_until)"
+        f" SELECT c, e, sh, cat, st, k, CASE WHEN w IS NULL THEN '{CommandStatus.QUEUED}'"
+        f" ELSE '{CommandStatus.CLAIMED}' END, a, ctx::jsonb, t, po, rq::jsonb, pr, w,"
+        " CASE WHEN w IS NOT NULL THEN now() END, CASE WHEN w IS NOT NULL THEN now() + make_interval(secs => %s) END"
+        " FROM unnest(%b::text[], %b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::int[],"
+        " %b::text[], %b::float8[], %b::text[], %b::text[], %b::text[], %b::text[])"
+        " AS x(c, e, sh, cat, st, k, a, ctx, t, po, rq, pr, w)"
         " ON CONFLICT (command_id) DO NOTHING",
-        columns(rows, 12),
+        [float(lease_sec), *columns(rows, 13)],
     )
 
 

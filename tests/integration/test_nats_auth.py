@@ -112,6 +112,28 @@ async def test_hint_roles(secured: Secured) -> None:
             await c.close()
 
 
+async def test_a_handoff_reaches_the_worker_and_a_refused_subscription_is_known(secured: Secured) -> None:
+    """The api sends a worker its handoffs; a role whose user may not read them learns so
+    when it subscribes (``subscribe_permitted``: None), not by waiting for what never comes."""
+    api, worker, projector = [await secured.connect(r) for r in ("api", "worker", "projector")]
+    try:
+        seen: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_handoff(msg: object) -> None:
+            await seen.put(msg.data)  # type: ignore[attr-defined]
+
+        subject = natsio.handoff_subject("worker-7")
+        assert await natsio.subscribe_permitted(worker, subject, on_handoff) is not None
+        assert await natsio.subscribe_permitted(projector, subject, on_handoff) is None
+        await natsio.send(api, subject, b"command")
+        assert await asyncio.wait_for(seen.get(), 5) == b"command"
+        await asyncio.sleep(0.2)  # the refused subscription got nothing
+        assert seen.empty()
+    finally:
+        for c in (api, worker, projector):
+            await c.close()
+
+
 async def test_a_refused_connection_names_the_cause_and_hides_the_password(secured: Secured) -> None:
     wrong = secured.url("worker").replace(stacknats.passwords(secured.dev)["worker"], "WRONGPASS")
     with pytest.raises(ConfigError, match="authorization violation") as refused:

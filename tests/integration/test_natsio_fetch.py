@@ -121,3 +121,24 @@ async def test_a_reconnect_ends_the_wait_at_once_without_polling(subs) -> None: 
     got = await natsio.fetch_first([high, normal], wait_sec=5.0)  # the new signal does not end this one
     assert got is not None and got.data == b"n9"
     await got.ack()
+
+
+async def test_a_wake_ends_the_wait_and_withdraws_the_requests(subs) -> None:  # type: ignore[no-untyped-def]
+    """A slot woken for other work (a handed-off command) stops waiting at once; its
+    requests are withdrawn, so a message stored afterwards waits for the next fetch."""
+    js, (high, normal) = subs
+    wake = asyncio.get_running_loop().create_future()
+    waiting = asyncio.ensure_future(natsio.fetch_first([high, normal], wait_sec=30.0, wake=wake))
+    await until(lambda: _requests_waiting(js, "normal"), timeout=5, what="the pull request on normal", interval=0.01)
+    wake.set_result(None)
+    assert await asyncio.wait_for(waiting, 2.0) is None
+
+    async def withdrawn() -> bool:
+        return await _requests_waiting(js, "normal") == 0 and await _requests_waiting(js, "high") == 0
+
+    await until(withdrawn, timeout=2, what="both pull requests withdrawn", interval=0.01)
+    await js.publish("fetchfirst.normal", b"n3")
+    await _settled(js, "normal", pending=1)
+    got = await natsio.fetch_now(normal)
+    assert got is not None and got.data == b"n3"
+    await got.ack()

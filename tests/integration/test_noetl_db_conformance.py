@@ -58,6 +58,7 @@ from noetl_db import (
     requests,
     tokens,
 )
+from noetl_db.commands import QueuedCommand
 from noetl_db.schedules import ScheduleStore, idempotency_key, spec_of
 from noetl_flow import CommandUpdate, ExecState, NewCommand
 from noetl_flow.projection import ExecutionView, StepView
@@ -767,6 +768,28 @@ async def test_insert_commands_queues_them_once_with_their_placement(db: Pool, c
              "requires": None, "kind": "python"},
         c2: {"command_id": c2, "status": "queued", "attempt": 2, "worker_id": None, "pool": "gpu",
              "requires": {"zone": "z1"}, "kind": "http"}}
+
+
+@covers("commands.insert_commands")
+async def test_insert_commands_inserts_a_handed_off_command_claimed_by_its_worker(db: Pool, catalog_id: int) -> None:
+    shard, eid = new_shard(), new_eid()
+    c1, c2 = f"{eid}:s1:1", f"{eid}:s2:1"
+    async with autocommit(db) as conn:
+        await commands.insert_commands(conn, shard, [
+            QueuedCommand(eid, catalog_id, NewCommand(c1, "s1", "python", 1, {}), Placed(), "worker-7"),
+            QueuedCommand(eid, catalog_id, NewCommand(c2, "s2", "python", 1, {}), Placed())], lease_sec=30.0)
+        queued = [r["command_id"] for r in await commands.queued_commands(conn, shard)]
+    assert queued == [c2]
+    row = await command(db, c1) or {}
+    assert (row["status"], row["worker_id"], row["claimed_at"]) == ("claimed", "worker-7", row["created_at"])
+    assert (row["lease_until"] - row["created_at"]).total_seconds() == 30.0
+    # its worker renews it as it would a claim; nobody else claims it
+    async with autocommit(db) as conn:
+        assert await commands.renew(conn, c1, "worker-7", 1, 30.0, None) is not None
+        assert await commands.claim(conn, [(c1, 1)], "worker-8", 30.0, pools=["default"], labels={}, tools=[],
+                                    need_payload=[]) == {}
+    row = await command(db, c2) or {}
+    assert (row["status"], row["worker_id"], row["claimed_at"], row["lease_until"]) == ("queued", None, None, None)
 
 
 @covers("commands.update_commands")

@@ -64,6 +64,7 @@ def test_each_role_subscribes_to_its_own_inbox_only() -> None:
     natsio.commands_subject("default", "normal", 0), natsio.events_subject(0, natsio.KIND_SUBMIT),
     natsio.events_subject(0, natsio.KIND_CANCEL), natsio.events_subject(0, natsio.KIND_EXPIRED),
     natsio.events_subject(0, natsio.KIND_BARRIER), natsio.cancel_subject(0), natsio.progress_subject(1),
+    natsio.handoff_subject("worker-1"),
     f"$JS.API.STREAM.CREATE.{natsio.COMMANDS_STREAM}", f"$JS.API.STREAM.UPDATE.{natsio.EVENTS_STREAM}",
     f"$JS.API.STREAM.DELETE.{natsio.COMMANDS_STREAM}", f"$JS.API.STREAM.PURGE.{natsio.EVENTS_STREAM}",
     "$JS.API.STREAM.CREATE.KV_noetl_results", "$JS.API.STREAM.DELETE.KV_noetl_results",

@@ -21,10 +21,12 @@ from typing import Any
 from noetl_common import auth, pools
 from noetl_common.db import Pool, autocommit
 from noetl_common.errors import Conflict, NoetlError, NotFound, NotQualified
+from noetl_common.grpcutil import set_timestamp
 from noetl_common.vocab import CommandStatus, StopReason, execution_of_command
 from noetl_db import commands
 from noetl_dsl import merged_workload
 from noetl_dsl.credrefs import keychain_entries, keychain_reads
+from noetl_proto.v1 import messages_pb2
 
 from .catalog import Catalog
 
@@ -50,6 +52,17 @@ class Claimed:
     context: dict[str, Any]
     # the proof of this claim its result must echo (auth.claim_token)
     claim_token: str = ""
+
+    def to_proto(self) -> messages_pb2.Command:
+        """The command as its worker gets it (a claim's answer, or a handoff)."""
+        row = self.row
+        cmd = messages_pb2.Command(
+            command_id=row["command_id"], execution_id=row["execution_id"], shard_id=row["shard_id"],
+            step=row["step"], attempt=row["attempt"], kind=row["kind"],
+            spec_json=json.dumps(self.spec, default=str), context_json=json.dumps(self.context, default=str),
+            timeout_seconds=row["timeout_sec"] or 0.0, claim_token=self.claim_token)
+        set_timestamp(cmd.lease_until, row["lease_until"])
+        return cmd
 
 
 class Claims:
@@ -108,12 +121,16 @@ class Claims:
                                         f" worker {now['worker_id'] or '-'}), not claimable as attempt {attempt}"))
                 continue
             try:
-                out.append(await self._assemble(row))
+                out.append(await self.assemble(row))
             except NoetlError as exc:
                 out.append(exc)
         return out
 
-    async def _assemble(self, row: dict[str, Any]) -> Claimed:
+    async def assemble(self, row: dict[str, Any], workload: dict[str, Any] | None = None) -> Claimed:
+        """A claimed command row as its worker gets it: the step's raw tool spec from the
+        pinned playbook and the render context. ``workload``: the execution's merged
+        workload when the caller has it (the engine, handing a command off); else this
+        replica's cache of them, or the row's ``payload``."""
         loop = (row["context"] or {}).get("loop") or {}
         if loop and loop.get("mode") != "cursor" and not row["has_item"]:
             raise NotFound(f"loop item {loop['instance']}[{loop['index']}] of command {row['command_id']} not found")
@@ -123,8 +140,9 @@ class Claims:
                            f" {row['command_id']} not found")
         compiled = await self._catalog.compiled(row["catalog_id"])
         playbook = compiled.playbook
-        workload: dict[str, Any] | None = None
-        if not row.get("workload_ref_id"):  # a large workload travels by reference
+        if row.get("workload_ref_id"):  # a large workload travels by reference
+            workload = None
+        elif workload is None:
             workload = self._workloads.get(row["execution_id"])
             if workload is None:
                 workload = merged_workload(playbook, row.get("payload") or {})

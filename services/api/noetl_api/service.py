@@ -201,7 +201,7 @@ class ApiService(Service):
             self.execution_servicer.bind(submitter, Rerunner(self.pool, self.catalog, submitter))
             deps = EngineDeps(self.pool, self.nc, self.js, self.catalog, self.results, self.ownership,
                               self.commands, self.executions, limits=self.limits, reconnects=self.reconnects,
-                              claim_key=self.claim_key)
+                              claim_key=self.claim_key, claims=self.claims)
             ownership = self.ownership
             self.engines = ShardTasks("engine", lambda shard, epoch: ShardEngine(deps, shard, epoch),
                                       still_held=lambda shard, epoch: ownership.epoch(shard) == epoch)

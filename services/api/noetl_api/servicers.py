@@ -330,17 +330,6 @@ class CredentialServicer(catalog_pb2_grpc.CredentialServiceServicer):
         return out
 
 
-def _command_pb(got: Claimed) -> messages_pb2.Command:
-    row = got.row
-    cmd = messages_pb2.Command(
-        command_id=row["command_id"], execution_id=row["execution_id"], shard_id=row["shard_id"],
-        step=row["step"], attempt=row["attempt"], kind=row["kind"],
-        spec_json=json.dumps(got.spec, default=str), context_json=json.dumps(got.context, default=str),
-        timeout_seconds=row["timeout_sec"] or 0.0, claim_token=got.claim_token)
-    set_timestamp(cmd.lease_until, row["lease_until"])
-    return cmd
-
-
 # WatchExecution reads a running execution's read model at most this often (a terminal
 # status is read as soon as the projector hints it).
 WATCH_MIN_INTERVAL_SEC = 0.1
@@ -369,7 +358,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise InvalidInput("command_id and worker_id are required")
         got = await self._claims.claim(request.command_id, request.worker_id, request.attempt,
                                        _placement(request.placement))
-        return worker_pb2.ClaimCommandResponse(command=_command_pb(got))
+        return worker_pb2.ClaimCommandResponse(command=got.to_proto())
 
     async def ClaimCommands(self, request: worker_pb2.ClaimCommandsRequest,
                             context: grpc.aio.ServicerContext) -> worker_pb2.ClaimCommandsResponse:
@@ -383,7 +372,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         size = 0
         for c, got in zip(request.claims, outcomes, strict=True):
             if isinstance(got, Claimed):
-                command = _command_pb(got)
+                command = got.to_proto()
                 size += command.ByteSize()
                 if size > CLAIMS_ANSWER_BUDGET and len(out.outcomes) > 0:
                     # claimed for this worker all the same: it claims again and gets it back

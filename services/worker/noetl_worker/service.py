@@ -70,7 +70,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from noetl_common import grpcclient, natsio, pools, tracing
+from noetl_common import faults, grpcclient, natsio, pools, tracing
 from noetl_common.coalesce import Coalescer
 from noetl_common.config import (
     PYTHON_WARM,
@@ -219,8 +219,12 @@ class WorkerService(Service):
         self.worker_api_channel: grpc.aio.Channel | None = None
         self.api: worker_pb2_grpc.WorkerServiceStub | None = None
         self._slots: list[asyncio.Task[Any]] = []
-        self._idle: set[int] = set()
+        # the slots waiting for a notice, each with the future that wakes it for a handoff
+        self._idle: dict[int, asyncio.Future[None]] = {}
+        # commands the engine handed to this worker ("Handoff"), not taken by a slot yet
+        self._handoffs: deque[messages_pb2.Command] = deque()
         self._draining = False
+        self._handoff_sub: Any = None
         self._runs: dict[str, _Run] = {}
         # Attempts claimed here (bounded, oldest forgotten): a claim is idempotent for its
         # worker, so a duplicate notice (a republish racing our claim, two slots fetching
@@ -288,6 +292,15 @@ class WorkerService(Service):
         if self.tools.python is not None:
             await self.tools.python.start()
         await self.nc.subscribe(CANCEL_HINTS_SUBJECT, cb=self._on_cancel_hint)
+        if self.command_cfg.handoff:
+            # offered only once the server has accepted the subscription: a worker whose NATS
+            # user may not read handoffs (permissions older than this version) is never handed
+            # commands it would not hear of
+            subject = natsio.handoff_subject(self.worker_id)
+            self._handoff_sub = await natsio.subscribe_permitted(self.nc, subject, self._handed)
+            if self._handoff_sub is None:
+                logger.error("this worker's NATS user may not subscribe to %s: handoffs are off (update the NATS"
+                             " permissions: noetl-rt nats-config)", subject)
 
     async def _ensure_streams_and_consumers(self) -> None:
         assert self.js is not None
@@ -358,9 +371,14 @@ class WorkerService(Service):
         self._draining = True
         if self._recovering is not None:
             self._recovering.cancel()
+        if self._handoff_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._handoff_sub.unsubscribe()
         grace = self.core.shutdown_grace_sec
         idle = [t for n, t in enumerate(self._slots) if n in self._idle]
         busy = [t for n, t in enumerate(self._slots) if n not in self._idle and not t.done()]
+        while self._handoffs:  # handed to us, claimed for us: run within the grace like the rest
+            busy.append(asyncio.ensure_future(self._run_handoff(self._handoffs.popleft())))
         for task in idle:
             task.cancel()
         if busy:
@@ -397,6 +415,9 @@ class WorkerService(Service):
             subs[key] = await self.js.pull_subscribe_bind(durable=pools.consumer_name(pool, priority),
                                                           stream=natsio.COMMANDS_STREAM)
         while not self._draining:
+            if self._handoffs:
+                await self._run_handoff(self._handoffs.popleft())
+                continue
             try:
                 msg = await self._next_notice(n, subs)
             except NoetlError as exc:
@@ -420,14 +441,57 @@ class WorkerService(Service):
             if msg is not None:
                 return msg
             queues.found_empty(key)
-        self._idle.add(n)
+        if self._handoffs:
+            return None  # one arrived while this slot drained: the slot loop runs it
+        wake = self._idle[n] = asyncio.get_running_loop().create_future()
         try:
-            msg = await natsio.fetch_first(list(subs.values()), wait_sec=WAIT_SEC)
+            msg = await natsio.fetch_first(list(subs.values()), wait_sec=WAIT_SEC, wake=wake)
         finally:
-            self._idle.discard(n)
+            del self._idle[n]
         if msg is not None:
             queues.found_notice(queue_of(msg.subject))
         return msg
+
+    async def _on_handoff(self, msg: Msg) -> None:
+        """A command the engine handed to this worker: committed claimed by it, with its
+        lease running. It waits for the next free slot (an idle one is woken for it)."""
+        try:
+            command = messages_pb2.Command.FromString(msg.data)
+        except Exception as exc:  # protobuf DecodeError
+            logger.error("dropping an undecodable handoff: %s", exc)
+            return
+        try:
+            faults.check("worker.handoff", command.step)  # tests: a handoff lost on the way
+        except faults.InjectedFault:
+            logger.warning("handoff of %s dropped (injected fault)", command.command_id)
+            return
+        if not command.command_id or not self._take(command):
+            return
+        CLAIMS.labels("handoff").inc()
+        self._handoffs.append(command)
+        for wake in self._idle.values():
+            if not wake.done():
+                wake.set_result(None)
+                break
+
+    @tracing.consumer  # the handoff's span, continuing the execution's trace (the message headers)
+    async def _handed(self, msg: Msg) -> None:
+        await self._on_handoff(msg)
+
+    async def _run_handoff(self, command: messages_pb2.Command) -> None:
+        try:
+            await self.run_command(command)
+        except Exception:
+            logger.exception("running the handed-off command %s failed; its lease expires and it is re-issued",
+                             command.command_id)
+
+    def _handoff_offer(self) -> messages_pb2.HandoffOffer | None:
+        """Offered with a result when a slot is idle for each command already handed here:
+        the engine may then hand this worker the command the result leads to."""
+        if self._handoff_sub is None or self._draining or len(self._idle) <= len(self._handoffs):
+            return None
+        p = self.placement
+        return messages_pb2.HandoffOffer(pools=list(p.pools), labels=dict(p.labels), tools=list(p.tools))
 
     @tracing.consumer  # a span per notice, continuing the execution's trace (the notice headers)
     async def handle_notice(self, msg: Msg) -> None:
@@ -652,6 +716,9 @@ class WorkerService(Service):
         was stopped or the worker's shutdown grace is spent."""
         assert self.js is not None
         command = run.command
+        offer = self._handoff_offer()
+        if offer is not None:
+            result.handoff.CopyFrom(offer)
         payload = messages_pb2.EngineInput(call_result=result).SerializeToString()
         subject = natsio.events_subject(command.shard_id, natsio.KIND_CALL)
         msg_id = result_msg_id(command.command_id, command.attempt)

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from noetl_proto.v1 import common_pb2 as noetl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17noetl/v1/messages.proto\x12\x08noetl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15noetl/v1/common.proto\"j\n\rCommandNotice\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\x03\x12\x10\n\x08shard_id\x18\x03 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x0c\n\x04kind\x18\x05 \x01(\t\"\xfa\x01\n\x07\x43ommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\x03\x12\x10\n\x08shard_id\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x05\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x11\n\tspec_json\x18\x07 \x01(\t\x12\x14\n\x0c\x63ontext_json\x18\x08 \x01(\t\x12/\n\x0blease_until\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0ftimeout_seconds\x18\n \x01(\x01\x12\x13\n\x0b\x63laim_token\x18\x0b \x01(\t\"\x9b\x02\n\nCallResult\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12*\n\x08\x65nvelope\x18\x06 \x01(\x0b\x32\x18.noetl.v1.ResultEnvelope\x12\x10\n\x08set_json\x18\x07 \x01(\t\x12/\n\x0b\x66inished_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0b\x63laim_token\x18\t \x01(\t\x12-\n\niterations\x18\n \x03(\x0b\x32\x19.noetl.v1.IterationResult\"^\n\x0fIterationResult\x12\r\n\x05index\x18\x01 \x01(\x05\x12*\n\x08\x65nvelope\x18\x02 \x01(\x0b\x32\x18.noetl.v1.ResultEnvelope\x12\x10\n\x08set_json\x18\x03 \x01(\t\"*\n\x12\x45xecutionSubmitted\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\"7\n\x0f\x43\x61ncelRequested\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"[\n\x0e\x43ommandExpired\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\"?\n\x11\x43heckpointBarrier\x12\x10\n\x08shard_id\x18\x01 \x01(\x05\x12\x18\n\x10\x63heckpoint_epoch\x18\x02 \x01(\x03\"(\n\x10RedriveRequested\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\"\xaf\x02\n\x0b\x45ngineInput\x12+\n\x0b\x63\x61ll_result\x18\x01 \x01(\x0b\x32\x14.noetl.v1.CallResultH\x00\x12\x31\n\tsubmitted\x18\x02 \x01(\x0b\x32\x1c.noetl.v1.ExecutionSubmittedH\x00\x12+\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x19.noetl.v1.CancelRequestedH\x00\x12+\n\x07\x65xpired\x18\x04 \x01(\x0b\x32\x18.noetl.v1.CommandExpiredH\x00\x12.\n\x07\x62\x61rrier\x18\x05 \x01(\x0b\x32\x1b.noetl.v1.CheckpointBarrierH\x00\x12-\n\x07redrive\x18\x06 \x01(\x0b\x32\x1a.noetl.v1.RedriveRequestedH\x00\x42\x07\n\x05inputB~\n\x0bio.noetl.v1B\rMessagesProtoP\x01Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\xa2\x02\x03NXX\xaa\x02\x08Noetl.V1\xca\x02\x08Noetl\\V1\xea\x02\tNoetl::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17noetl/v1/messages.proto\x12\x08noetl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15noetl/v1/common.proto\"j\n\rCommandNotice\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\x03\x12\x10\n\x08shard_id\x18\x03 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x0c\n\x04kind\x18\x05 \x01(\t\"\xfa\x01\n\x07\x43ommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\x03\x12\x10\n\x08shard_id\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x05\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x11\n\tspec_json\x18\x07 \x01(\t\x12\x14\n\x0c\x63ontext_json\x18\x08 \x01(\t\x12/\n\x0blease_until\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0ftimeout_seconds\x18\n \x01(\x01\x12\x13\n\x0b\x63laim_token\x18\x0b \x01(\t\"\xc4\x02\n\nCallResult\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12*\n\x08\x65nvelope\x18\x06 \x01(\x0b\x32\x18.noetl.v1.ResultEnvelope\x12\x10\n\x08set_json\x18\x07 \x01(\t\x12/\n\x0b\x66inished_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0b\x63laim_token\x18\t \x01(\t\x12-\n\niterations\x18\n \x03(\x0b\x32\x19.noetl.v1.IterationResult\x12\'\n\x07handoff\x18\x0b \x01(\x0b\x32\x16.noetl.v1.HandoffOffer\"\x8f\x01\n\x0cHandoffOffer\x12\r\n\x05pools\x18\x01 \x03(\t\x12\x32\n\x06labels\x18\x02 \x03(\x0b\x32\".noetl.v1.HandoffOffer.LabelsEntry\x12\r\n\x05tools\x18\x03 \x03(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"^\n\x0fIterationResult\x12\r\n\x05index\x18\x01 \x01(\x05\x12*\n\x08\x65nvelope\x18\x02 \x01(\x0b\x32\x18.noetl.v1.ResultEnvelope\x12\x10\n\x08set_json\x18\x03 \x01(\t\"*\n\x12\x45xecutionSubmitted\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\"7\n\x0f\x43\x61ncelRequested\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"[\n\x0e\x43ommandExpired\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\"?\n\x11\x43heckpointBarrier\x12\x10\n\x08shard_id\x18\x01 \x01(\x05\x12\x18\n\x10\x63heckpoint_epoch\x18\x02 \x01(\x03\"(\n\x10RedriveRequested\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\x03\"\xaf\x02\n\x0b\x45ngineInput\x12+\n\x0b\x63\x61ll_result\x18\x01 \x01(\x0b\x32\x14.noetl.v1.CallResultH\x00\x12\x31\n\tsubmitted\x18\x02 \x01(\x0b\x32\x1c.noetl.v1.ExecutionSubmittedH\x00\x12+\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x19.noetl.v1.CancelRequestedH\x00\x12+\n\x07\x65xpired\x18\x04 \x01(\x0b\x32\x18.noetl.v1.CommandExpiredH\x00\x12.\n\x07\x62\x61rrier\x18\x05 \x01(\x0b\x32\x1b.noetl.v1.CheckpointBarrierH\x00\x12-\n\x07redrive\x18\x06 \x01(\x0b\x32\x1a.noetl.v1.RedriveRequestedH\x00\x42\x07\n\x05inputB~\n\x0bio.noetl.v1B\rMessagesProtoP\x01Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\xa2\x02\x03NXX\xaa\x02\x08Noetl.V1\xca\x02\x08Noetl\\V1\xea\x02\tNoetl::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +34,30 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noetl.v1.messages_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\013io.noetl.v1B\rMessagesProtoP\001Z6github.com/noetl/noetl-runtime/gen/go/noetl/v1;noetlv1\242\002\003NXX\252\002\010Noetl.V1\312\002\010Noetl\\V1\352\002\tNoetl::V1'
+  _globals['_HANDOFFOFFER_LABELSENTRY']._loaded_options = None
+  _globals['_HANDOFFOFFER_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_COMMANDNOTICE']._serialized_start=93
   _globals['_COMMANDNOTICE']._serialized_end=199
   _globals['_COMMAND']._serialized_start=202
   _globals['_COMMAND']._serialized_end=452
   _globals['_CALLRESULT']._serialized_start=455
-  _globals['_CALLRESULT']._serialized_end=738
-  _globals['_ITERATIONRESULT']._serialized_start=740
-  _globals['_ITERATIONRESULT']._serialized_end=834
-  _globals['_EXECUTIONSUBMITTED']._serialized_start=836
-  _globals['_EXECUTIONSUBMITTED']._serialized_end=878
-  _globals['_CANCELREQUESTED']._serialized_start=880
-  _globals['_CANCELREQUESTED']._serialized_end=935
-  _globals['_COMMANDEXPIRED']._serialized_start=937
-  _globals['_COMMANDEXPIRED']._serialized_end=1028
-  _globals['_CHECKPOINTBARRIER']._serialized_start=1030
-  _globals['_CHECKPOINTBARRIER']._serialized_end=1093
-  _globals['_REDRIVEREQUESTED']._serialized_start=1095
-  _globals['_REDRIVEREQUESTED']._serialized_end=1135
-  _globals['_ENGINEINPUT']._serialized_start=1138
-  _globals['_ENGINEINPUT']._serialized_end=1441
+  _globals['_CALLRESULT']._serialized_end=779
+  _globals['_HANDOFFOFFER']._serialized_start=782
+  _globals['_HANDOFFOFFER']._serialized_end=925
+  _globals['_HANDOFFOFFER_LABELSENTRY']._serialized_start=880
+  _globals['_HANDOFFOFFER_LABELSENTRY']._serialized_end=925
+  _globals['_ITERATIONRESULT']._serialized_start=927
+  _globals['_ITERATIONRESULT']._serialized_end=1021
+  _globals['_EXECUTIONSUBMITTED']._serialized_start=1023
+  _globals['_EXECUTIONSUBMITTED']._serialized_end=1065
+  _globals['_CANCELREQUESTED']._serialized_start=1067
+  _globals['_CANCELREQUESTED']._serialized_end=1122
+  _globals['_COMMANDEXPIRED']._serialized_start=1124
+  _globals['_COMMANDEXPIRED']._serialized_end=1215
+  _globals['_CHECKPOINTBARRIER']._serialized_start=1217
+  _globals['_CHECKPOINTBARRIER']._serialized_end=1280
+  _globals['_REDRIVEREQUESTED']._serialized_start=1282
+  _globals['_REDRIVEREQUESTED']._serialized_end=1322
+  _globals['_ENGINEINPUT']._serialized_start=1325
+  _globals['_ENGINEINPUT']._serialized_end=1628
 # @@protoc_insertion_point(module_scope)

@@ -139,6 +139,7 @@ class CallResult(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     CLAIM_TOKEN_FIELD_NUMBER: _builtins.int
     ITERATIONS_FIELD_NUMBER: _builtins.int
+    HANDOFF_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     execution_id: _builtins.int
     step: _builtins.str
@@ -158,6 +159,13 @@ class CallResult(_message.Message):
         iteration's outcome in index order; `envelope` and `set_json` then summarise them.
         """
 
+    @_builtins.property
+    def handoff(self) -> Global___HandoffOffer:
+        """Set when the worker would take the command this result leads to straight away
+        (docs/ARCHITECTURE.md "Handoff"): the engine may commit that command already claimed
+        for this worker and send it on the worker's handoff subject, with no notice or claim.
+        """
+
     def __init__(
         self,
         *,
@@ -171,14 +179,65 @@ class CallResult(_message.Message):
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         claim_token: _builtins.str = ...,
         iterations: _abc.Iterable[Global___IterationResult] | None = ...,
+        handoff: Global___HandoffOffer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["envelope", b"envelope", "finished_at", b"finished_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["envelope", b"envelope", "finished_at", b"finished_at", "handoff", b"handoff"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "claim_token", b"claim_token", "command_id", b"command_id", "envelope", b"envelope", "execution_id", b"execution_id", "finished_at", b"finished_at", "iterations", b"iterations", "set_json", b"set_json", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "claim_token", b"claim_token", "command_id", b"command_id", "envelope", b"envelope", "execution_id", b"execution_id", "finished_at", b"finished_at", "handoff", b"handoff", "iterations", b"iterations", "set_json", b"set_json", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CallResult: _TypeAlias = CallResult  # noqa: Y015
+
+@_typing.final
+class HandoffOffer(_message.Message):
+    """What a worker that offers to take the next command serves (as WorkerPlacement)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    POOLS_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        pools: _abc.Iterable[_builtins.str] | None = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        tools: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["labels", b"labels", "pools", b"pools", "tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HandoffOffer: _TypeAlias = HandoffOffer  # noqa: Y015
 
 @_typing.final
 class IterationResult(_message.Message):

@@ -27,7 +27,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
 
 import noetl_store
-from noetl_common import auth, faults, natsio
+from noetl_common import auth, faults, natsio, pools
 from noetl_common.coalesce import ShardRounds, to_boundary
 from noetl_common.config import CommandSettings, ExecutionSettings, LimitSettings
 from noetl_common.db import Pool, pipelined_transaction
@@ -55,6 +55,7 @@ from noetl_flow import (
     ExecState,
     Flow,
     IterationOutcome,
+    NewCommand,
     RedriveItem,
     StartInput,
     Transition,
@@ -65,6 +66,7 @@ from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, envelope_from_proto
 
 from ..catalog import Catalog
+from ..claims import Claimed, Claims
 from . import limits
 from .limits import EngineLimits
 from .placing import Placed, place
@@ -100,6 +102,9 @@ FORGED = Counter("noetl_engine_forged_results_total",
 RESUBSCRIBES = Counter("noetl_engine_resubscribes_total",
                        "Engine consumers re-created after a NATS reconnect", ["shard"])
 
+HANDOFFS = Counter("noetl_engine_handoffs_total",
+                   "Commands the engine handed straight to the worker that offered to take them", ["shard"])
+
 MAX_BATCH = 500
 # Inputs taken from NATS but not folded yet, at most: a full queue stops the subscription
 # callback, so the server stops delivering (flow control) instead of the api growing.
@@ -123,11 +128,16 @@ class EngineDeps:
     limits: LimitSettings = field(default_factory=LimitSettings.model_construct)
     # Results must echo their claim's token (auth.claim_token); empty: not checked.
     claim_key: bytes = b""
+    # assembles the commands handed to workers ("Handoff"); None: no handoffs
+    claims: Claims | None = None
     reconnects: natsio.Reconnects = field(default_factory=natsio.Reconnects)
     workloads: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)
     # the submission's priority per execution ("" when it gave none), kept and dropped
     # with the workloads, reloaded with the request when missing
     priorities: OrderedDict[int, str] = field(default_factory=OrderedDict)
+    # the reference of the execution's workload in the result store (None: inline), kept
+    # with the priorities: a handed-off command carries it as a claim's answer does
+    workload_refs: OrderedDict[int, int | None] = field(default_factory=OrderedDict)
     traces: EngineTraces = field(default_factory=EngineTraces)
     concurrency: EngineLimits = field(default_factory=EngineLimits)
     # the shard engines' sweeps start with one shared read (``sweep_rounds``)
@@ -484,6 +494,7 @@ class ShardEngine:
         new_commands: list[QueuedCommand] = []
         updates: list[Any] = []
         publish: list[tuple[str, int, int, str, Placed]] = []
+        handoffs: list[tuple[str, Claimed]] = []
         loop_results: list[IterationResult] = []
         dead_letters: list[tuple[int, Any]] = []
         redrives: list[RedriveOutcome] = []
@@ -506,10 +517,11 @@ class ShardEngine:
             states: dict[int, ExecState] = {e: self._cache[e] for e in ids if e in self._cache}
             states.update(await engine_state_db.load_states(conn, [e for e in ids if e not in states]))
             need_requests = [e for e in ids if e not in states or e not in self.d.workloads
-                             or e not in self.d.priorities]
+                             or e not in self.d.priorities or e not in self.d.workload_refs]
             requests = await requests_db.load_requests(conn, need_requests)
             for e, req in requests.items():
                 self.d.priorities[e] = req.get("priority") or ""
+                self.d.workload_refs[e] = req.get("workload_ref_id")
             await self.d.traces.load(conn, ids, requests)
             for inp in inputs:
                 if inp.kind == "barrier":
@@ -550,8 +562,16 @@ class ShardEngine:
                 if t.commands or t.republish:
                     placements = (await self.d.catalog.compiled(t.state.catalog_id)).placements
                     submitted = self.d.priorities.get(eid) or None
+                    offer = self._offer(inp)
                     for c in t.commands:
                         placed = place(placements, c.step, submitted)
+                        handed = await self._hand(offer, eid, t.state.catalog_id, c, placed) if offer else None
+                        if handed is not None:  # inserted claimed by the worker, sent after the commit
+                            worker = str(handed.row["worker_id"])
+                            handoffs.append((worker, handed))
+                            new_commands.append(QueuedCommand(eid, t.state.catalog_id, c, placed, worker))
+                            offer = None  # one command per offer
+                            continue
                         new_commands.append(QueuedCommand(eid, t.state.catalog_id, c, placed))
                         publish.append((c.command_id, eid, c.attempt, c.kind, placed))
                     for cid, attempt, kind in t.republish:
@@ -573,7 +593,7 @@ class ShardEngine:
             await events_db.append_events(conn, events)
             await engine_state_db.save_states(conn, self.shard,
                                               [StateRow(s, last, _deadline(s)) for s, last in touched.values()])
-            await commands_db.insert_commands(conn, self.shard, new_commands)
+            await commands_db.insert_commands(conn, self.shard, new_commands, self.d.commands.lease_sec)
             await loops_db.clear_loop_results(conn, cleared)
             await loops_db.store_loop_results(conn, loop_results)
             await dead_letters_db.insert_dead_letters(conn, self.shard, dead_letters)
@@ -597,6 +617,7 @@ class ShardEngine:
                 self._cache.pop(eid, None)
                 self.d.workloads.pop(eid, None)
                 self.d.priorities.pop(eid, None)
+                self.d.workload_refs.pop(eid, None)
             else:
                 self._cache[eid] = state
                 self._cache.move_to_end(eid)
@@ -604,6 +625,10 @@ class ShardEngine:
             self._cache.popitem(last=False)
         while len(self.d.priorities) > 20_000:
             self.d.priorities.popitem(last=False)
+        while len(self.d.workload_refs) > 20_000:
+            self.d.workload_refs.popitem(last=False)
+        if handoffs:
+            await self._send_handoffs(handoffs)
         if publish:
             await self._publish(publish)
         cancelled = [u.command_id for u in updates if u.status == CommandStatus.CANCELLED]
@@ -830,6 +855,50 @@ class ShardEngine:
                                      msg.SerializeToString(), msg_id=cancel_msg_id(child["execution_id"]))
             except NoetlError as exc:
                 logger.warning("cancel nudge of child execution %s not published: %s", child["execution_id"], exc)
+
+    def _offer(self, inp: _Input) -> tuple[str, messages_pb2.HandoffOffer] | None:
+        """The worker offering to take the command its result leads to, and what it serves."""
+        if (inp.kind != "call_result" or self.d.claims is None or not self.d.commands.handoff
+                or not inp.msg.HasField("handoff") or not inp.msg.worker_id):
+            return None
+        return inp.msg.worker_id, inp.msg.handoff
+
+    async def _hand(self, offer: tuple[str, messages_pb2.HandoffOffer], eid: int, catalog_id: int,
+                    c: NewCommand, placed: Placed) -> Claimed | None:
+        """``c`` as its claim would give it to the offering worker, or None when it is not
+        handed off: a loop's iteration (its items and progress are read at claim), a
+        command the worker does not qualify for, or an execution whose workload is not at
+        hand. A command handed off is committed claimed by the worker (its lease running),
+        so a handoff lost on the way costs a lease expiry and a re-issue, like a worker
+        that dies holding a claim."""
+        worker, placement = offer
+        workload = self.d.workloads.get(eid)
+        if (c.context.get("loop") or workload is None or eid not in self.d.workload_refs
+                or not pools.qualifies(tuple(placement.pools), dict(placement.labels), tuple(placement.tools),
+                                       command_pool=placed.pool, requires=placed.requires, kind=c.kind)):
+            return None
+        assert self.d.claims is not None
+        row = {"command_id": c.command_id, "execution_id": eid, "shard_id": self.shard, "catalog_id": catalog_id,
+               "step": c.step, "kind": c.kind, "attempt": c.attempt, "context": c.context,
+               "timeout_sec": float(c.timeout_sec), "worker_id": worker, "workload_ref_id": self.d.workload_refs[eid],
+               "lease_until": datetime.now(UTC) + timedelta(seconds=self.d.commands.lease_sec)}
+        try:
+            return await self.d.claims.assemble(row, workload)
+        except NoetlError as exc:  # queued and claimed as usual instead (the claim says why)
+            logger.debug("command %s not handed off: %s", c.command_id, exc)
+            return None
+
+    async def _send_handoffs(self, items: list[tuple[str, Claimed]]) -> None:
+        async def one(worker: str, handed: Claimed) -> None:
+            await natsio.send(self.d.nc, natsio.handoff_subject(worker), handed.to_proto().SerializeToString(),
+                              trace_parent=self.d.traces.notice_parent(int(handed.row["execution_id"])))
+
+        results = await asyncio.gather(*(one(*i) for i in items), return_exceptions=True)
+        HANDOFFS.labels(str(self.shard)).inc(len(items))
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            logger.warning("%s handed-off commands not sent (%s); each is re-issued when its claim lease expires",
+                           len(failed), failed[0])
 
     async def _publish(self, items: list[tuple[str, int, int, str, Placed]]) -> None:
         async def one(cid: str, eid: int, attempt: int, kind: str, placed: Placed) -> None:
