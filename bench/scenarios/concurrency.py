@@ -149,9 +149,14 @@ def run(ctx: Ctx) -> dict[str, Any]:
     to_seal = [float(r[2]) for r in seal_rows if r[2] is not None]
     lat = [float(x) for (x,) in stack.sql(
         "SELECT extract(epoch FROM ended_at - created_at) FROM noetl.execution WHERE execution_id = ANY(%s)", (ids,))]
+    # commands handed to a worker (claimed in the engine's own transaction) vs claimed by a call
+    handed, commands = stack.sql(
+        "SELECT count(*) FILTER (WHERE claimed_at = created_at), count(*) FROM noetl.command"
+        " WHERE execution_id = ANY(%s)", (ids,))[0]
     ctx.progress.finish()
     return {
         "executions": n, "wall_s": round(wall, 3), "submit_all_s": round(t_submitted - t0, 3),
+        "commands": int(commands), "handed_off": int(handed),
         "executions_per_s": round(n / wall, 1), "steps_per_s": round(3 * n / wall, 1),
         "latency": summary_ms(lat), "admission_refusals": refused,
         "projection_lag_ms": {"samples": len(sampler.lag_ms), "p50": _p(sampler.lag_ms, 50),

@@ -7,7 +7,10 @@ is checked (c == 2 * (seed + 1)) after the timed runs.
 The server-side breakdown comes from the log: request committed -> first step.enter
 (engine pick-up), step.enter -> the next step.enter (one step: dispatch, notice,
 claim, run, store, publish, engine batch), playbook.completed -> the client seeing it
-(projection + watch delivery).
+(projection + watch delivery). The middle step is broken down further: entered -> its
+command claimed (the claim's statement, or the engine's own transaction for a command
+handed off), claimed -> its result stored, stored -> the next step entered; and the end:
+playbook.completed -> the projector's transaction that projected it.
 """
 
 from __future__ import annotations
@@ -84,10 +87,14 @@ def _breakdown(ctx: Ctx, runs: list[tuple[int, int, float, float, float, float]]
     stored = {(eid, step): float(at) for eid, step, at in ctx.stack.sql(
         "SELECT execution_id, step, extract(epoch FROM max(created_at)) FROM noetl.result_ref"
         " WHERE execution_id = ANY(%s) GROUP BY 1, 2", (ids,))}
+    projected = {eid: float(at) for eid, at in ctx.stack.sql(
+        "SELECT execution_id, extract(epoch FROM updated_at) FROM noetl.execution WHERE execution_id = ANY(%s)",
+        (ids,))}
     parts: dict[str, list[float]] = {k: [] for k in (
         "submit -> request committed", "request committed -> step a entered", "step a (enter -> next enter)",
         "step b (enter -> next enter)", "step c (enter -> completed)", "completed -> client saw it",
-        "step b: entered -> claimed", "step b: claimed -> result stored", "step b: result stored -> c entered")}
+        "step b: entered -> claimed", "step b: claimed -> result stored", "step b: result stored -> c entered",
+        "completed -> projected (the projector's transaction)")}
     for eid in ids:
         e = ev.get(eid, {})
         try:
@@ -97,8 +104,9 @@ def _breakdown(ctx: Ctx, runs: list[tuple[int, int, float, float, float, float]]
         except (KeyError, StopIteration):
             continue
         vals = [r - sent_at[eid], a - r, b - a, c - b, done - c, seen_at[eid] - done]
-        if (eid, "b") in claimed and (eid, "b") in stored:
-            vals += [claimed[eid, "b"] - b, stored[eid, "b"] - claimed[eid, "b"], c - stored[eid, "b"]]
+        if (eid, "b") in claimed and (eid, "b") in stored and eid in projected:
+            vals += [claimed[eid, "b"] - b, stored[eid, "b"] - claimed[eid, "b"], c - stored[eid, "b"],
+                     projected[eid] - done]
         for k, v in zip(parts, vals, strict=False):
             parts[k].append(v * 1000)
     return {k: round(statistics.median(v), 2) for k, v in parts.items() if v}

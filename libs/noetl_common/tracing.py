@@ -227,6 +227,20 @@ def producer(subject: str, headers: MutableMapping[str, str], *, msg_id: str | N
         yield s
 
 
+@contextlib.contextmanager
+def consumer_span(subject: str, headers: Mapping[str, str] | None) -> Iterator[None]:
+    """The current span of processing a message of ``subject``, whose parent is the trace
+    context in its ``headers`` (the handling may come later than the message's arrival)."""
+    if _state.provider is None:
+        yield
+        return
+    with _state.tracer.start_as_current_span(
+            f"process {subject}", context=extract(headers), kind=SpanKind.CONSUMER,
+            attributes={"messaging.system": "nats", "messaging.operation.type": "process",
+                        "messaging.destination.name": subject}):
+        yield
+
+
 def consumer(fn: Callable[[Any, Any], Awaitable[R]]) -> Callable[[Any, Any], Awaitable[R]]:
     """Decorates ``async def handle(self, msg)``: the handling runs in a consumer span whose
     parent is the trace context in the message's headers."""
@@ -235,11 +249,7 @@ def consumer(fn: Callable[[Any, Any], Awaitable[R]]) -> Callable[[Any, Any], Awa
     async def wrapper(self: Any, msg: Any) -> R:
         if _state.provider is None:
             return await fn(self, msg)
-        subject = getattr(msg, "subject", "") or ""
-        with _state.tracer.start_as_current_span(
-                f"process {subject}", context=extract(getattr(msg, "headers", None)), kind=SpanKind.CONSUMER,
-                attributes={"messaging.system": "nats", "messaging.operation.type": "process",
-                            "messaging.destination.name": subject}):
+        with consumer_span(getattr(msg, "subject", "") or "", getattr(msg, "headers", None)):
             return await fn(self, msg)
 
     return wrapper

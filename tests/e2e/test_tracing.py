@@ -3,7 +3,8 @@ its spans to a file of its own (``NOETL_OTEL_EXPORTER=jsonl``); the files, gathe
 the api's SubmitExecution server span, the engine span that issued the first command, the
 command notice's publish, the worker's consumer span, its ClaimCommand client span (and
 the api's server span for it), the tool-run span, the worker's publish of the result, the
-engine folding the result and ``playbook.completed``, all in ONE trace; a client's
+engine folding the result, the next command handed to the worker (its publish, the
+worker's consumer span, the tool run) and ``playbook.completed``, all in ONE trace; a client's
 ``traceparent`` is continued; and after the shard's engine is SIGKILLed mid-execution,
 the api replica that takes the shard over continues the same trace (the context is
 stored with the request, not held in memory)."""
@@ -101,6 +102,20 @@ def assert_one_trace_per_execution(spans_dir: Path, execution_id: int, trace: Tr
     assert not others, f"execution {execution_id} has spans in other traces: {others}"
 
 
+def assert_handoff_chain(trace: Trace, execution_id: int, step: str) -> None:
+    for fold in trace.find("engine.call_result", "noetl-api", **{"noetl.execution_id": execution_id}):
+        for sent in trace.children(fold, "publish noetl.handoff.", "noetl-api"):
+            assert sent["kind"] == "PRODUCER"
+            consumer = trace.child(sent, "process noetl.handoff.", "noetl-worker")
+            assert consumer["kind"] == "CONSUMER"
+            tools = trace.children(consumer, "tool.run python", "noetl-worker")
+            if tools and tools[0]["attributes"]["noetl.step"] == step:
+                assert not trace.children(consumer, CLAIM, "noetl-worker")  # handed: no claim call
+                assert trace.child(consumer, "publish noetl.events.", "noetl-worker")["name"].endswith(".call")
+                return
+    raise AssertionError(f"no handoff of step {step!r} in the trace: {trace.names()}")
+
+
 def assert_command_chain(trace: Trace, issuer: dict[str, Any], execution_id: int, step: str) -> None:
     """issuer -> publish noetl.commands -> worker consumer -> claim (client + api server),
     tool run, result publish; the engine folds that result in the same trace."""
@@ -148,6 +163,9 @@ def test_one_trace_from_submit_to_playbook_completed(runner: Runner, spans_dir: 
                    if s["attributes"]["noetl.commands"] > 0)
     assert started["parent_span_id"] == submit["span_id"]
     assert_command_chain(trace, started, eid, "start")
+    # the next step follows the worker's result: handed to it (ARCHITECTURE.md "Handoff"), in
+    # the same trace: fold -> publish noetl.handoff.* -> the worker's consumer span -> tool run
+    assert_handoff_chain(trace, eid, "shout")
     # the results are folded under the stored context, and the terminal event is a span of its own
     folds = trace.find("engine.call_result", "noetl-api", **{"noetl.execution_id": eid})
     assert len(folds) == 3 and all(f["parent_span_id"] == submit["span_id"] for f in folds), trace.names()

@@ -12,6 +12,7 @@ import pytest
 
 from noetl_api.catalog import parse
 from noetl_api.claims import Claims
+from noetl_api.engine.handoff import Offer, OfferBook
 from noetl_api.engine.placing import Placed
 from noetl_api.engine.shard import ShardEngine, _Input
 from noetl_common import auth
@@ -44,7 +45,7 @@ def engine(*, handoff: bool = True, workload: dict[str, Any] | None = None, ref:
     e.d = SimpleNamespace(  # type: ignore[assignment]
         claims=Claims(None, FakeCatalog(), 30.0, KEY),  # type: ignore[arg-type]
         commands=CommandSettings(handoff=handoff),
-        workloads={} if workload is None else {EID: workload}, workload_refs={EID: ref})
+        workloads={} if workload is None else {EID: workload}, workload_refs={EID: ref}, offers=OfferBook())
     return e
 
 
@@ -67,9 +68,9 @@ def command(context: dict[str, Any] | None = None) -> NewCommand:
 async def test_a_command_is_handed_to_the_offering_worker_as_its_claim_would_give_it() -> None:
     e = engine(workload={"seed": 7})
     got = e._offer(result(offer()))
-    assert got is not None and got[0] == "worker-1"
-    handed = await e._hand(got, EID, 11, command(), Placed("default", None, "normal"))
-    assert handed is not None
+    assert got is not None and got.worker == "worker-1"
+    handed, left = await e._hand(got, EID, 11, command(), Placed("default", None, "normal"))
+    assert handed is not None and left is None
     cmd = handed.to_proto()
     assert (cmd.command_id, cmd.step, cmd.attempt, cmd.kind, cmd.shard_id, cmd.timeout_seconds) == (
         f"{EID}:b:1", "b", 1, "python", 3, 5.0)
@@ -85,7 +86,7 @@ async def test_a_large_workload_travels_by_reference_as_in_a_claim() -> None:
     e = engine(workload={"big": "x"}, ref=99)
     got = e._offer(result(offer()))
     assert got is not None
-    handed = await e._hand(got, EID, 11, command(), Placed("default", None, "normal"))
+    handed, _ = await e._hand(got, EID, 11, command(), Placed("default", None, "normal"))
     assert handed is not None
     context = json.loads(handed.to_proto().context_json)
     assert context["workload_ref"] == {"ref_id": 99} and "workload" not in context
@@ -110,11 +111,62 @@ async def test_a_command_the_worker_may_not_take_is_queued(why: str, the_offer: 
     e = engine(workload={})
     got = e._offer(result(the_offer))
     assert got is not None
-    assert await e._hand(got, EID, 11, command(context), placed) is None, why
+    handed, left = await e._hand(got, EID, 11, command(context), placed)
+    assert handed is None and left is got, why
+    assert len(e.d.offers) == 0
 
 
 async def test_an_execution_whose_workload_is_not_at_hand_is_queued() -> None:
     e = engine(workload=None)
     got = e._offer(result(offer()))
     assert got is not None
-    assert await e._hand(got, EID, 11, command(), Placed("default", None, "normal")) is None
+    assert (await e._hand(got, EID, 11, command(), Placed("default", None, "normal")))[0] is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def kept(worker: str, pools: tuple[str, ...] = ("default",)) -> Offer:
+    return Offer(worker, pools, {}, ())
+
+
+def test_a_kept_offer_is_given_once_newest_first_and_only_while_fresh() -> None:
+    clock = Clock()
+    book = OfferBook(0.25, clock=clock)
+    book.keep(kept("w1"))
+    clock.now += 0.1
+    book.keep(kept("w2"))
+    book.keep(kept("gpu-1", ("gpu",)))
+    assert book.take("default", None, "python") == kept("w2")  # the newest that qualifies
+    assert book.take("gpu", None, "python") == kept("gpu-1", ("gpu",))
+    assert book.take("gpu", None, "python") is None  # given once
+    clock.now += 0.2  # w1's offer is 0.3 s old now
+    assert book.take("default", None, "python") is None
+    assert len(book) == 0
+
+
+async def test_a_command_without_an_offer_of_its_own_takes_a_kept_one() -> None:
+    e = engine(workload={"seed": 1})
+    e.d.offers = OfferBook()
+    e.d.offers.keep(kept("worker-9"))
+    handed, left = await e._hand(None, EID, 11, command(), Placed("default", None, "normal"))
+    assert handed is not None and handed.row["worker_id"] == "worker-9" and left is None
+    assert auth.claim_token_valid(KEY, handed.claim_token, f"{EID}:b:1", 1, "worker-9")
+    # none left: the next command is queued
+    handed, _ = await e._hand(None, EID, 11, command(), Placed("default", None, "normal"))
+    assert handed is None
+
+
+async def test_an_own_offer_that_does_not_fit_is_left_for_the_next_command() -> None:
+    e = engine(workload={})
+    e.d.offers = OfferBook()
+    own = kept("worker-1", ("gpu",))
+    handed, left = await e._hand(own, EID, 11, command(), Placed("default", None, "normal"))
+    assert handed is None and left is own
+    handed, left = await e._hand(own, EID, 11, command(), Placed("gpu", None, "normal"))
+    assert handed is not None and handed.row["worker_id"] == "worker-1" and left is None

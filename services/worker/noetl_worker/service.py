@@ -222,7 +222,9 @@ class WorkerService(Service):
         # the slots waiting for a notice, each with the future that wakes it for a handoff
         self._idle: dict[int, asyncio.Future[None]] = {}
         # commands the engine handed to this worker ("Handoff"), not taken by a slot yet
-        self._handoffs: deque[messages_pb2.Command] = deque()
+        self._handoffs: deque[_Handoff] = deque()
+        # handed-off commands run outside the slots while the worker drains
+        self._late: set[asyncio.Task[None]] = set()
         self._draining = False
         self._handoff_sub: Any = None
         self._runs: dict[str, _Run] = {}
@@ -297,7 +299,7 @@ class WorkerService(Service):
             # user may not read handoffs (permissions older than this version) is never handed
             # commands it would not hear of
             subject = natsio.handoff_subject(self.worker_id)
-            self._handoff_sub = await natsio.subscribe_permitted(self.nc, subject, self._handed)
+            self._handoff_sub = await natsio.subscribe_permitted(self.nc, subject, self._on_handoff)
             if self._handoff_sub is None:
                 logger.error("this worker's NATS user may not subscribe to %s: handoffs are off (update the NATS"
                              " permissions: noetl-rt nats-config)", subject)
@@ -371,22 +373,32 @@ class WorkerService(Service):
         self._draining = True
         if self._recovering is not None:
             self._recovering.cancel()
-        if self._handoff_sub is not None:
-            with contextlib.suppress(Exception):
-                await self._handoff_sub.unsubscribe()
         grace = self.core.shutdown_grace_sec
         idle = [t for n, t in enumerate(self._slots) if n in self._idle]
         busy = [t for n, t in enumerate(self._slots) if n not in self._idle and not t.done()]
-        while self._handoffs:  # handed to us, claimed for us: run within the grace like the rest
-            busy.append(asyncio.ensure_future(self._run_handoff(self._handoffs.popleft())))
+        # Commands handed to this worker are claimed for it: those waiting for a slot, and
+        # those arriving while it drains (an offer made just before), run within the grace
+        # like the ones running (``_on_handoff``); the subscription ends after that.
+        while self._handoffs:
+            self._late_handoff(self._handoffs.popleft())
         for task in idle:
             task.cancel()
-        if busy:
-            logger.info("waiting up to %.1fs for %d running commands", grace * 0.6, len(busy))
-            _, pending = await asyncio.wait(busy, timeout=grace * 0.6)
-            for task in pending:
-                task.cancel()
-            idle.extend(pending)
+        deadline = time.monotonic() + grace * 0.6
+        if busy or self._late:
+            logger.info("waiting up to %.1fs for %d running commands", grace * 0.6, len(busy) + len(self._late))
+        while busy or self._late:
+            left = deadline - time.monotonic()
+            waiting = [*busy, *self._late]
+            done, _ = await asyncio.wait(waiting, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
+            busy = [t for t in busy if not t.done()]
+            if left <= 0 or not done:
+                for task in [*busy, *self._late]:
+                    task.cancel()
+                idle.extend([*busy, *self._late])
+                break
+        if self._handoff_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._handoff_sub.unsubscribe()
         if idle:
             await asyncio.wait(idle, timeout=1.0)
         if self.tools is not None:
@@ -468,22 +480,29 @@ class WorkerService(Service):
         if not command.command_id or not self._take(command):
             return
         CLAIMS.labels("handoff").inc()
-        self._handoffs.append(command)
+        # run later by a slot, in a span continuing the trace its headers carry
+        handoff = _Handoff(command, msg.subject, dict(msg.headers or {}))
+        if self._draining:  # no slot will take it: run it now, within the shutdown grace
+            self._late_handoff(handoff)
+            return
+        self._handoffs.append(handoff)
         for wake in self._idle.values():
             if not wake.done():
                 wake.set_result(None)
                 break
 
-    @tracing.consumer  # the handoff's span, continuing the execution's trace (the message headers)
-    async def _handed(self, msg: Msg) -> None:
-        await self._on_handoff(msg)
+    def _late_handoff(self, handoff: _Handoff) -> None:
+        task = asyncio.ensure_future(self._run_handoff(handoff))
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
 
-    async def _run_handoff(self, command: messages_pb2.Command) -> None:
+    async def _run_handoff(self, handoff: _Handoff) -> None:
         try:
-            await self.run_command(command)
+            with tracing.consumer_span(handoff.subject, handoff.headers):
+                await self.run_command(handoff.command)
         except Exception:
             logger.exception("running the handed-off command %s failed; its lease expires and it is re-issued",
-                             command.command_id)
+                             handoff.command.command_id)
 
     def _handoff_offer(self) -> messages_pb2.HandoffOffer | None:
         """Offered with a result when a slot is idle for each command already handed here:
@@ -745,6 +764,15 @@ class WorkerService(Service):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, PUBLISH_BACKOFF_CAP_SEC)
         RESULT_BYTES.observe(len(encode_json(envelope_from_proto(result.envelope))))
+
+
+@dataclass(frozen=True)
+class _Handoff:
+    """A command the engine handed to this worker, with the message's subject and headers."""
+
+    command: messages_pb2.Command
+    subject: str
+    headers: dict[str, str]
 
 
 async def _settle(op: Any) -> None:

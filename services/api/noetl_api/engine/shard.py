@@ -27,7 +27,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
 
 import noetl_store
-from noetl_common import auth, faults, natsio, pools
+from noetl_common import auth, faults, natsio
 from noetl_common.coalesce import ShardRounds, to_boundary
 from noetl_common.config import CommandSettings, ExecutionSettings, LimitSettings
 from noetl_common.db import Pool, pipelined_transaction
@@ -68,6 +68,7 @@ from noetl_store import ResultStore, envelope_from_proto
 from ..catalog import Catalog
 from ..claims import Claimed, Claims
 from . import limits
+from .handoff import Offer, OfferBook
 from .limits import EngineLimits
 from .placing import Placed, place
 from .traces import EngineTraces
@@ -130,6 +131,8 @@ class EngineDeps:
     claim_key: bytes = b""
     # assembles the commands handed to workers ("Handoff"); None: no handoffs
     claims: Claims | None = None
+    # offers no command of their own result took, for the next command of any shard here
+    offers: OfferBook = field(default_factory=OfferBook)
     reconnects: natsio.Reconnects = field(default_factory=natsio.Reconnects)
     workloads: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)
     # the submission's priority per execution ("" when it gave none), kept and dropped
@@ -540,6 +543,7 @@ class ShardEngine:
                     continue
                 eid = t.state.execution_id
                 states[eid] = t.state
+                offer = self._offer(inp)
                 for instance, items in t.loop_items:
                     await loops_db.store_loop_items(conn, eid, instance, items)
                 for source, source_instance, instance in t.loop_copies:
@@ -562,15 +566,13 @@ class ShardEngine:
                 if t.commands or t.republish:
                     placements = (await self.d.catalog.compiled(t.state.catalog_id)).placements
                     submitted = self.d.priorities.get(eid) or None
-                    offer = self._offer(inp)
                     for c in t.commands:
                         placed = place(placements, c.step, submitted)
-                        handed = await self._hand(offer, eid, t.state.catalog_id, c, placed) if offer else None
+                        handed, offer = await self._hand(offer, eid, t.state.catalog_id, c, placed)
                         if handed is not None:  # inserted claimed by the worker, sent after the commit
                             worker = str(handed.row["worker_id"])
                             handoffs.append((worker, handed))
                             new_commands.append(QueuedCommand(eid, t.state.catalog_id, c, placed, worker))
-                            offer = None  # one command per offer
                             continue
                         new_commands.append(QueuedCommand(eid, t.state.catalog_id, c, placed))
                         publish.append((c.command_id, eid, c.attempt, c.kind, placed))
@@ -579,6 +581,8 @@ class ShardEngine:
                         publish.append((cid, eid, attempt, kind, place(placements, pending.step if pending else "",
                                                                        submitted)))
                 updates.extend(t.updates)
+                if offer is not None:  # none of its own result's commands took it
+                    self.d.offers.keep(offer)
             started_ids = [e for e in requests if e in touched]
             horizon = snowflake_at(int((time.time() - 60) * 1000))
             new_sweep = min(max(started_ids, default=sweep_from), horizon)
@@ -856,37 +860,43 @@ class ShardEngine:
             except NoetlError as exc:
                 logger.warning("cancel nudge of child execution %s not published: %s", child["execution_id"], exc)
 
-    def _offer(self, inp: _Input) -> tuple[str, messages_pb2.HandoffOffer] | None:
-        """The worker offering to take the command its result leads to, and what it serves."""
-        if (inp.kind != "call_result" or self.d.claims is None or not self.d.commands.handoff
-                or not inp.msg.HasField("handoff") or not inp.msg.worker_id):
+    def _offer(self, inp: _Input) -> Offer | None:
+        """The worker's offer to take the command its result leads to (see ``_hand``)."""
+        if inp.kind != "call_result" or self.d.claims is None or not self.d.commands.handoff:
             return None
-        return inp.msg.worker_id, inp.msg.handoff
+        return Offer.of(inp.msg)
 
-    async def _hand(self, offer: tuple[str, messages_pb2.HandoffOffer], eid: int, catalog_id: int,
-                    c: NewCommand, placed: Placed) -> Claimed | None:
-        """``c`` as its claim would give it to the offering worker, or None when it is not
-        handed off: a loop's iteration (its items and progress are read at claim), a
-        command the worker does not qualify for, or an execution whose workload is not at
-        hand. A command handed off is committed claimed by the worker (its lease running),
-        so a handoff lost on the way costs a lease expiry and a re-issue, like a worker
-        that dies holding a claim."""
-        worker, placement = offer
+    async def _hand(self, offer: Offer | None, eid: int, catalog_id: int, c: NewCommand,
+                    placed: Placed) -> tuple[Claimed | None, Offer | None]:
+        """Hand ``c`` to the worker of ``offer`` (the offer of the result that led to it),
+        else to that of a kept offer (``OfferBook``), if either qualifies for it: ``c`` as
+        its claim would give it to that worker, and the offer left for the next command
+        (None once used). Not handed off: a loop's iteration (its items and progress are
+        read at claim), and a command of an execution whose workload is not at hand. A
+        command handed off is committed claimed by the worker (its lease running), so a
+        handoff lost on the way costs a lease expiry and a re-issue, like a worker that
+        dies holding a claim."""
         workload = self.d.workloads.get(eid)
-        if (c.context.get("loop") or workload is None or eid not in self.d.workload_refs
-                or not pools.qualifies(tuple(placement.pools), dict(placement.labels), tuple(placement.tools),
-                                       command_pool=placed.pool, requires=placed.requires, kind=c.kind)):
-            return None
-        assert self.d.claims is not None
+        if (self.d.claims is None or not self.d.commands.handoff or c.context.get("loop") or workload is None
+                or eid not in self.d.workload_refs):
+            return None, offer
+        own = offer is not None and offer.fits(placed.pool, placed.requires, c.kind)
+        taker = offer if own else self.d.offers.take(placed.pool, placed.requires, c.kind)
+        if taker is None:
+            return None, offer
         row = {"command_id": c.command_id, "execution_id": eid, "shard_id": self.shard, "catalog_id": catalog_id,
                "step": c.step, "kind": c.kind, "attempt": c.attempt, "context": c.context,
-               "timeout_sec": float(c.timeout_sec), "worker_id": worker, "workload_ref_id": self.d.workload_refs[eid],
+               "timeout_sec": float(c.timeout_sec), "worker_id": taker.worker,
+               "workload_ref_id": self.d.workload_refs[eid],
                "lease_until": datetime.now(UTC) + timedelta(seconds=self.d.commands.lease_sec)}
         try:
-            return await self.d.claims.assemble(row, workload)
+            handed = await self.d.claims.assemble(row, workload)
         except NoetlError as exc:  # queued and claimed as usual instead (the claim says why)
             logger.debug("command %s not handed off: %s", c.command_id, exc)
-            return None
+            if not own:
+                self.d.offers.keep(taker)
+            return None, offer
+        return handed, None if own else offer
 
     async def _send_handoffs(self, items: list[tuple[str, Claimed]]) -> None:
         async def one(worker: str, handed: Claimed) -> None:
