@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -138,6 +139,9 @@ RECENT_KEEP_SEC = 300.0
 WORKER_ERROR = "WORKER_ERROR"
 # Core-NATS hints of cancelled commands, one subject per shard (natsio.cancel_subject).
 CANCEL_HINTS_SUBJECT = natsio.cancel_filter()
+# How long a slot whose result offered a handoff waits for it before pulling notices again
+# (the engine answers in a few ms; an offer it does not take costs the slot this pause).
+HANDOFF_WAIT_SEC = 0.1
 STREAMS_WAIT_SEC = 120.0
 # What the api answers (translated) about a claim that is not ours to take, and a lease
 # that is no longer ours (FAILED_PRECONDITION, NOT_FOUND, ABORTED).
@@ -225,6 +229,8 @@ class WorkerService(Service):
         self._handoffs: deque[_Handoff] = deque()
         # handed-off commands run outside the slots while the worker drains
         self._late: set[asyncio.Task[None]] = set()
+        # slots waiting for the handoff their result offered (``_await_handoff``)
+        self._awaiting: list[asyncio.Future[None]] = []
         self._draining = False
         self._handoff_sub: Any = None
         self._runs: dict[str, _Run] = {}
@@ -426,7 +432,14 @@ class WorkerService(Service):
             pool, _, priority = key.partition(".")
             subs[key] = await self.js.pull_subscribe_bind(durable=pools.consumer_name(pool, priority),
                                                           stream=natsio.COMMANDS_STREAM)
+        mark = _SlotMark()
+        _SLOT_MARK.set(mark)  # _publish notes there that this slot's result offered a handoff
         while not self._draining:
+            if mark.offered:
+                # the engine is likely to hand this worker the next command within a few ms:
+                # wait for it here rather than pulling notices and withdrawing the requests
+                mark.offered = False
+                await self._await_handoff()
             if self._handoffs:
                 await self._run_handoff(self._handoffs.popleft())
                 continue
@@ -486,10 +499,21 @@ class WorkerService(Service):
             self._late_handoff(handoff)
             return
         self._handoffs.append(handoff)
-        for wake in self._idle.values():
+        for wake in (*self._awaiting, *self._idle.values()):  # a slot waiting for it first
             if not wake.done():
                 wake.set_result(None)
                 break
+
+    async def _await_handoff(self) -> None:
+        """Wait up to HANDOFF_WAIT_SEC for a handoff (after this slot's result offered one)."""
+        if self._handoffs or self._draining:
+            return
+        wake = asyncio.get_running_loop().create_future()
+        self._awaiting.append(wake)
+        try:
+            await asyncio.wait((wake,), timeout=HANDOFF_WAIT_SEC)
+        finally:
+            self._awaiting.remove(wake)
 
     def _late_handoff(self, handoff: _Handoff) -> None:
         task = asyncio.ensure_future(self._run_handoff(handoff))
@@ -507,7 +531,8 @@ class WorkerService(Service):
     def _handoff_offer(self) -> messages_pb2.HandoffOffer | None:
         """Offered with a result when a slot is idle for each command already handed here:
         the engine may then hand this worker the command the result leads to."""
-        if self._handoff_sub is None or self._draining or len(self._idle) <= len(self._handoffs):
+        if self._handoff_sub is None or self._draining or \
+                len(self._idle) + len(self._awaiting) <= len(self._handoffs):
             return None
         p = self.placement
         return messages_pb2.HandoffOffer(pools=list(p.pools), labels=dict(p.labels), tools=list(p.tools))
@@ -738,6 +763,8 @@ class WorkerService(Service):
         offer = self._handoff_offer()
         if offer is not None:
             result.handoff.CopyFrom(offer)
+            if (mark := _SLOT_MARK.get()) is not None:
+                mark.offered = True
         payload = messages_pb2.EngineInput(call_result=result).SerializeToString()
         subject = natsio.events_subject(command.shard_id, natsio.KIND_CALL)
         msg_id = result_msg_id(command.command_id, command.attempt)
@@ -764,6 +791,15 @@ class WorkerService(Service):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, PUBLISH_BACKOFF_CAP_SEC)
         RESULT_BYTES.observe(len(encode_json(envelope_from_proto(result.envelope))))
+
+
+class _SlotMark:
+    """Per slot: whether the result it just published offered a handoff."""
+
+    offered = False
+
+
+_SLOT_MARK: contextvars.ContextVar[_SlotMark | None] = contextvars.ContextVar("noetl_slot_mark", default=None)
 
 
 @dataclass(frozen=True)
