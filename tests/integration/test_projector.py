@@ -22,9 +22,10 @@ from waiting import until, until_set
 from noetl_common import natsio
 from noetl_common.coalesce import ShardRounds
 from noetl_common.db import Pool, make_pool
-from noetl_common.errors import LeaseLost
+from noetl_common.errors import LeaseLost, Unavailable
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
+from noetl_db import read_models
 from noetl_projector.worker import ShardProjector, projection_polls
 
 pytestmark = pytest.mark.integration
@@ -260,6 +261,47 @@ async def test_small_batches_fold_to_the_same_state(history: History, nc: NATS) 
         marks.append(await sh.watermark())
     assert marks == [2, 4, 6, 8, 10, 12, 14]
     assert await sh.views() == one_batch
+
+
+async def test_a_running_executions_later_batches_read_no_read_model_rows(history: History, nc: NATS,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The projector keeps the views it committed: a batch loads only executions it has not
+    seen (and, after a batch that failed, every one again); the rows come out as a fresh
+    fold's."""
+    sh = history.shard
+    await project_all(sh.projector(nc))
+    expected = await sh.views()
+    await sh.reset(views=True)
+    loaded: list[list[int]] = []
+    real_load, real_save = read_models.load_views, read_models.save_views
+    fail_next_save = False
+
+    async def load_views(conn: Any, shard: int, ids: Any) -> Any:
+        loaded.append(sorted(ids))
+        return await real_load(conn, shard, ids)
+
+    async def save_views(conn: Any, views: Any) -> None:
+        nonlocal fail_next_save
+        if fail_next_save:
+            fail_next_save = False
+            raise Unavailable("injected: the batch's writes failed")
+        await real_save(conn, views)
+
+    monkeypatch.setattr(read_models, "load_views", load_views)
+    monkeypatch.setattr(read_models, "save_views", save_views)
+    projector = sh.projector(nc, batch_size=2)
+    assert await projector.project_once() == 2  # events 1-2: e1
+    assert await projector.project_once() == 2  # 3-4: e2 is new, e1 is kept
+    assert loaded == [[history.done], [history.failed]]
+    fail_next_save = True
+    with pytest.raises(Unavailable):
+        await projector.project_once()  # 5-6 fail: the kept views are dropped
+    assert await projector.project_once() == 2  # 5-6 again: e1 and e2 read again
+    assert loaded[-1] == sorted([history.done, history.failed])
+    assert await project_all(projector) == [2, 2, 2, 2, 0]
+    # e2 ended (event 9) and was let go; e1 and e3 were kept to their ends
+    assert loaded[-1] == [history.running]
+    assert await sh.views() == expected
 
 
 async def test_stale_epoch_raises_lease_lost_and_writes_nothing(history: History, nc: NATS) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,7 +24,7 @@ from noetl_common.shards import ShardOwnership
 from noetl_common.shardtasks import forget_on_loss
 from noetl_common.vocab import PUBLIC_TERMINAL, EventType
 from noetl_db import read_models
-from noetl_flow.projection import fold
+from noetl_flow.projection import ExecutionView, fold
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ LAG = Gauge("noetl_projection_lag_seconds", "Age of the newest projected event w
 forget_on_loss("projector", LAG)
 MAX_LAG_MS = 2**31 - 1  # projection_checkpoint.lag_ms is an int (~24.8 days)
 PROJECTED = Counter("noetl_projected_events_total", "Events folded into the read models", ["shard"])
+# Read models of running executions kept per shard projector (the committed rows it wrote)
+VIEWS_KEPT = 1000
 
 
 def projection_polls(pool: Pool) -> ShardRounds[int, bool]:
@@ -65,6 +67,11 @@ class ShardProjector:
         self.polls = polls or projection_polls(pool)
         self._wake = asyncio.Event()
         self._stopped = False
+        # The read models of the shard's running executions as this projector last committed
+        # them (it is their only writer while it holds the shard at this epoch): a batch loads
+        # only those it has not seen, so a running execution's batches skip that round trip.
+        # Dropped on any failed batch; a terminal execution's is dropped when projected.
+        self._views: OrderedDict[int, ExecutionView] = OrderedDict()
 
     def stop(self) -> None:
         self._stopped = True
@@ -108,9 +115,17 @@ class ShardProjector:
 
         Raises LeaseLost when the lease is not ours any more, and a NoetlError (psycopg
         errors translated) on failures the loop retries."""
+        try:
+            return await self._project_once()
+        except BaseException:
+            self._views.clear()  # it may hold folds that did not commit
+            raise
+
+    async def _project_once(self) -> int:
         touched: list[int] = []
         barrier = False
-        # pipeline mode: fence + read, load, then the writes with the COMMIT (three round trips)
+        # pipeline mode: fence + read, load (only views not kept), then the writes with the
+        # COMMIT (three round trips, two when every view is kept)
         async with pipelined_transaction(self.pool) as conn:
             events = await read_models.fence_and_read(conn, self.shard, self.ownership.runtime_id, self.epoch,
                                                 self.batch_size)
@@ -122,7 +137,9 @@ class ShardProjector:
                     by_exec[ev["execution_id"]].append(ev)
                 else:
                     barrier = True
-            views = await read_models.load_views(conn, self.shard, list(by_exec))
+            views = {e: self._views[e] for e in by_exec if e in self._views}
+            if missing := [e for e in by_exec if e not in views]:
+                views.update(await read_models.load_views(conn, self.shard, missing))
             for eid, evs in by_exec.items():
                 if fold(views[eid], evs):
                     touched.append(eid)
@@ -131,6 +148,16 @@ class ShardProjector:
             lag = int((datetime.now(UTC) - last["created_at"]).total_seconds() * 1000)
             lag = min(max(lag, 0), MAX_LAG_MS)
             await read_models.advance(conn, self.shard, int(last["shard_seq"]), lag)
+        for eid, view in views.items():  # committed: keep what the rows now say
+            if view.status in PUBLIC_TERMINAL:
+                self._views.pop(eid, None)
+                continue
+            for step in view.steps.values():
+                step.dirty = False
+            self._views[eid] = view
+            self._views.move_to_end(eid)
+        while len(self._views) > VIEWS_KEPT:
+            self._views.popitem(last=False)
         LAG.labels(str(self.shard)).set(lag / 1000)
         PROJECTED.labels(str(self.shard)).inc(len(events))
         if barrier:
