@@ -761,7 +761,10 @@ class Doc:
         if _ok(k):
             self.w(f"**Concurrency**: all {k['executions']} submitted in {k['submit_all_s']:.2f} s; latency per "
                    f"execution (read model, created → ended) p50 {k['latency']['p50_ms']:.0f} ms, p95 "
-                   f"{k['latency']['p95_ms']:.0f} ms; admission refusals {k['admission_refusals']}; projection lag "
+                   f"{k['latency']['p95_ms']:.0f} ms; admission refusals {k['admission_refusals']}; "
+                   + (f"commands handed to the worker whose result led to them {k['handed_off']:,} of "
+                      f"{k['commands']:,} (the rest claimed); " if k.get("commands") else "")
+                   + "projection lag "
                    f"p50 {_f(k['projection_lag_ms']['p50'])} / p95 {_f(k['projection_lag_ms']['p95'])} / max "
                    f"{_f(k['projection_lag_ms']['max'])} ms over {k['projection_lag_ms']['samples']} projector "
                    f"batches; checkpoint age p50 {_f(k['checkpoint_age_ms']['p50'])} / p99 "
