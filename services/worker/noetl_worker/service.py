@@ -763,7 +763,11 @@ class WorkerService(Service):
         offer = self._handoff_offer()
         if offer is not None:
             result.handoff.CopyFrom(offer)
-            if (mark := _SLOT_MARK.get()) is not None:
+            # The slot waits for the handoff, unless the command ran loop iterations: their
+            # result usually leads to more iterations, which are never handed off (its offer
+            # then waits in the engine for another command, and an idle slot takes that).
+            # A context naming a loop anywhere only costs the wait; a loop's always names it.
+            if (mark := _SLOT_MARK.get()) is not None and '"loop"' not in command.context_json:
                 mark.offered = True
         payload = messages_pb2.EngineInput(call_result=result).SerializeToString()
         subject = natsio.events_subject(command.shard_id, natsio.KIND_CALL)
