@@ -12,7 +12,7 @@ import pytest
 
 from noetl_api.catalog import parse
 from noetl_api.claims import Claims
-from noetl_api.engine.handoff import Offer, OfferBook
+from noetl_api.engine.handoff import MAX_HANDOFF_BYTES, Offer, OfferBook
 from noetl_api.engine.placing import Placed
 from noetl_api.engine.shard import ShardEngine, _Input
 from noetl_common import auth
@@ -44,6 +44,7 @@ def engine(*, handoff: bool = True, workload: dict[str, Any] | None = None, ref:
     e.shard = 3
     e.d = SimpleNamespace(  # type: ignore[assignment]
         claims=Claims(None, FakeCatalog(), 30.0, KEY),  # type: ignore[arg-type]
+        nc=SimpleNamespace(max_payload=1024 * 1024),
         commands=CommandSettings(handoff=handoff),
         workloads={} if workload is None else {EID: workload}, workload_refs={EID: ref}, offers=OfferBook())
     return e
@@ -71,7 +72,9 @@ async def test_a_command_is_handed_to_the_offering_worker_as_its_claim_would_giv
     assert got is not None and got.worker == "worker-1"
     handed, left = await e._hand(got, EID, 11, command(), Placed("default", None, "normal"))
     assert handed is not None and left is None
-    cmd = handed.to_proto()
+    worker, data = handed
+    cmd = messages_pb2.Command.FromString(data)
+    assert worker == "worker-1"
     assert (cmd.command_id, cmd.step, cmd.attempt, cmd.kind, cmd.shard_id, cmd.timeout_seconds) == (
         f"{EID}:b:1", "b", 1, "python", 3, 5.0)
     # the engine accepts its result only with this token: of this attempt, for this worker
@@ -88,7 +91,7 @@ async def test_a_large_workload_travels_by_reference_as_in_a_claim() -> None:
     assert got is not None
     handed, _ = await e._hand(got, EID, 11, command(), Placed("default", None, "normal"))
     assert handed is not None
-    context = json.loads(handed.to_proto().context_json)
+    context = json.loads(messages_pb2.Command.FromString(handed[1]).context_json)
     assert context["workload_ref"] == {"ref_id": 99} and "workload" not in context
 
 
@@ -155,8 +158,9 @@ async def test_a_command_without_an_offer_of_its_own_takes_a_kept_one() -> None:
     e.d.offers = OfferBook()
     e.d.offers.keep(kept("worker-9"))
     handed, left = await e._hand(None, EID, 11, command(), Placed("default", None, "normal"))
-    assert handed is not None and handed.row["worker_id"] == "worker-9" and left is None
-    assert auth.claim_token_valid(KEY, handed.claim_token, f"{EID}:b:1", 1, "worker-9")
+    assert handed is not None and handed[0] == "worker-9" and left is None
+    token = messages_pb2.Command.FromString(handed[1]).claim_token
+    assert auth.claim_token_valid(KEY, token, f"{EID}:b:1", 1, "worker-9")
     # none left: the next command is queued
     handed, _ = await e._hand(None, EID, 11, command(), Placed("default", None, "normal"))
     assert handed is None
@@ -169,4 +173,19 @@ async def test_an_own_offer_that_does_not_fit_is_left_for_the_next_command() -> 
     handed, left = await e._hand(own, EID, 11, command(), Placed("default", None, "normal"))
     assert handed is None and left is own
     handed, left = await e._hand(own, EID, 11, command(), Placed("gpu", None, "normal"))
-    assert handed is not None and handed.row["worker_id"] == "worker-1" and left is None
+    assert handed is not None and handed[0] == "worker-1" and left is None
+
+
+async def test_a_command_too_large_for_a_handoff_is_queued_and_the_offer_kept() -> None:
+    """A handoff is one core-NATS message: a command past MAX_HANDOFF_BYTES (or the
+    server's max_payload) is claimed over gRPC instead, and a kept offer stays kept."""
+    e = engine(workload={"seed": 1})
+    big = command({"a": {"v": "x" * (MAX_HANDOFF_BYTES + 1)}})
+    own = e._offer(result(offer()))
+    assert await e._hand(own, EID, 11, big, Placed("default", None, "normal")) == (None, own)
+    e.d.offers.keep(kept("worker-9"))
+    assert await e._hand(None, EID, 11, big, Placed("default", None, "normal")) == (None, None)
+    assert len(e.d.offers) == 1
+    e.d.nc.max_payload = 1000  # a server with a smaller limit
+    assert (await e._hand(own, EID, 11, command({"a": {"v": "x" * 1000}}),
+                          Placed("default", None, "normal")))[0] is None

@@ -24,6 +24,9 @@ from noetl_common import pools
 OFFER_TTL_SEC = 0.25
 # At most this many kept offers per api process (the oldest go first).
 MAX_KEPT = 256
+# A command larger than this (serialised) is queued and claimed, not handed off: a handoff
+# is one core-NATS message (the server refuses one past its max_payload, 1 MiB by default).
+MAX_HANDOFF_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)

@@ -66,9 +66,9 @@ from noetl_proto.v1 import messages_pb2
 from noetl_store import ResultStore, envelope_from_proto
 
 from ..catalog import Catalog
-from ..claims import Claimed, Claims
+from ..claims import Claims
 from . import limits
-from .handoff import Offer, OfferBook
+from .handoff import MAX_HANDOFF_BYTES, Offer, OfferBook
 from .limits import EngineLimits
 from .placing import Placed, place
 from .traces import EngineTraces
@@ -497,7 +497,8 @@ class ShardEngine:
         new_commands: list[QueuedCommand] = []
         updates: list[Any] = []
         publish: list[tuple[str, int, int, str, Placed]] = []
-        handoffs: list[tuple[str, Claimed]] = []
+        handoffs: list[tuple[str, int, bytes]] = []  # (worker, execution, the Command message)
+        unused: list[Offer] = []  # offers kept for another command once the batch commits
         loop_results: list[IterationResult] = []
         dead_letters: list[tuple[int, Any]] = []
         redrives: list[RedriveOutcome] = []
@@ -570,8 +571,8 @@ class ShardEngine:
                         placed = place(placements, c.step, submitted)
                         handed, offer = await self._hand(offer, eid, t.state.catalog_id, c, placed)
                         if handed is not None:  # inserted claimed by the worker, sent after the commit
-                            worker = str(handed.row["worker_id"])
-                            handoffs.append((worker, handed))
+                            worker, data = handed
+                            handoffs.append((worker, eid, data))
                             new_commands.append(QueuedCommand(eid, t.state.catalog_id, c, placed, worker))
                             continue
                         new_commands.append(QueuedCommand(eid, t.state.catalog_id, c, placed))
@@ -582,7 +583,7 @@ class ShardEngine:
                                                                        submitted)))
                 updates.extend(t.updates)
                 if offer is not None:  # none of its own result's commands took it
-                    self.d.offers.keep(offer)
+                    unused.append(offer)
             started_ids = [e for e in requests if e in touched]
             horizon = snowflake_at(int((time.time() - 60) * 1000))
             new_sweep = min(max(started_ids, default=sweep_from), horizon)
@@ -631,6 +632,8 @@ class ShardEngine:
             self.d.priorities.popitem(last=False)
         while len(self.d.workload_refs) > 20_000:
             self.d.workload_refs.popitem(last=False)
+        for offer in unused:  # (kept only now: a batch that failed is folded again)
+            self.d.offers.keep(offer)
         if handoffs:
             await self._send_handoffs(handoffs)
         if publish:
@@ -867,15 +870,17 @@ class ShardEngine:
         return Offer.of(inp.msg)
 
     async def _hand(self, offer: Offer | None, eid: int, catalog_id: int, c: NewCommand,
-                    placed: Placed) -> tuple[Claimed | None, Offer | None]:
+                    placed: Placed) -> tuple[tuple[str, bytes] | None, Offer | None]:
         """Hand ``c`` to the worker of ``offer`` (the offer of the result that led to it),
-        else to that of a kept offer (``OfferBook``), if either qualifies for it: ``c`` as
-        its claim would give it to that worker, and the offer left for the next command
-        (None once used). Not handed off: a loop's iteration (its items and progress are
-        read at claim), and a command of an execution whose workload is not at hand. A
-        command handed off is committed claimed by the worker (its lease running), so a
-        handoff lost on the way costs a lease expiry and a re-issue, like a worker that
-        dies holding a claim."""
+        else to that of a kept offer (``OfferBook``), if either qualifies for it: the
+        worker and ``c`` as its claim would give it to that worker (a serialised
+        ``Command``), and the offer left for the next command (None once used). Not
+        handed off: a loop's iteration (its items and progress are read at claim), a
+        command of an execution whose workload is not at hand, and one larger than a
+        handoff may be (``handoff.MAX_HANDOFF_BYTES``, or the NATS server's payload limit;
+        a claim answers it over gRPC). A command handed off is committed claimed by the
+        worker (its lease running), so a handoff lost on the way costs a lease expiry and
+        a re-issue, like a worker that dies holding a claim."""
         workload = self.d.workloads.get(eid)
         if (self.d.claims is None or not self.d.commands.handoff or c.context.get("loop") or workload is None
                 or eid not in self.d.workload_refs):
@@ -890,22 +895,24 @@ class ShardEngine:
                "workload_ref_id": self.d.workload_refs[eid],
                "lease_until": datetime.now(UTC) + timedelta(seconds=self.d.commands.lease_sec)}
         try:
-            handed = await self.d.claims.assemble(row, workload)
+            data = (await self.d.claims.assemble(row, workload)).to_proto().SerializeToString()
         except NoetlError as exc:  # queued and claimed as usual instead (the claim says why)
             logger.debug("command %s not handed off: %s", c.command_id, exc)
+            data = b""
+        if not data or len(data) > min(MAX_HANDOFF_BYTES, self.d.nc.max_payload or MAX_HANDOFF_BYTES):
             if not own:
                 self.d.offers.keep(taker)
             return None, offer
-        return handed, None if own else offer
+        return (taker.worker, data), None if own else offer
 
-    async def _send_handoffs(self, items: list[tuple[str, Claimed]]) -> None:
-        async def one(worker: str, handed: Claimed) -> None:
-            await natsio.send(self.d.nc, natsio.handoff_subject(worker), handed.to_proto().SerializeToString(),
-                              trace_parent=self.d.traces.notice_parent(int(handed.row["execution_id"])))
+    async def _send_handoffs(self, items: list[tuple[str, int, bytes]]) -> None:
+        async def one(worker: str, eid: int, data: bytes) -> None:
+            await natsio.send(self.d.nc, natsio.handoff_subject(worker), data,
+                              trace_parent=self.d.traces.notice_parent(eid))
 
         results = await asyncio.gather(*(one(*i) for i in items), return_exceptions=True)
-        HANDOFFS.labels(str(self.shard)).inc(len(items))
         failed = [r for r in results if isinstance(r, BaseException)]
+        HANDOFFS.labels(str(self.shard)).inc(len(items) - len(failed))
         if failed:
             logger.warning("%s handed-off commands not sent (%s); each is re-issued when its claim lease expires",
                            len(failed), failed[0])
