@@ -125,6 +125,7 @@ async def test_a_handoff_reaches_the_worker_and_a_refused_subscription_is_known(
         subject = natsio.handoff_subject("worker-7")
         assert await natsio.subscribe_permitted(worker, subject, on_handoff) is not None
         assert await natsio.subscribe_permitted(projector, subject, on_handoff) is None
+        assert natsio.refused(projector, subject) and not natsio.refused(worker, subject)
         await natsio.send(api, subject, b"command")
         assert await asyncio.wait_for(seen.get(), 5) == b"command"
         await asyncio.sleep(0.2)  # the refused subscription got nothing

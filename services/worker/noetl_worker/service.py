@@ -531,6 +531,11 @@ class WorkerService(Service):
     def _handoff_offer(self) -> messages_pb2.HandoffOffer | None:
         """Offered with a result when a slot is idle for each command already handed here:
         the engine may then hand this worker the command the result leads to."""
+        if self._handoff_sub is not None and self.nc is not None and natsio.refused(self.nc, self._handoff_sub.subject):
+            # refused after subscribe_permitted looked: nothing would reach this worker
+            logger.error("this worker's NATS user may not subscribe to %s: handoffs are off (update the NATS"
+                         " permissions: noetl-rt nats-config)", self._handoff_sub.subject)
+            self._handoff_sub = None
         if self._handoff_sub is None or self._draining or \
                 len(self._idle) + len(self._awaiting) <= len(self._handoffs):
             return None
