@@ -130,18 +130,27 @@ async def insert_submission(conn: Conn, *, execution_id: int, shard_id: int, cat
                             idempotency_key: str | None, parent_execution_id: int | None, parent_step: str | None,
                             timeout_sec: float, traceparent: str | None, depth: int, workload_ref_id: int | None,
                             payload_bytes: int, submitted_by: int | None, rerun_of: int | None,
-                            rerun_from: str | None, priority: str | None) -> bool:
+                            rerun_from: str | None, priority: str | None, latest_of: str | None = None) -> bool:
     """Record a submission; False when ``idempotency_key`` was already taken (a concurrent
-    retry won: its execution is the one)."""
-    return await one(conn,
-        "INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
-        " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent, depth,"
-        " workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from, priority)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-        " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id",
-        (execution_id, shard_id, catalog_id, payload, idempotency_key, parent_execution_id, parent_step,
-         timeout_sec, traceparent, depth, workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from,
-         priority)) is not None
+    retry won: its execution is the one), or, with ``latest_of`` (a catalog path), when
+    ``catalog_id`` is no longer the latest version of that path (checked in the same
+    statement: an api's remembered catalog entry is a hint, never pinned stale)."""
+    values = (execution_id, shard_id, catalog_id, payload, idempotency_key, parent_execution_id, parent_step,
+              timeout_sec, traceparent, depth, workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from,
+              priority)
+    columns = ("INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
+               " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent, depth,"
+               " workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from, priority)")
+    conflict = " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id"
+    if latest_of is None:
+        return await one(conn, columns + " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                         + conflict, values) is not None
+    return await one(conn, columns + " SELECT %s::bigint, %s::int, %s::bigint, %s::jsonb, %s::text, %s::bigint,"
+                     " %s::text, %s::double precision, %s::text, %s::int, %s::bigint, %s::int, %s::bigint, %s::bigint,"
+                     " %s::text, %s::text"
+                     " WHERE (SELECT c.catalog_id FROM noetl.catalog c WHERE c.path = %s"
+                     " ORDER BY c.version DESC LIMIT 1) = %s" + conflict,
+                     (*values, latest_of, catalog_id)) is not None
 
 
 async def request_cancel(conn: Conn, execution_id: int, shard_id: int, reason: str) -> None:

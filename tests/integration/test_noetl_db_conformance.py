@@ -1017,6 +1017,40 @@ async def test_insert_submission_refuses_a_reused_idempotency_key(db: Pool, cata
     assert (loaded[e1]["path"], loaded[e1]["version"], loaded[e1]["payload"]) == (f"{TAG}/playbook", 1, {"n": 1})
 
 
+@covers("requests.insert_submission")
+async def test_insert_submission_latest_of_pins_only_the_latest_version(db: Pool) -> None:
+    """An api's remembered catalog entry is pinned only while it is its path's latest
+    version: the check is in the insert's own statement (submissions.py)."""
+    path = f"{TAG}/{unique('latest')}"
+    async with transaction(db) as conn:
+        v1 = await catalog.insert(conn, path=path, version=1, kind="Playbook", name="v1", content="a: 1",
+                                  sha256="1" * 64, doc={})
+
+    async def insert(catalog_id: int, key: str | None = None) -> tuple[bool, int]:
+        eid = new_eid()
+        async with autocommit(db) as conn:
+            ok = await requests.insert_submission(
+                conn, execution_id=eid, shard_id=1, catalog_id=catalog_id, payload='{"n": 2}', idempotency_key=key,
+                parent_execution_id=None, parent_step=None, timeout_sec=9.5, traceparent="00-x", depth=0,
+                workload_ref_id=None, payload_bytes=8, submitted_by=3, rerun_of=None, rerun_from=None,
+                priority="low", latest_of=path)
+        return ok, eid
+
+    ok, e1 = await insert(v1["catalog_id"], key := unique("key"))
+    assert ok
+    row = await request_row(db, e1) or {}
+    assert (row["catalog_id"], row["payload"], row["timeout_sec"], row["traceparent"], row["submitted_by"],
+            row["priority"], row["idempotency_key"]) == (v1["catalog_id"], {"n": 2}, 9.5, "00-x", 3, "low", key)
+    assert (await insert(v1["catalog_id"], key))[0] is False, "the idempotency key still decides"
+    async with transaction(db) as conn:
+        v2 = await catalog.insert(conn, path=path, version=2, kind="Playbook", name="v2", content="a: 2",
+                                  sha256="2" * 64, doc={})
+    ok, stale = await insert(v1["catalog_id"])
+    assert not ok and await request_row(db, stale) is None, "v1 is no longer the latest: nothing committed"
+    ok, e2 = await insert(v2["catalog_id"])
+    assert ok and (await request_row(db, e2) or {}).get("catalog_id") == v2["catalog_id"]
+
+
 @covers("requests.unstarted", "events.NOT_QUARANTINED")
 async def test_unstarted_sweeps_submissions_not_started_queued_or_quarantined(db: Pool, catalog_id: int) -> None:
     shard = new_shard()

@@ -65,6 +65,9 @@ class Catalog:
         self._cache_size = cache_size
         # inline texts already parsed, by SHA-256 (a client submitting the same YAML again)
         self._parsed: OrderedDict[str, Playbook] = OrderedDict()
+        # the entry ``register`` last gave for a text, by its SHA-256: the latest version of
+        # its path then (a submission's insert checks that it still is: ``registered``)
+        self._registered: OrderedDict[str, CatalogEntry] = OrderedDict()
 
     def parsed(self, content: str) -> Playbook | None:
         """The playbook parsed from exactly ``content`` before (``remember``), if kept.
@@ -90,6 +93,24 @@ class Catalog:
         while len(self._parsed) > PARSED_TEXTS:
             self._parsed.popitem(last=False)
 
+    def registered(self, content: str) -> CatalogEntry | None:
+        """The entry ``register`` last gave for exactly ``content`` here, which was the
+        latest version of its path then. Only a hint: whoever pins it must check that it
+        still is the latest (``requests.insert_submission(latest_of=...)`` does, in the
+        same statement), and ``forget`` it when not."""
+        data = content.encode()
+        if len(data) > PARSED_TEXT_BYTES:
+            return None
+        key = hashlib.sha256(data).hexdigest()
+        hit = self._registered.get(key)
+        if hit is not None:
+            self._registered.move_to_end(key)
+        return hit
+
+    def forget(self, entry: CatalogEntry) -> None:
+        """``entry`` is no longer the latest version of its path."""
+        self._registered.pop(entry.content_sha256, None)
+
     async def register(self, content: str, playbook: Playbook | None = None) -> tuple[CatalogEntry, bool]:
         """Store a new version of the playbook's path unless the latest version is identical."""
         if playbook is None:  # parsed off the event loop, within the limits
@@ -100,18 +121,26 @@ class Catalog:
         async with autocommit(self._pool) as conn:
             latest = await _latest(conn, path)
         if latest is not None and latest["content_sha256"] == sha:
-            return _entry(latest), False
+            return self._keep(content, _entry(latest)), False
         async with transaction(self._pool) as conn:
             await catalog_db.lock_path(conn, path)
             latest = await _latest(conn, path)
             if latest is not None and latest["content_sha256"] == sha:
-                return _entry(latest), False
+                return self._keep(content, _entry(latest)), False
             version = (latest["version"] if latest else 0) + 1
             doc = playbook.raw
             row = await catalog_db.insert(conn, path=path, version=version, kind=str(doc.get("kind", "Playbook")),
                                           name=playbook.name, content=content, sha256=sha, doc=doc)
         logger.info("registered playbook %s version %s", path, version)
-        return _entry(row), True
+        return self._keep(content, _entry(row)), True
+
+    def _keep(self, content: str, entry: CatalogEntry) -> CatalogEntry:
+        if len(content.encode()) <= PARSED_TEXT_BYTES:
+            self._registered[entry.content_sha256] = entry
+            self._registered.move_to_end(entry.content_sha256)
+            while len(self._registered) > PARSED_TEXTS:
+                self._registered.popitem(last=False)
+        return entry
 
     async def get(self, path: str, version: int = 0) -> CatalogEntry:
         async with self._pool.connection() as conn:

@@ -197,7 +197,7 @@ class ApiService(Service):
             submitter = Submitter(
                 self.pool, self.catalog, self.ids, self.js, shard_count=self.shard_cfg.count,
                 default_timeout_sec=self.executions.default_timeout_sec, admission=admission, limits=self.limits,
-                results=self.results)
+                results=self.results, local=self._local_submission)
             self.execution_servicer.bind(submitter, Rerunner(self.pool, self.catalog, submitter))
             deps = EngineDeps(self.pool, self.nc, self.js, self.catalog, self.results, self.ownership,
                               self.commands, self.executions, limits=self.limits, reconnects=self.reconnects,
@@ -206,6 +206,11 @@ class ApiService(Service):
             self.engines = ShardTasks("engine", lambda shard, epoch: ShardEngine(deps, shard, epoch),
                                       still_held=lambda shard, epoch: ownership.epoch(shard) == epoch)
         return self.engines
+
+    def _local_submission(self, shard: int, execution_id: int) -> bool:
+        """Hand a submission to this process's engine of ``shard``, if it runs one."""
+        engine = self.engines.worker(shard) if self.engines is not None else None
+        return isinstance(engine, ShardEngine) and engine.take_submission(execution_id)
 
     async def on_joined(self) -> None:
         # A rejoin hands out a new node id (the old one was freed when this member was

@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -200,21 +200,38 @@ class ShardEngine:
         self._received = 0  # highest stream position handed to the queue
         self._generation = 0  # the NATS connection's reconnect count our consumer was made for
         self._reset_to: int | None = None  # the stream went back to here: the next fence records it
+        # submissions this process committed for the shard, handed over without a NATS nudge
+        self._local: deque[int] = deque()
+        self._running = False
 
     def stop(self) -> None:
         self._stopped.set()
         self._wake.set()
+
+    def take_submission(self, execution_id: int) -> bool:
+        """A submission committed by this api process (``Submitter.nudge``): folded with the
+        next batch, as a nudge from the stream would be. False when this engine is not
+        running (nudge through the stream then). Nothing depends on it: an engine that
+        stops first leaves the submission to the shard's sweep (a committed request
+        without engine state), as a lost nudge does."""
+        if not self._running or self._stopped.is_set():
+            return False
+        self._local.append(execution_id)
+        self._wake.set()
+        return True
 
     def _on_reconnect(self) -> None:
         self._wake.set()
 
     async def run(self) -> None:
         self.d.reconnects.listen(self._on_reconnect)
+        self._running = True
         try:
             await self._run()
         except LeaseLost as exc:
             logger.warning("%s; stopping", exc, extra={"shard": self.shard})
         finally:
+            self._running = False
             self.d.reconnects.unlisten(self._on_reconnect)
             await self._unsubscribe()
 
@@ -231,7 +248,7 @@ class ShardEngine:
             if self.d.reconnects.generation != self._generation:
                 await self._resubscribe()
             timeout = max(0.0, self._next_tick - time.monotonic())
-            if self._queue.empty():
+            if self._queue.empty() and not self._local:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=timeout)
                 self._wake.clear()
@@ -241,11 +258,13 @@ class ShardEngine:
             while not self._queue.empty() and len(msgs) < MAX_BATCH:
                 msgs.append(self._queue.get_nowait())
             synthetic: list[_Input] = []
+            while self._local and len(synthetic) < MAX_BATCH:
+                synthetic.append(_Input("submitted", self._local.popleft()))
             if time.monotonic() >= self._next_tick:
                 # to the next interval boundary: the shard engines of the process sweep
                 # together, and their first reads are one (``sweep_rounds``)
                 self._next_tick = time.monotonic() + to_boundary(self.d.executions.sweep_interval_sec)
-                synthetic = await self._tick_inputs()
+                synthetic += await self._tick_inputs()
             if msgs or synthetic:
                 await self._consume(msgs, synthetic)
 
