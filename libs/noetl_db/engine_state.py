@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from noetl_common.vocab import EngineStatus
 from noetl_flow import ExecState
@@ -15,11 +15,22 @@ from .events import NOT_QUARANTINED
 
 
 async def load_states(conn: Conn, ids: Sequence[int]) -> dict[int, ExecState]:
+    return await loaded_states(await send_load_states(conn, ids))
+
+
+async def send_load_states(conn: Conn, ids: Sequence[int]) -> Any:
+    """Send ``load_states``' query and return its cursor unread (None: nothing to read):
+    in pipeline mode it travels with the statements around it; ``loaded_states`` reads it."""
     if not ids:
+        return None
+    return await conn.execute("SELECT execution_id, state FROM noetl.engine_state WHERE execution_id = ANY(%s)",
+                              (list(ids),))
+
+
+async def loaded_states(cursor: Any) -> dict[int, ExecState]:
+    if cursor is None:
         return {}
-    cur = await conn.execute("SELECT execution_id, state FROM noetl.engine_state WHERE execution_id = ANY(%s)",
-                             (list(ids),))
-    return {r["execution_id"]: ExecState.from_json(r["state"]) for r in await cur.fetchall()}
+    return {r["execution_id"]: ExecState.from_json(r["state"]) for r in await cursor.fetchall()}
 
 
 async def overdue(conn: Conn, shard: int, limit: int) -> list[int]:

@@ -15,12 +15,23 @@ from .events import NOT_QUARANTINED
 
 
 async def load_requests(conn: Conn, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    return await loaded_requests(await send_load_requests(conn, ids))
+
+
+async def send_load_requests(conn: Conn, ids: Sequence[int]) -> Any:
+    """Send ``load_requests``' query and return its cursor unread (None: nothing to read);
+    ``loaded_requests`` reads it (as ``engine_state.send_load_states``)."""
     if not ids:
-        return {}
-    cur = await conn.execute(
+        return None
+    return await conn.execute(
         "SELECT r.*, c.path, c.version FROM noetl.execution_request r"
         " JOIN noetl.catalog c ON c.catalog_id = r.catalog_id WHERE r.execution_id = ANY(%s)", (list(ids),))
-    return {r["execution_id"]: r for r in await cur.fetchall()}
+
+
+async def loaded_requests(cursor: Any) -> dict[int, dict[str, Any]]:
+    if cursor is None:
+        return {}
+    return {r["execution_id"]: r for r in await cursor.fetchall()}
 
 
 async def unstarted(conn: Conn, shard: int, after_id: int, limit: int) -> list[int]:

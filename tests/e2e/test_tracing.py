@@ -155,8 +155,14 @@ def test_one_trace_from_submit_to_playbook_completed(runner: Runner, spans_dir: 
     submit = trace.one(SUBMIT, "noetl-api")
     assert submit["kind"] == "SERVER" and submit["parent_span_id"] is None  # the client sent no traceparent
     assert submit["attributes"]["rpc.grpc.status_code"] == 0
-    nudge = trace.child(submit, "publish noetl.events.", "noetl-api")
-    assert nudge["name"].endswith(".submit")
+    # the nudge: handed to the api's own engine when it holds the shard, else published
+    hand = trace.child(submit, "hand noetl.events.", "noetl-api")
+    assert hand["name"].endswith(".submit")
+    if hand["attributes"].get("noetl.handed") is False:
+        nudge = trace.child(submit, "publish noetl.events.", "noetl-api")
+        assert nudge["name"].endswith(".submit") and nudge["kind"] == "PRODUCER"
+    else:
+        assert not trace.children(submit, "publish noetl.events.", "noetl-api"), "handed and published"
     # the engine (whichever api replica owns the shard) starts the execution under the submit span
     # (a sweep racing the nudge folds "submitted" twice: the second fold issues nothing)
     started = next(s for s in trace.find("engine.submitted", "noetl-api", **{"noetl.execution_id": eid})

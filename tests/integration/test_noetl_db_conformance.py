@@ -979,6 +979,28 @@ async def test_engine_states_round_trip_and_overdue_lists_running_executions_pas
     assert row == {"status": "completed", "last_shard_seq": 10, "deadline": None, "s": "completed"}
 
 
+@covers("engine_state.send_load_states", "engine_state.loaded_states", "requests.send_load_requests",
+        "requests.loaded_requests")
+async def test_the_engines_reads_travel_together_in_one_pipeline(db: Pool, catalog_id: int) -> None:
+    """The engine sends its fence and its reads before reading any of them (one round
+    trip): each cursor reads back what ``load_states`` / ``load_requests`` would."""
+    shard = new_shard()
+    e1, e2 = await submit(db, catalog_id, shard), await submit(db, catalog_id, shard)
+    s1 = ExecState(e1, shard, catalog_id, ctx={"k": [1, 2]})
+    async with autocommit(db) as conn:
+        await engine_state.save_states(conn, shard, [(s1, 3, None)])
+    async with pipelined_transaction(db) as conn:
+        assert await engine_state.send_load_states(conn, []) is None
+        assert await requests.send_load_requests(conn, []) is None
+        first = await conn.execute("SELECT 41 + 1 AS n")
+        states = await engine_state.send_load_states(conn, [e1, e2])
+        reqs = await requests.send_load_requests(conn, [e2, new_eid()])
+        assert (await first.fetchone() or {})["n"] == 42
+        assert await engine_state.loaded_states(states) == {e1: s1}
+        assert set(await requests.loaded_requests(reqs)) == {e2}
+        assert await engine_state.loaded_states(None) == {} and await requests.loaded_requests(None) == {}
+
+
 # ================================================================ requests
 
 async def request_row(pool: Pool, eid: int) -> dict[str, Any] | None:

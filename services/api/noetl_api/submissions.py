@@ -276,8 +276,12 @@ class Submitter:
     async def nudge(self, shard: int, execution_id: int) -> None:
         """Tell the shard's engine: this process's own when it holds the shard (no NATS
         message), else through the shard's events stream."""
-        if self._local is not None and self._local(shard, execution_id):
-            return
+        if self._local is not None:
+            with tracing.span(f"hand {natsio.events_subject(shard, natsio.KIND_SUBMIT)}",
+                              attributes={"noetl.execution_id": execution_id, "noetl.shard": shard}) as s:
+                if self._local(shard, execution_id):
+                    return
+                tracing.set_attributes(s, {"noetl.handed": False})  # not held here: published below
         msg = messages_pb2.EngineInput(submitted=messages_pb2.ExecutionSubmitted(execution_id=execution_id))
         try:
             await natsio.publish(self._js, natsio.events_subject(shard, natsio.KIND_SUBMIT),

@@ -527,21 +527,25 @@ class ShardEngine:
                   or not any(j.kind == "redrive" and j.execution_id == i.execution_id for j in inputs[:n])]
         # Pipeline mode for the whole transaction: BEGIN travels with the fence, and the
         # batch's writes with the COMMIT (two round trips when the states are cached).
+        quarantine = [*(quarantine or ()), *(_Quarantined(i, 1, "not a decodable EngineInput message")
+                                             for i in inputs if i.kind == UNDECODABLE)]
+        inputs = [i for i in inputs if i.kind != UNDECODABLE]
+        ids = {i.execution_id for i in inputs if i.kind != "barrier"}
+        states: dict[int, ExecState] = {e: self._cache[e] for e in ids if e in self._cache}
+        need_requests = [e for e in ids if e not in states or e not in self.d.workloads
+                         or e not in self.d.priorities or e not in self.d.workload_refs]
         async with pipelined_transaction(self.d.pool) as conn:
-            lease = await leases.fence(conn, ROLE, self.shard, self.d.ownership.runtime_id, self.epoch,
-                                       stream_seq=last_stream_seq, reset=reset)
+            # the fence and what the batch reads travel together: one round trip
+            fence = await leases.send_fence(conn, ROLE, self.shard, self.d.ownership.runtime_id, self.epoch,
+                                            stream_seq=last_stream_seq, reset=reset)
+            sent_states = await engine_state_db.send_load_states(conn, [e for e in ids if e not in states])
+            sent_requests = await requests_db.send_load_requests(conn, need_requests)
+            lease = await leases.fenced(fence, ROLE, self.shard, self.epoch)
             seq = int(lease["event_seq"])
             sweep_from = int(lease["sweep_from"])
             barrier_epoch, barrier_seq = int(lease["barrier_epoch"]), int(lease["barrier_seq"])
-            quarantine = [*(quarantine or ()), *(_Quarantined(i, 1, "not a decodable EngineInput message")
-                                                 for i in inputs if i.kind == UNDECODABLE)]
-            inputs = [i for i in inputs if i.kind != UNDECODABLE]
-            ids = {i.execution_id for i in inputs if i.kind != "barrier"}
-            states: dict[int, ExecState] = {e: self._cache[e] for e in ids if e in self._cache}
-            states.update(await engine_state_db.load_states(conn, [e for e in ids if e not in states]))
-            need_requests = [e for e in ids if e not in states or e not in self.d.workloads
-                             or e not in self.d.priorities or e not in self.d.workload_refs]
-            requests = await requests_db.load_requests(conn, need_requests)
+            states.update(await engine_state_db.loaded_states(sent_states))
+            requests = await requests_db.loaded_requests(sent_requests)
             for e, req in requests.items():
                 self.d.priorities[e] = req.get("priority") or ""
                 self.d.workload_refs[e] = req.get("workload_ref_id")
