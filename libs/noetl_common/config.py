@@ -276,6 +276,10 @@ class ProjectionSettings(BaseSettings):
 
     batch_size: int = Field(default=500, ge=1, le=100_000)
     poll_ms: int = Field(default=100, ge=5)
+    # How long the projector lets events gather after the engine hints them, unless the hint
+    # says an execution ended or a checkpoint barrier was appended (those are projected at
+    # once); 0 projects every hinted batch at once (seed 004: the 100 ms micro-batch window).
+    batch_window_ms: int = Field(default=50, ge=0, le=10_000)
 
 
 class CheckpointSettings(BaseSettings):

@@ -105,6 +105,11 @@ def progress_subject(execution_id: int | str) -> str:
 PROGRESS_TERMINAL = b"terminal"
 
 
+# The engine's hint to the projector of a shard: project now (an execution ended, or a
+# checkpoint barrier was appended), rather than within the projector's batch window.
+PROJECT_NOW = b"now"
+
+
 def projector_subject(shard: int | str) -> str:
     return f"noetl.projector.{shard}"
 

@@ -88,11 +88,12 @@ class Shard:
                 " epoch = EXCLUDED.epoch, leased_until = EXCLUDED.leased_until", (self.shard, owner, epoch))
 
     def projector(self, nc: NATS, *, epoch: int = EPOCH, batch_size: int = 100,
-                  runtime_id: int = RUNTIME_ID, polls: ShardRounds[int, bool] | None = None) -> ShardProjector:
+                  runtime_id: int = RUNTIME_ID, polls: ShardRounds[int, bool] | None = None,
+                  poll_sec: float = 1.0, window_sec: float = 0.0) -> ShardProjector:
         ownership = ShardOwnership(self.pool, "projector", lease_sec=60.0, margin_sec=5.0)
         ownership.runtime_id = runtime_id
-        return ShardProjector(self.pool, nc, ownership, self.shard, epoch, batch_size=batch_size, poll_sec=1.0,
-                              polls=polls)
+        return ShardProjector(self.pool, nc, ownership, self.shard, epoch, batch_size=batch_size,
+                              poll_sec=poll_sec, polls=polls, window_sec=window_sec)
 
     async def rows(self, sql: str, params: Any) -> list[dict[str, Any]]:
         async with self.pool.connection() as conn:
@@ -419,3 +420,35 @@ async def test_the_slow_polls_of_a_processs_shards_are_one_read(history: History
             p.stop()
         await asyncio.wait_for(asyncio.gather(*runs), timeout=10)
         await b.cleanup()
+
+
+async def test_hinted_events_gather_for_the_batch_window_unless_the_hint_says_now(history: History,
+                                                                                   nc: NATS) -> None:
+    """The engine's plain hint lets events gather for the window (one batch for what arrives
+    meanwhile); ``PROJECT_NOW`` (an execution ended, a barrier) projects at once. The
+    windows here are long (no poll backstop within the test) so that the order, not a
+    duration, is what is checked."""
+    sh = history.shard
+    projector = sh.projector(nc, poll_sec=600.0, window_sec=6.0)
+    assert await projector.ownership.renew({sh.shard: EPOCH}) == ({sh.shard: EPOCH}, set())
+    running = asyncio.ensure_future(projector.run())
+    try:
+        await until(lambda: sh.watermark(), timeout=15, what="the history projected at start")
+        assert await sh.watermark() == 14
+        await sh.append((history.running, "call.done", "wait", ok(103), {"attempt": 1}))
+        await nc.publish(natsio.projector_subject(sh.shard), b"")
+        await nc.flush()
+        await asyncio.sleep(0.5)
+        assert await sh.watermark() == 14, "a plain hint waits for the window"
+        await sh.append((history.running, "playbook.completed", None, None, {}))
+        await nc.publish(natsio.projector_subject(sh.shard), natsio.PROJECT_NOW)
+
+        async def both() -> bool:
+            assert not running.done(), "the projector's loop ended"
+            return await sh.watermark() == 16
+
+        # well before the 6 s window of the first hint runs out
+        await until(both, timeout=4.0, what="both events projected at PROJECT_NOW")
+    finally:
+        projector.stop()
+        await asyncio.wait_for(running, timeout=10)

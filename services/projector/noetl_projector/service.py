@@ -24,4 +24,5 @@ class ProjectorService(ShardedService):
             self._polls = projection_polls(self.pool)
         return ShardProjector(self.pool, self.nc, self.ownership, shard, epoch,
                               batch_size=self.projection.batch_size,
-                              poll_sec=max(self.projection.poll_ms / 1000, 1.0), polls=self._polls)
+                              poll_sec=max(self.projection.poll_ms / 1000, 1.0), polls=self._polls,
+                              window_sec=self.projection.batch_window_ms / 1000)

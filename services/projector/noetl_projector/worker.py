@@ -56,7 +56,8 @@ class ShardProjector:
     ``polls`` (``projection_polls``) first whether the shard has anything to project."""
 
     def __init__(self, pool: Pool, nc: NATS, ownership: ShardOwnership, shard: int, epoch: int,
-                 *, batch_size: int, poll_sec: float, polls: ShardRounds[int, bool] | None = None) -> None:
+                 *, batch_size: int, poll_sec: float, polls: ShardRounds[int, bool] | None = None,
+                 window_sec: float = 0.0) -> None:
         self.pool = pool
         self.nc = nc
         self.ownership = ownership
@@ -65,7 +66,9 @@ class ShardProjector:
         self.batch_size = batch_size
         self.poll_sec = poll_sec
         self.polls = polls or projection_polls(pool)
+        self.window_sec = window_sec
         self._wake = asyncio.Event()
+        self._deferred: asyncio.TimerHandle | None = None  # the wake a deferred hint scheduled
         self._stopped = False
         # The read models of the shard's running executions as this projector last committed
         # them (it is their only writer while it holds the shard at this epoch): a batch loads
@@ -77,9 +80,18 @@ class ShardProjector:
         self._stopped = True
         self._wake.set()
 
-    async def run(self) -> None:
-        async def hint(_msg: Any) -> None:
+    def hinted(self, payload: bytes) -> None:
+        """The engine appended events: project them now when the hint says so
+        (``natsio.PROJECT_NOW``: an execution ended, a barrier was appended), else within
+        the batch window, together with whatever else arrives meanwhile."""
+        if payload == natsio.PROJECT_NOW or self.window_sec <= 0:
             self._wake.set()
+        elif self._deferred is None:
+            self._deferred = asyncio.get_running_loop().call_later(self.window_sec, self._wake.set)
+
+    async def run(self) -> None:
+        async def hint(msg: Any) -> None:
+            self.hinted(msg.data)
 
         sub = await self.nc.subscribe(natsio.projector_subject(self.shard), cb=hint)
         polled = False  # woken by the slow poll, not by a hint or a full batch
@@ -90,7 +102,7 @@ class ShardProjector:
                     raise LeaseLost(f"projector shard {self.shard} epoch {self.epoch} no longer trusted")
                 self._wake.clear()
                 try:
-                    n = await self.project_once() if not polled or await self.polls.get(self.shard) else 0
+                    n = await self._project() if not polled or await self.polls.get(self.shard) else 0
                 except LeaseLost:
                     raise
                 except NoetlError as exc:
@@ -107,8 +119,16 @@ class ShardProjector:
         except LeaseLost as exc:
             logger.warning("%s; stopping", exc)
         finally:
+            if self._deferred is not None:
+                self._deferred.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _project(self) -> int:
+        if self._deferred is not None:  # this batch reads what the deferred hints announced
+            self._deferred.cancel()
+            self._deferred = None
+        return await self.project_once()
 
     async def project_once(self) -> int:
         """Fold one batch past the watermark in one fenced transaction; returns events read.

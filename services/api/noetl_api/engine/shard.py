@@ -674,7 +674,10 @@ class ShardEngine:
             if dead := sum(1 for e in events if e.event_type == EventType.COMMAND_DEAD_LETTERED):
                 DEAD_LETTERS.labels(str(self.shard)).inc(dead)
             BATCH_EVENTS.labels(str(self.shard)).inc(len(events))
-            await natsio.hint(self.d.nc, natsio.projector_subject(self.shard))
+            # an execution that ended, or a barrier, is projected at once; the rest within
+            # the projector's batch window
+            urgent = finished or any(e.event_type == EventType.CHECKPOINT_COMMITTED for e in events)
+            await natsio.hint(self.d.nc, natsio.projector_subject(self.shard), natsio.PROJECT_NOW if urgent else b"")
         for _eid, d in dead_letters:
             DEAD_LETTERED.labels(str(self.shard), d.reason).inc()
         for dl, new_id, why, _who in redrives:
