@@ -21,10 +21,16 @@ the schema's own ``schema_migration`` with the migration runner (``noetl_common.
 A statement that spans tables (a join, a CTE reading another table) lives with the table
 it writes, or with the table it is about when it only reads. ``OWNERS`` says the same as
 data; tests/unit/test_data_layer.py holds the source to it. Functions take an open
-connection (``Conn``): the caller owns the transaction, its fence and its pipeline.
+connection (``Conn``): the caller owns the transaction, its fence and its pipeline. The
+engine's batch writes also come as ``Write`` statements (``*_write``), which
+``leases.fenced_batch`` composes into one fenced statement.
 """
 
 from __future__ import annotations
+
+from ._conn import Write
+
+__all__ = ["OWNERS", "Write"]
 
 OWNERS: dict[str, str] = {
     "runtime": "noetl_db.leases", "leader_lease": "noetl_db.leases", "shard_lease": "noetl_db.leases",

@@ -11,7 +11,7 @@ from noetl_common import pools
 from noetl_common.vocab import CommandStatus
 from noetl_flow import CommandUpdate, NewCommand
 
-from ._conn import Conn, columns, one, rows
+from ._conn import GUARD, Conn, Write, columns, one, rows, run
 
 
 class Placement(Protocol):
@@ -46,13 +46,18 @@ class QueuedCommand(NamedTuple):
 async def insert_commands(conn: Conn, shard: int, commands: Iterable[QueuedCommand], lease_sec: float = 0.0) -> None:
     """Insert the batch's new commands with their placement (one statement): queued, or,
     when handed to a worker, claimed by it with a lease of ``lease_sec``."""
+    await run(conn, insert_commands_write(shard, commands, lease_sec))
+
+
+def insert_commands_write(shard: int, commands: Iterable[QueuedCommand], lease_sec: float = 0.0) -> Write | None:
+    """``insert_commands``' statement (None: no commands)."""
     rows = [(c.command_id, eid, shard, catalog_id, c.step, c.kind, c.attempt, json.dumps(c.context),
              float(c.timeout_sec), p.pool, json.dumps(p.requires) if p.requires else None, p.priority,
              q[4] if len(q) > 4 else None)
             for q in commands for eid, catalog_id, c, p in (q[:4],)]
     if not rows:
-        return
-    await conn.execute(
+        return None
+    return Write(
         "INSERT INTO noetl.command (command_id, execution_id, shard_id, catalog_id, step, kind, status,"
         " attempt, context, timeout_sec, pool, requires, priority, worker_id, claimed_at, lease_until)"
         f" SELECT c, e, sh, cat, st, k, CASE WHEN w IS NULL THEN '{CommandStatus.QUEUED}'"
@@ -60,7 +65,7 @@ async def insert_commands(conn: Conn, shard: int, commands: Iterable[QueuedComma
         " CASE WHEN w IS NOT NULL THEN now() END, CASE WHEN w IS NOT NULL THEN now() + make_interval(secs => %s) END"
         " FROM unnest(%b::text[], %b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::int[],"
         " %b::text[], %b::float8[], %b::text[], %b::text[], %b::text[], %b::text[])"
-        " AS x(c, e, sh, cat, st, k, a, ctx, t, po, rq, pr, w)"
+        f" AS x(c, e, sh, cat, st, k, a, ctx, t, po, rq, pr, w) WHERE {GUARD}"
         " ON CONFLICT (command_id) DO NOTHING",
         [float(lease_sec), *columns(rows, 13)],
     )
@@ -70,17 +75,23 @@ async def update_commands(conn: Conn, updates: Iterable[CommandUpdate]) -> None:
     """Apply the batch's command status changes in one statement. Several updates of one
     command in a batch fold in order: the last status, the last attempt given, and the
     worker cleared if it was re-queued on the way."""
+    await run(conn, update_commands_write(updates))
+
+
+def update_commands_write(updates: Iterable[CommandUpdate]) -> Write | None:
+    """``update_commands``' statement (None: no updates)."""
     merged: dict[str, tuple[str, str, int | None, bool]] = {}
     for u in updates:
         _, _, attempt, requeued = merged.get(u.command_id, ("", "", None, False))
         merged[u.command_id] = (u.command_id, u.status, u.attempt if u.attempt is not None else attempt,
                                 requeued or u.status == CommandStatus.QUEUED)
     if not merged:
-        return
-    await conn.execute(
+        return None
+    return Write(
         "UPDATE noetl.command c SET status = u.st, attempt = COALESCE(u.a, c.attempt),"
         " worker_id = CASE WHEN u.rq THEN NULL ELSE c.worker_id END, updated_at = now()"
-        " FROM unnest(%b::text[], %b::text[], %b::int[], %b::bool[]) AS u(cid, st, a, rq) WHERE c.command_id = u.cid",
+        " FROM unnest(%b::text[], %b::text[], %b::int[], %b::bool[]) AS u(cid, st, a, rq)"
+        f" WHERE c.command_id = u.cid AND {GUARD}",
         columns(list(merged.values()), 4),
     )
 

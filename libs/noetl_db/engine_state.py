@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from noetl_common.vocab import EngineStatus
 from noetl_flow import ExecState
 
-from ._conn import Conn, columns
+from ._conn import GUARD, Conn, Write, columns, run
 from .events import NOT_QUARANTINED
 
 
@@ -49,14 +49,19 @@ class StateRow(NamedTuple):
 
 async def save_states(conn: Conn, shard: int, states: Iterable[StateRow]) -> None:
     """Upsert the compact engine state of every touched execution (one statement)."""
+    await run(conn, save_states_write(shard, states))
+
+
+def save_states_write(shard: int, states: Iterable[StateRow]) -> Write | None:
+    """``save_states``' statement (None: no states)."""
     rows = [(s.execution_id, shard, s.status, json.dumps(s.to_json()), deadline, seq)
             for s, seq, deadline in states]
     if not rows:
-        return
-    await conn.execute(
+        return None
+    return Write(
         "INSERT INTO noetl.engine_state (execution_id, shard_id, status, state, deadline, last_shard_seq)"
         " SELECT e, sh, st, js::jsonb, d, q FROM unnest(%b::bigint[], %b::int[], %b::text[], %b::text[],"
-        " %b::timestamptz[], %b::bigint[]) AS t(e, sh, st, js, d, q)"
+        f" %b::timestamptz[], %b::bigint[]) AS t(e, sh, st, js, d, q) WHERE {GUARD}"
         " ON CONFLICT (execution_id) DO UPDATE SET status = EXCLUDED.status, state = EXCLUDED.state,"
         " deadline = EXCLUDED.deadline, last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
         columns(rows, 6),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ._conn import Conn, columns
+from ._conn import GUARD, Conn, Write, columns, run
 
 
 class EventRow(NamedTuple):
@@ -38,12 +38,17 @@ async def quarantine(conn: Conn, shard: int, execution_id: int, kind: str,
 async def append_events(conn: Conn, rows: Sequence[EventRow]) -> None:
     """Append the batch's events (execution_id, shard_id, shard_seq, type, step, command_id,
     result, meta) in ONE statement (pipeline-friendly, unlike COPY)."""
+    await run(conn, append_events_write(rows))
+
+
+def append_events_write(rows: Sequence[EventRow]) -> Write | None:
+    """``append_events``' statement (None: no rows)."""
     if not rows:
-        return
-    await conn.execute(
+        return None
+    return Write(
         "INSERT INTO noetl.event (execution_id, shard_id, shard_seq, event_type, step, command_id, result, meta)"
         " SELECT * FROM unnest(%b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::text[],"
-        " %b::text[]::jsonb[], %b::text[]::jsonb[])",
+        f" %b::text[]::jsonb[], %b::text[]::jsonb[]) WHERE {GUARD}",
         columns(rows, 8),
     )
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from noetl_common.errors import LeaseLost
 from noetl_common.vocab import MemberStatus
 
-from ._conn import Conn, one, rows
+from ._conn import Conn, Write, one, rows
 
 # ---------------------------------------------------------------- the fence
 
@@ -60,6 +60,41 @@ async def assert_lease(conn: Conn, role: str, shard: int, owner: int, epoch: int
     """A batch's last statement before COMMIT: aborts the transaction (LeaseLost) when the
     lease ran out meanwhile (this process froze mid-batch), so nothing commits late."""
     await conn.execute("SELECT noetl.assert_lease(%s, %s, %s, %s)", (role, shard, owner, epoch))
+
+
+class EnginePositions(NamedTuple):
+    """What an engine batch leaves in its lease row (``finish_engine_batch``'s columns)."""
+
+    event_seq: int
+    sweep_from: int
+    barrier_epoch: int
+    barrier_seq: int
+
+
+async def fenced_batch(conn: Conn, role: str, shard: int, owner: int, epoch: int, *, event_seq: int,
+                       stream_seq: int, positions: EnginePositions, writes: Sequence[Write]) -> bool:
+    """An engine batch as ONE statement, committed on its own (``conn`` in autocommit): the
+    fence (our lease, not run out, and its ``event_seq`` still the one this engine last
+    committed, so the ``shard_seq`` it numbered its events from is right) records the stream
+    position and the batch's ``positions``, and every write is a CTE whose rows pass only
+    when the fence matched. True when it did (everything written); False when it matched
+    nothing (nothing written: the lease is lost, or the engine's idea of it is stale).
+
+    The writes must not depend on each other (a CTE does not see another's rows): the
+    engine composes only batches whose statements touch different rows
+    (docs/ARCHITECTURE.md "The life of an execution", 2)."""
+    sql = [
+        "WITH fence AS (UPDATE noetl.shard_lease SET stream_seq = GREATEST(stream_seq, %s), event_seq = %s,"
+        " sweep_from = GREATEST(sweep_from, %s), barrier_epoch = %s, barrier_seq = %s, updated_at = now()"
+        " WHERE role = %s AND shard_id = %s AND owner_runtime_id = %s AND epoch = %s"
+        " AND leased_until > clock_timestamp() AND event_seq = %s RETURNING 1)"]
+    params: list[Any] = [stream_seq, *positions, role, shard, owner, epoch, event_seq]
+    for n, write in enumerate(writes):
+        sql.append(f", w{n} AS ({write.guarded('EXISTS (SELECT 1 FROM fence)')})")
+        params.extend(write.params)
+    sql.append(" SELECT count(*) AS fenced FROM fence")
+    row = await one(conn, "".join(sql), params)
+    return bool(row and row["fenced"])
 
 
 async def finish_engine_batch(conn: Conn, role: str, shard: int, event_seq: int, sweep_from: int,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._conn import Conn, one, rows
+from ._conn import GUARD, Conn, Write, one, rows, run
 
 
 async def all_limits(conn: Conn) -> list[dict[str, Any]]:
@@ -71,9 +71,17 @@ async def dequeue(conn: Conn, execution_id: int) -> None:
 
 async def release(conn: Conn, ended: Sequence[int]) -> None:
     """Free the slots and queue places of executions that ended."""
-    if ended:
-        await conn.execute("DELETE FROM noetl.concurrency_slot WHERE execution_id = ANY(%s)", (list(ended),))
-        await conn.execute("DELETE FROM noetl.concurrency_wait WHERE execution_id = ANY(%s)", (list(ended),))
+    for write in release_writes(ended):
+        await run(conn, write)
+
+
+def release_writes(ended: Sequence[int]) -> list[Write]:
+    """``release``' statements (none when nothing ended)."""
+    if not ended:
+        return []
+    ids = (list(ended),)
+    return [Write(f"DELETE FROM noetl.concurrency_slot WHERE execution_id = ANY(%s) AND {GUARD}", ids),
+            Write(f"DELETE FROM noetl.concurrency_wait WHERE execution_id = ANY(%s) AND {GUARD}", ids)]
 
 
 _HEADS = """

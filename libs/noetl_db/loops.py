@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from noetl_common.vocab import ResultStatus
 
-from ._conn import Conn, columns
+from ._conn import GUARD, Conn, Write, columns, run
 
 LOOP_ITEMS_CHUNK = 10_000
 
@@ -42,12 +42,17 @@ class IterationResult(NamedTuple):
 
 
 async def store_loop_results(conn: Conn, rows: Iterable[IterationResult]) -> None:
+    await run(conn, store_loop_results_write(rows))
+
+
+def store_loop_results_write(rows: Iterable[IterationResult]) -> Write | None:
+    """``store_loop_results``' statement (None: no rows)."""
     rows = list(rows)
     if not rows:
-        return
-    await conn.execute(
+        return None
+    return Write(
         "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
-        " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::int[], %b::text[], %b::bigint[])"
+        f" SELECT * FROM unnest(%b::bigint[], %b::text[], %b::int[], %b::text[], %b::bigint[]) WHERE {GUARD}"
         " ON CONFLICT DO NOTHING", columns(rows, 5))
 
 

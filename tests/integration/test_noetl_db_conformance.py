@@ -44,6 +44,7 @@ from noetl_common.errors import Conflict, LeaseLost, NotFound
 from noetl_common.ids import SnowflakeGenerator, shard_for
 from noetl_common.schedules import CatchUp, Spec
 from noetl_db import (
+    Write,
     catalog,
     checkpoints,
     commands,
@@ -58,7 +59,10 @@ from noetl_db import (
     requests,
     tokens,
 )
+from noetl_db._conn import run
 from noetl_db.commands import QueuedCommand
+from noetl_db.events import EventRow
+from noetl_db.loops import IterationResult
 from noetl_db.schedules import ScheduleStore, idempotency_key, spec_of
 from noetl_flow import CommandUpdate, ExecState, NewCommand
 from noetl_flow.projection import ExecutionView, StepView
@@ -393,6 +397,75 @@ async def test_a_fence_sent_in_a_pipeline_is_read_after_the_statements_queued_be
         async with pipelined_transaction(db) as conn:
             cursor = await leases.send_fence(conn, role, shard, new_owner(), 1)
             await leases.fenced(cursor, role, shard, 1)
+
+
+@covers("leases.fenced_batch", "events.append_events_write",
+        "engine_state.save_states_write", "commands.insert_commands_write", "commands.update_commands_write",
+        "loops.store_loop_results_write", "limits.release_writes")
+async def test_a_fenced_batch_writes_everything_in_one_statement_or_nothing(db: Pool, catalog_id: int) -> None:
+    """The engine's one-statement batch: the fence (owner, epoch, lease not run out, and the
+    event_seq the engine numbered from) guards every write; a fence that matches nothing
+    leaves every table as it was."""
+    role, shard, owner = unique("fast"), new_shard(), new_owner()
+    await put_lease(db, role, shard, owner, 2, event_seq=40, stream_seq=5, sweep_from=100)
+    eid, ended = new_eid(), new_eid()
+    done_cmd = await add_command(db, catalog_id, shard, eid, step="a")
+    async with autocommit(db) as conn:
+        lid = (await limits.set_limit(conn, f"{TAG}/{unique('fastlimit')}", "", 3))["limit_id"]
+        assert await limits.take_slot(conn, lid, "k", 3, ended, shard)
+    new_cmd = f"{eid}:b:1"
+    state = ExecState(eid, shard, catalog_id, ctx={"v": 1})
+
+    def writes(seq: int) -> list[Write]:
+        built = [
+            events.append_events_write([EventRow(eid, shard, seq + 1, "call.done", "a", done_cmd, None, "{}"),
+                                        EventRow(eid, shard, seq + 2, "step.enter", "b", new_cmd, None, "{}")]),
+            engine_state.save_states_write(shard, [engine_state.StateRow(state, seq + 2, None)]),
+            commands.insert_commands_write(shard, [QueuedCommand(eid, catalog_id, NewCommand(new_cmd, "b", "python", 1,
+                                                                                           {"x": 1}), Placed())]),
+            loops.store_loop_results_write([IterationResult(eid, "i1", 0, "ok", None)]),
+            commands.update_commands_write([CommandUpdate(done_cmd, "done")]),
+            *limits.release_writes([ended])]
+        assert None not in built
+        return [w for w in built if w is not None]
+
+    async def batch(conn: Any, *, epoch: int = 2, event_seq: int = 40) -> bool:
+        return await leases.fenced_batch(conn, role, shard, owner, epoch, event_seq=event_seq, stream_seq=9,
+                                         positions=leases.EnginePositions(42, 50, 7, 41), writes=writes(40))
+
+    async def written() -> tuple[int, ...]:
+        row = await sql1(db,
+            "SELECT (SELECT count(*) FROM noetl.event WHERE execution_id = %(e)s) AS ev,"
+            " (SELECT count(*) FROM noetl.engine_state WHERE execution_id = %(e)s) AS st,"
+            " (SELECT count(*) FROM noetl.command WHERE command_id = %(c)s) AS cmd,"
+            " (SELECT count(*) FROM noetl.loop_result WHERE execution_id = %(e)s) AS lr,"
+            " (SELECT count(*) FROM noetl.command WHERE command_id = %(d)s AND status = 'done') AS upd,"
+            " (SELECT count(*) FROM noetl.concurrency_slot WHERE execution_id = %(x)s) AS slot",
+            {"e": eid, "c": new_cmd, "d": done_cmd, "x": ended}) or {}
+        return tuple(int(v) for v in row.values())
+
+    async with autocommit(db) as conn:
+        assert await batch(conn, epoch=3) is False, "another epoch"
+        assert await batch(conn, event_seq=39) is False, "the engine's event_seq is stale"
+    assert await written() == (0, 0, 0, 0, 0, 1), "a fence that matched nothing wrote nothing"
+    row = await lease(db, role, shard) or {}
+    assert (row["event_seq"], row["stream_seq"], row["sweep_from"]) == (40, 5, 100)
+    await put_lease(db, role, shard, owner, 2, until="now() - interval '1 second'")
+    async with autocommit(db) as conn:
+        assert await batch(conn) is False, "the lease ran out"
+    await put_lease(db, role, shard, owner, 2)
+    async with autocommit(db) as conn:
+        assert await batch(conn) is True
+    assert await written() == (2, 1, 1, 1, 1, 0)
+    row = await lease(db, role, shard) or {}
+    assert (row["event_seq"], row["stream_seq"], row["sweep_from"], row["barrier_epoch"], row["barrier_seq"]) == (
+        42, 9, 100, 7, 41), "sweep_from and stream_seq only move forward"
+    async with autocommit(db) as conn:  # each write on its own (GUARD is TRUE there) as its function runs it
+        assert await engine_state.load_states(conn, [eid]) == {eid: state}
+        assert await batch(conn) is False, "the engine's event_seq moved on: a repeated batch writes nothing"
+        await run(conn, None)
+        await run(conn, commands.update_commands_write([CommandUpdate(new_cmd, "cancelled")]))
+    assert (await command(db, new_cmd) or {})["status"] == "cancelled"
 
 
 @covers("leases.assert_lease", "leases.finish_engine_batch")

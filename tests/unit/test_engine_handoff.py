@@ -157,13 +157,15 @@ async def test_a_command_without_an_offer_of_its_own_takes_a_kept_one() -> None:
     e = engine(workload={"seed": 1})
     e.d.offers = OfferBook()
     e.d.offers.keep(kept("worker-9"))
-    handed, left = await e._hand(None, EID, 11, command(), Placed("default", None, "normal"))
+    taken: list[Offer] = []
+    handed, left = await e._hand(None, EID, 11, command(), Placed("default", None, "normal"), taken)
     assert handed is not None and handed[0] == "worker-9" and left is None
+    assert [o.worker for o in taken] == ["worker-9"], "recorded: given back if the batch is folded again"
     token = messages_pb2.Command.FromString(handed[1]).claim_token
     assert auth.claim_token_valid(KEY, token, f"{EID}:b:1", 1, "worker-9")
     # none left: the next command is queued
-    handed, _ = await e._hand(None, EID, 11, command(), Placed("default", None, "normal"))
-    assert handed is None
+    handed, _ = await e._hand(None, EID, 11, command(), Placed("default", None, "normal"), taken)
+    assert handed is None and len(taken) == 1
 
 
 async def test_an_own_offer_that_does_not_fit_is_left_for_the_next_command() -> None:

@@ -68,8 +68,13 @@ class EngineLimits:
     def any(self) -> bool:
         return bool(self._by_path)
 
+    @property
+    def due(self) -> bool:
+        """Whether ``refresh`` would read the table."""
+        return self._clock() - self._read_at >= REFRESH_SEC
+
     async def refresh(self, conn: Any) -> None:
-        if self._clock() - self._read_at < REFRESH_SEC:
+        if not self.due:
             return
         by_path: dict[str, list[Limit]] = {}
         for r in await limits_db.all_limits(conn):
