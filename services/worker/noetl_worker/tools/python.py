@@ -496,14 +496,16 @@ class PythonPool:
 
 
 class _Queued:
-    """One request of a lane: its frame, its reply, and whether the child has started it."""
+    """One request of a lane: its frame, its reply, whether the child has started it, and
+    the child it was last written to."""
 
-    __slots__ = ("begun", "frame", "reply")
+    __slots__ = ("begun", "child", "frame", "reply")
 
     def __init__(self, frame: bytes) -> None:
         self.frame = frame
         self.reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.begun = asyncio.Event()
+        self.child: _Child | None = None
 
 
 class PythonLane:
@@ -590,7 +592,9 @@ class PythonLane:
         try:
             await self._write(queued)
             await queued.begun.wait()
-            child = self.child
+            # the child it was written to (the lane's may be gone already: after a quick
+            # out-of-memory reply the reader restarts the lane before this owner resumes)
+            child = queued.child
             reply = await asyncio.wait_for(asyncio.shield(queued.reply), timeout=timeout_sec or None)
         except TimeoutError:
             self._restart(queued, child)
@@ -631,6 +635,7 @@ class PythonLane:
     async def _write(self, queued: _Queued) -> None:
         async with self._taking:
             child = await self._child()
+            queued.child = child
             self.pending.append(queued)
             if len(self.pending) == 1:
                 queued.begun.set()
