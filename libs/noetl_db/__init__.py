@@ -28,9 +28,9 @@ engine's batch writes also come as ``Write`` statements (``*_write``), which
 
 from __future__ import annotations
 
-from ._conn import Write
+from ._conn import Write, gated
 
-__all__ = ["OWNERS", "Write"]
+__all__ = ["OWNERS", "Write", "gated"]
 
 OWNERS: dict[str, str] = {
     "runtime": "noetl_db.leases", "leader_lease": "noetl_db.leases", "shard_lease": "noetl_db.leases",

@@ -8,7 +8,7 @@ from typing import Any
 
 from noetl_common.db import Conn, columns
 
-__all__ = ["GUARD", "Conn", "Write", "columns", "one", "rows", "run"]
+__all__ = ["GUARD", "Conn", "Write", "columns", "gated", "one", "rows", "run"]
 
 # Where a write statement's rows may be made conditional on a guard: a composed statement
 # (``leases.fenced_batch``) puts its fence's condition there; on its own it is TRUE.
@@ -25,6 +25,28 @@ class Write:
 
     def guarded(self, condition: str) -> str:
         return self.sql.replace(GUARD, condition)
+
+
+async def gated(conn: Conn, gates: Sequence[Write], writes: Sequence[Write]) -> bool:
+    """ONE statement (commit it on its own: ``conn`` in autocommit): the ``gates`` are CTEs
+    that must each return a row, in order (a gate's ``GUARD`` is that the one before it
+    did; each ends ``RETURNING 1``), and every write is a CTE whose rows pass only when the
+    last gate did. True when it did (everything written), False when a gate matched
+    nothing (nothing written). A CTE does not see another's rows: the writes must not
+    depend on each other."""
+    sql: list[str] = ["WITH "]
+    params: list[Any] = []
+    last = ""
+    for n, gate in enumerate(gates):
+        sql.append(f"{', ' if n else ''}g{n} AS ({gate.guarded(f'EXISTS (SELECT 1 FROM {last})' if last else 'TRUE')})")
+        params.extend(gate.params)
+        last = f"g{n}"
+    for n, write in enumerate(writes):
+        sql.append(f", w{n} AS ({write.guarded(f'EXISTS (SELECT 1 FROM {last})')})")
+        params.extend(write.params)
+    sql.append(f" SELECT count(*) AS passed FROM {last}")
+    row = await one(conn, "".join(sql), params)
+    return bool(row and row["passed"])
 
 
 async def run(conn: Conn, write: Write | None) -> None:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from noetl_common.errors import LeaseLost
 from noetl_common.vocab import MemberStatus
 
-from ._conn import Conn, Write, one, rows
+from ._conn import GUARD, Conn, Write, gated, one, rows
 
 # ---------------------------------------------------------------- the fence
 
@@ -77,24 +77,26 @@ async def fenced_batch(conn: Conn, role: str, shard: int, owner: int, epoch: int
     fence (our lease, not run out, and its ``event_seq`` still the one this engine last
     committed, so the ``shard_seq`` it numbered its events from is right) records the stream
     position and the batch's ``positions``, and every write is a CTE whose rows pass only
-    when the fence matched. True when it did (everything written); False when it matched
-    nothing (nothing written: the lease is lost, or the engine's idea of it is stale).
-
-    The writes must not depend on each other (a CTE does not see another's rows): the
-    engine composes only batches whose statements touch different rows
+    when the fence matched (``gated``). True when it did (everything written); False when
+    it matched nothing (nothing written: the lease is lost, or the engine's idea of it is
+    stale). The writes must not depend on each other (a CTE does not see another's rows):
+    the engine composes only batches whose statements touch different rows
     (docs/ARCHITECTURE.md "The life of an execution", 2)."""
-    sql = [
-        "WITH fence AS (UPDATE noetl.shard_lease SET stream_seq = GREATEST(stream_seq, %s), event_seq = %s,"
+    fence = Write(
+        "UPDATE noetl.shard_lease SET stream_seq = GREATEST(stream_seq, %s), event_seq = %s,"
         " sweep_from = GREATEST(sweep_from, %s), barrier_epoch = %s, barrier_seq = %s, updated_at = now()"
         " WHERE role = %s AND shard_id = %s AND owner_runtime_id = %s AND epoch = %s"
-        " AND leased_until > clock_timestamp() AND event_seq = %s RETURNING 1)"]
-    params: list[Any] = [stream_seq, *positions, role, shard, owner, epoch, event_seq]
-    for n, write in enumerate(writes):
-        sql.append(f", w{n} AS ({write.guarded('EXISTS (SELECT 1 FROM fence)')})")
-        params.extend(write.params)
-    sql.append(" SELECT count(*) AS fenced FROM fence")
-    row = await one(conn, "".join(sql), params)
-    return bool(row and row["fenced"])
+        f" AND leased_until > clock_timestamp() AND event_seq = %s AND {GUARD} RETURNING 1",
+        (stream_seq, *positions, role, shard, owner, epoch, event_seq))
+    return await gated(conn, [fence], writes)
+
+
+def fence_write(role: str, shard: int, owner: int, epoch: int) -> Write:
+    """The fence as a gate of a ``gated`` statement: the lease is ours and has not run out
+    (the row stays locked to the statement's end, as ``fence``'s to COMMIT)."""
+    return Write("UPDATE noetl.shard_lease SET updated_at = now() WHERE role = %s AND shard_id = %s"
+                 f" AND owner_runtime_id = %s AND epoch = %s AND leased_until > clock_timestamp() AND {GUARD}"
+                 " RETURNING 1", (role, shard, owner, epoch))
 
 
 async def finish_engine_batch(conn: Conn, role: str, shard: int, event_seq: int, sweep_from: int,

@@ -12,7 +12,7 @@ from typing import Any
 from noetl_flow.projection import ExecutionView, StepView
 
 from . import leases
-from ._conn import Conn, columns
+from ._conn import GUARD, Conn, Write, columns, run
 
 ROLE = "projector"
 
@@ -79,15 +79,21 @@ async def load_views(conn: Conn, shard: int, ids: Sequence[int]) -> dict[int, Ex
 async def save_views(conn: Conn, views: Iterable[ExecutionView]) -> None:
     """Upsert the touched executions and their changed steps (one statement each, arrays
     in binary)."""
+    for write in save_views_writes(views):
+        await run(conn, write)
+
+
+def save_views_writes(views: Iterable[ExecutionView]) -> list[Write]:
+    """``save_views``' statements (none when no view)."""
     views = list(views)
     if not views:
-        return
-    await conn.execute(
+        return []
+    writes = [Write(
         "INSERT INTO noetl.execution (execution_id, shard_id, catalog_id, playbook_path, playbook_version,"
         " parent_execution_id, status, error, created_at, started_at, ended_at, last_shard_seq, rerun_of, updated_at)"
         " SELECT *, now() FROM unnest(%b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::int[], %b::bigint[],"
         " %b::text[], %b::text[], %b::timestamptz[], %b::timestamptz[], %b::timestamptz[], %b::bigint[],"
-        " %b::bigint[])"
+        f" %b::bigint[]) WHERE {GUARD}"
         " ON CONFLICT (execution_id) DO UPDATE SET catalog_id = EXCLUDED.catalog_id,"
         " playbook_path = EXCLUDED.playbook_path, playbook_version = EXCLUDED.playbook_version,"
         " parent_execution_id = EXCLUDED.parent_execution_id, status = EXCLUDED.status, error = EXCLUDED.error,"
@@ -96,22 +102,47 @@ async def save_views(conn: Conn, views: Iterable[ExecutionView]) -> None:
         columns([(v.execution_id, v.shard_id, v.catalog_id, v.playbook_path, v.playbook_version,
                    v.parent_execution_id, v.status, v.error, v.created_at, v.started_at, v.ended_at,
                    v.last_shard_seq, v.rerun_of) for v in views], 13),
-    )
+    )]
     steps = [(v.execution_id, s.step, s.status, s.visits, s.attempts, s.result_ref_id, s.error, s.started_at,
               s.ended_at, s.loop_total, s.loop_done, s.loop_failed)
              for v in views for s in v.steps.values() if s.dirty]
     if steps:
-        await conn.execute(
+        writes.append(Write(
             "INSERT INTO noetl.execution_step (execution_id, step, status, visits, attempts, result_ref_id,"
             " error, started_at, ended_at, loop_total, loop_done, loop_failed)"
             " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::int[], %b::int[], %b::bigint[],"
-            " %b::text[], %b::timestamptz[], %b::timestamptz[], %b::bigint[], %b::bigint[], %b::bigint[])"
+            f" %b::text[], %b::timestamptz[], %b::timestamptz[], %b::bigint[], %b::bigint[], %b::bigint[]) WHERE {GUARD}"
             " ON CONFLICT (execution_id, step) DO UPDATE SET status = EXCLUDED.status, visits = EXCLUDED.visits,"
             " attempts = EXCLUDED.attempts, result_ref_id = EXCLUDED.result_ref_id, error = EXCLUDED.error,"
             " started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at, loop_total = EXCLUDED.loop_total,"
             " loop_done = EXCLUDED.loop_done, loop_failed = EXCLUDED.loop_failed",
             columns(steps, 12),
-        )
+        ))
+    return writes
+
+
+def advance_write(shard: int, from_seq: int, last_seq: int, lag_ms: int) -> Write:
+    """``advance`` as a gate of a ``gated`` statement: only from ``from_seq``, the
+    watermark the batch read past (a projector's idea of it is never trusted blindly)."""
+    return Write("UPDATE noetl.projection_checkpoint SET last_shard_seq = %s, last_projected_at = now(), lag_ms = %s"
+                 f" WHERE shard_id = %s AND last_shard_seq = %s AND {GUARD} RETURNING 1",
+                 (last_seq, lag_ms, shard, from_seq))
+
+
+async def read_past(conn: Conn, shard: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+    """(the shard's watermark, up to ``limit`` events past it), without a fence: a batch
+    that writes what it folds from them fences its one statement (``advance_write`` gated
+    by ``leases.fence_write``). The watermark is -1 when the shard has none yet."""
+    cur = await conn.execute(
+        "WITH w AS (SELECT last_shard_seq FROM noetl.projection_checkpoint WHERE shard_id = %s)"
+        " SELECT (SELECT last_shard_seq FROM w) AS watermark, e.execution_id, e.shard_seq, e.event_type, e.step,"
+        " e.command_id, e.result, e.meta, e.created_at FROM (SELECT 1) AS one LEFT JOIN LATERAL"
+        " (SELECT * FROM noetl.event WHERE shard_id = %s AND shard_seq > (SELECT last_shard_seq FROM w)"
+        " ORDER BY shard_seq LIMIT %s) AS e ON TRUE", (shard, shard, limit))
+    found = list(await cur.fetchall())
+    watermark = found[0]["watermark"] if found else None
+    return (-1 if watermark is None else int(watermark),
+            [{k: v for k, v in r.items() if k != "watermark"} for r in found if r["shard_seq"] is not None])
 
 
 async def advance(conn: Conn, shard: int, last_seq: int, lag_ms: int) -> None:

@@ -52,6 +52,7 @@ from noetl_db import (
     dead_letters,
     engine_state,
     events,
+    gated,
     leases,
     limits,
     loops,
@@ -1408,6 +1409,52 @@ async def test_the_projector_reads_past_its_watermark_only_under_its_fence(db: P
     with pytest.raises(LeaseLost):
         async with transaction(db) as conn:
             await read_models.fence_and_read(conn, shard, new_owner(), 2, 10)
+
+
+@covers("read_models.read_past", "read_models.advance_write", "read_models.save_views_writes", "leases.fence_write")
+async def test_a_projection_batch_as_one_statement_gated_by_fence_and_watermark(db: Pool, catalog_id: int) -> None:
+    """The projector's one-statement batch: the events past the watermark read without a
+    fence (with the watermark they were read past), then the read models' upserts gated by
+    the fence and by the watermark still being that one."""
+    shard, owner, eid = new_shard(), new_owner(), new_eid()
+    await put_lease(db, read_models.ROLE, shard, owner, 2)
+    async with autocommit(db) as conn:
+        assert await read_models.read_past(conn, shard, 10) == (-1, []), "no checkpoint row, no events"
+        await events.append_events(conn, [(eid, shard, n, "step.started", f"s{n}", None, None, "{}")
+                                          for n in range(1, 6)])
+        watermark, got = await read_models.read_past(conn, shard, 3)
+        assert watermark == -1 and [r["shard_seq"] for r in got] == [], "no checkpoint row: none read past it"
+    async with pipelined_transaction(db) as conn:
+        await read_models.fence_and_read(conn, shard, owner, 2, 1)  # makes the checkpoint row
+        await read_models.advance(conn, shard, 1, 0)
+    async with autocommit(db) as conn:
+        watermark, got = await read_models.read_past(conn, shard, 3)
+    assert watermark == 1 and [(r["execution_id"], r["shard_seq"], r["step"]) for r in got] == [
+        (eid, n, f"s{n}") for n in (2, 3, 4)]
+    assert {"event_type", "command_id", "result", "meta", "created_at"} <= set(got[0])
+    view = ExecutionView(eid, shard, status="running", catalog_id=catalog_id, playbook_path="p/one",
+                         playbook_version=1, last_shard_seq=4)
+    view.step("s2").status = "running"
+    writes = read_models.save_views_writes([view])
+    assert len(writes) == 2 and read_models.save_views_writes([]) == []
+
+    async def batch(*, epoch: int = 2, from_seq: int = 1) -> bool:
+        async with autocommit(db) as conn:
+            return await gated(conn, [leases.fence_write(read_models.ROLE, shard, owner, epoch),
+                                      read_models.advance_write(shard, from_seq, 4, 7)], writes)
+
+    checkpoint = "SELECT last_shard_seq, lag_ms FROM noetl.projection_checkpoint WHERE shard_id = %s"
+    assert await batch(epoch=3) is False, "not our lease"
+    assert await batch(from_seq=0) is False, "the watermark moved since it was read"
+    assert await sql1(db, checkpoint, (shard,)) == {"last_shard_seq": 1, "lag_ms": 0}
+    assert await sql(db, "SELECT 1 FROM noetl.execution WHERE execution_id = %s", (eid,)) == []
+    assert await batch() is True
+    assert await sql1(db, checkpoint, (shard,)) == {"last_shard_seq": 4, "lag_ms": 7}
+    async with autocommit(db) as conn:
+        loaded = (await read_models.load_views(conn, shard, [eid]))[eid]
+    assert (loaded.status, loaded.playbook_path, loaded.last_shard_seq, loaded.steps["s2"].status) == (
+        "running", "p/one", 4, "running")
+    assert await batch() is False, "the same batch again: its watermark is gone"
 
 
 @covers("read_models.save_views", "read_models.load_views")

@@ -26,6 +26,7 @@ from noetl_common.errors import LeaseLost, Unavailable
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
 from noetl_db import read_models
+from noetl_projector import worker
 from noetl_projector.worker import ShardProjector, projection_polls
 
 pytestmark = pytest.mark.integration
@@ -267,42 +268,69 @@ async def test_small_batches_fold_to_the_same_state(history: History, nc: NATS) 
 async def test_a_running_executions_later_batches_read_no_read_model_rows(history: History, nc: NATS,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The projector keeps the views it committed: a batch loads only executions it has not
-    seen (and, after a batch that failed, every one again); the rows come out as a fresh
-    fold's."""
+    seen and that do not start in it (and, after a batch that failed, every one again); the
+    rows come out as a fresh fold's. After its first batch (a transaction, which fences)
+    each batch is one statement."""
     sh = history.shard
     await project_all(sh.projector(nc))
     expected = await sh.views()
     await sh.reset(views=True)
     loaded: list[list[int]] = []
-    real_load, real_save = read_models.load_views, read_models.save_views
-    fail_next_save = False
+    real_load, real_gated = read_models.load_views, worker.gated
+    fail_next = False
 
     async def load_views(conn: Any, shard: int, ids: Any) -> Any:
         loaded.append(sorted(ids))
         return await real_load(conn, shard, ids)
 
-    async def save_views(conn: Any, views: Any) -> None:
-        nonlocal fail_next_save
-        if fail_next_save:
-            fail_next_save = False
-            raise Unavailable("injected: the batch's writes failed")
-        await real_save(conn, views)
+    async def gated(conn: Any, gates: Any, writes: Any) -> bool:
+        nonlocal fail_next
+        if fail_next:
+            fail_next = False
+            raise Unavailable("injected: the batch's statement failed")
+        return await real_gated(conn, gates, writes)
 
     monkeypatch.setattr(read_models, "load_views", load_views)
-    monkeypatch.setattr(read_models, "save_views", save_views)
+    monkeypatch.setattr(worker, "gated", gated)
     projector = sh.projector(nc, batch_size=2)
-    assert await projector.project_once() == 2  # events 1-2: e1
-    assert await projector.project_once() == 2  # 3-4: e2 is new, e1 is kept
-    assert loaded == [[history.done], [history.failed]]
-    fail_next_save = True
+    assert await projector.project_once() == 2  # events 1-2: e1 (the transaction loads what it has not seen)
+    assert await projector.project_once() == 2  # 3-4: e2 starts in the batch, e1 is kept
+    assert loaded == [[history.done]]
+    fail_next = True
     with pytest.raises(Unavailable):
         await projector.project_once()  # 5-6 fail: the kept views are dropped
     assert await projector.project_once() == 2  # 5-6 again: e1 and e2 read again
     assert loaded[-1] == sorted([history.done, history.failed])
     assert await project_all(projector) == [2, 2, 2, 2, 0]
-    # e2 ended (event 9) and was let go; e1 and e3 were kept to their ends
-    assert loaded[-1] == [history.running]
+    # e2 ended (event 9) and was let go; e1 was kept to its end, e3 started in a batch
+    assert len(loaded) == 2
     assert await sh.views() == expected
+
+
+async def test_a_batch_whose_watermark_moved_writes_nothing_and_takes_the_transaction(
+        history: History, nc: NATS, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one statement's gates: the watermark it read past must still be the shard's
+    (else nothing is written and the batch runs again in a transaction, from the real one)."""
+    sh = history.shard
+    projector = sh.projector(nc, batch_size=4)
+    assert await projector.project_once() == 4  # the transaction: 1-4
+    assert await projector.project_once() == 4  # one statement: 5-8
+    async with sh.pool.connection() as conn:  # behind the projector's back
+        await conn.execute("UPDATE noetl.projection_checkpoint SET last_shard_seq = 10 WHERE shard_id = %s",
+                           (sh.shard,))
+        await conn.commit()
+    real_read = read_models.read_past
+    reads: list[int] = []
+
+    async def read_past(conn: Any, shard: int, limit: int) -> Any:
+        watermark, events = await real_read(conn, shard, limit)
+        reads.append(watermark)
+        return 8, events  # the projector's stale idea of it
+
+    monkeypatch.setattr(read_models, "read_past", read_past)
+    assert await projector.project_once() == 4  # 11-14, after the gate refused the stale one
+    assert reads == [10]
+    assert await sh.watermark() == 14
 
 
 async def test_stale_epoch_raises_lease_lost_and_writes_nothing(history: History, nc: NATS) -> None:

@@ -23,7 +23,7 @@ from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.shards import ShardOwnership
 from noetl_common.shardtasks import forget_on_loss
 from noetl_common.vocab import PUBLIC_TERMINAL, EventType
-from noetl_db import read_models
+from noetl_db import gated, leases, read_models
 from noetl_flow.projection import ExecutionView, fold
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,9 @@ class ShardProjector:
         # only those it has not seen, so a running execution's batches skip that round trip.
         # Dropped on any failed batch; a terminal execution's is dropped when projected.
         self._views: OrderedDict[int, ExecutionView] = OrderedDict()
+        # a batch has fenced in a transaction at this epoch (LeaseLost is raised there): the
+        # next batches may take one statement (``_project_one_statement``)
+        self._fenced_once = False
 
     def stop(self) -> None:
         self._stopped = True
@@ -142,32 +145,65 @@ class ShardProjector:
             raise
 
     async def _project_once(self) -> int:
-        touched: list[int] = []
-        barrier = False
+        if self._fenced_once:
+            done = await self._project_one_statement()
+            if done is not None:
+                return done
+        return await self._project_in_transaction()
+
+    async def _project_in_transaction(self) -> int:
         # pipeline mode: fence + read, load (only views not kept), then the writes with the
         # COMMIT (three round trips, two when every view is kept)
         async with pipelined_transaction(self.pool) as conn:
             events = await read_models.fence_and_read(conn, self.shard, self.ownership.runtime_id, self.epoch,
                                                 self.batch_size)
+            self._fenced_once = True
             if not events:
                 return 0
-            by_exec: dict[int, list[dict[str, Any]]] = defaultdict(list)
-            for ev in events:
-                if ev["event_type"] not in SYSTEM_EVENTS:  # shard-level barriers have no read model
-                    by_exec[ev["execution_id"]].append(ev)
-                else:
-                    barrier = True
+            by_exec = _by_execution(events)
             views = {e: self._views[e] for e in by_exec if e in self._views}
             if missing := [e for e in by_exec if e not in views]:
                 views.update(await read_models.load_views(conn, self.shard, missing))
-            for eid, evs in by_exec.items():
-                if fold(views[eid], evs):
-                    touched.append(eid)
+            touched = [eid for eid, evs in by_exec.items() if fold(views[eid], evs)]
             await read_models.save_views(conn, [views[e] for e in touched])
-            last = events[-1]
-            lag = int((datetime.now(UTC) - last["created_at"]).total_seconds() * 1000)
-            lag = min(max(lag, 0), MAX_LAG_MS)
-            await read_models.advance(conn, self.shard, int(last["shard_seq"]), lag)
+            lag = _lag_ms(events[-1])
+            await read_models.advance(conn, self.shard, int(events[-1]["shard_seq"]), lag)
+        await self._committed(events, views, touched, lag)
+        return len(events)
+
+    async def _project_one_statement(self) -> int | None:
+        """The batch without a transaction: the events past the watermark read on their own
+        (and the rows of executions neither kept nor starting in the batch), then ONE
+        statement (``gated``) whose gates are the fence and the watermark still being the
+        one read past, and whose writes are the read models' upserts. None when a gate
+        matched nothing (nothing written): the transaction then fences and says why. The
+        fence runs once in a transaction first, so a projector that does not hold its
+        lease learns it from LeaseLost, as before."""
+        async with autocommit(self.pool) as conn:
+            watermark, events = await read_models.read_past(conn, self.shard, self.batch_size)
+            if not events:
+                return 0
+            by_exec = _by_execution(events)
+            views = {e: self._views[e] for e in by_exec if e in self._views}
+            # an execution whose first event is in this batch has no rows yet
+            new = {e for e, evs in by_exec.items() if e not in views and evs[0]["event_type"] == EventType.PLAYBOOK_STARTED}
+            views.update({e: ExecutionView(execution_id=e, shard_id=self.shard) for e in new})
+            if missing := [e for e in by_exec if e not in views]:
+                views.update(await read_models.load_views(conn, self.shard, missing))
+            touched = [eid for eid, evs in by_exec.items() if fold(views[eid], evs)]
+            lag = _lag_ms(events[-1])
+            gates = [leases.fence_write(read_models.ROLE, self.shard, self.ownership.runtime_id, self.epoch),
+                     read_models.advance_write(self.shard, watermark, int(events[-1]["shard_seq"]), lag)]
+            if not await gated(conn, gates, read_models.save_views_writes(views[e] for e in touched)):
+                self._views.clear()  # folded from rows that may not be what Postgres holds
+                self._fenced_once = False
+                return None
+        await self._committed(events, views, touched, lag)
+        return len(events)
+
+    async def _committed(self, events: list[dict[str, Any]], views: dict[int, ExecutionView], touched: list[int],
+                         lag: int) -> None:
+        barrier = any(ev["event_type"] in SYSTEM_EVENTS for ev in events)
         for eid, view in views.items():  # committed: keep what the rows now say
             if view.status in PUBLIC_TERMINAL:
                 self._views.pop(eid, None)
@@ -185,4 +221,17 @@ class ShardProjector:
         for eid in touched:
             await natsio.hint(self.nc, natsio.progress_subject(eid),
                               natsio.PROGRESS_TERMINAL if views[eid].status in PUBLIC_TERMINAL else b"")
-        return len(events)
+
+
+def _by_execution(events: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """The batch's events by execution, in order (shard-level barriers have no read model)."""
+    by_exec: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for ev in events:
+        if ev["event_type"] not in SYSTEM_EVENTS:
+            by_exec[ev["execution_id"]].append(ev)
+    return by_exec
+
+
+def _lag_ms(last: dict[str, Any]) -> int:
+    lag = int((datetime.now(UTC) - last["created_at"]).total_seconds() * 1000)
+    return min(max(lag, 0), MAX_LAG_MS)
