@@ -45,7 +45,11 @@ async def gated(conn: Conn, gates: Sequence[Write], writes: Sequence[Write]) -> 
         sql.append(f", w{n} AS ({write.guarded(f'EXISTS (SELECT 1 FROM {last})')})")
         params.extend(write.params)
     sql.append(f" SELECT count(*) AS passed FROM {last}")
-    row = await one(conn, "".join(sql), params)
+    # prepared on its first use on each connection: planning this statement is most of
+    # its server time unprepared (parse 0.75 + bind 0.92 of 2.6 ms, Postgres' log in a
+    # turnaround run); prepared, its plan goes generic after five custom ones
+    cur = await conn.execute("".join(sql), params, prepare=True)
+    row = await cur.fetchone()
     return bool(row and row["passed"])
 
 

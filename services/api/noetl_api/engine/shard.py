@@ -586,7 +586,10 @@ class ShardEngine:
         if batch is None:
             batch = await self._process_slow(inputs, ids, states, need_requests, last_stream_seq, reset,
                                              quarantine)
-        # committed: the cache mirrors what is in Postgres now
+        # committed: the handed-off commands go first (their workers wait for them), then
+        # the cache mirrors what is in Postgres now
+        if batch.handoffs:
+            await self._send_handoffs(batch.handoffs)
         self._positions = leases.EnginePositions(batch.seq, max(batch.sweep_from, batch.new_sweep),
                                                  batch.barrier_epoch, batch.barrier_seq)
         if reset:
@@ -610,8 +613,6 @@ class ShardEngine:
             self.d.workload_refs.popitem(last=False)
         for offer in batch.unused:  # (kept only now: a batch that failed is folded again)
             self.d.offers.keep(offer)
-        if batch.handoffs:
-            await self._send_handoffs(batch.handoffs)
         if batch.publish:
             await self._publish(batch.publish)
         cancelled = [u.command_id for u in batch.updates if u.status == CommandStatus.CANCELLED]
@@ -1073,12 +1074,15 @@ class ShardEngine:
         return (taker.worker, data), None if own else offer
 
     async def _send_handoffs(self, items: list[tuple[str, int, bytes]]) -> None:
-        async def one(worker: str, eid: int, data: bytes) -> None:
-            await natsio.send(self.d.nc, natsio.handoff_subject(worker), data,
-                              trace_parent=self.d.traces.notice_parent(eid))
-
-        results = await asyncio.gather(*(one(*i) for i in items), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
+        """Core-NATS sends, one after another (each only queues the message for the
+        client's writer: no task per send, no waiting on the network)."""
+        failed: list[BaseException] = []
+        for worker, eid, data in items:
+            try:
+                await natsio.send(self.d.nc, natsio.handoff_subject(worker), data,
+                                  trace_parent=self.d.traces.notice_parent(eid))
+            except Exception as exc:
+                failed.append(exc)
         HANDOFFS.labels(str(self.shard)).inc(len(items) - len(failed))
         if failed:
             logger.warning("%s handed-off commands not sent (%s); each is re-issued when its claim lease expires",
