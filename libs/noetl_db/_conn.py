@@ -30,10 +30,11 @@ class Write:
 async def gated(conn: Conn, gates: Sequence[Write], writes: Sequence[Write]) -> bool:
     """ONE statement (commit it on its own: ``conn`` in autocommit): the ``gates`` are CTEs
     that must each return a row, in order (a gate's ``GUARD`` is that the one before it
-    did; each ends ``RETURNING 1``), and every write is a CTE whose rows pass only when the
-    last gate did. True when it did (everything written), False when a gate matched
-    nothing (nothing written). A CTE does not see another's rows: the writes must not
-    depend on each other."""
+    did), and every write is a CTE whose rows pass only when the last gate did. True when
+    it did (everything written), False when a gate matched nothing (nothing written but
+    what the gates before it changed themselves: a gate that updates a row, a fence,
+    comes after the read-only ones). A CTE does not see another's rows: the writes must
+    not depend on each other."""
     sql: list[str] = ["WITH "]
     params: list[Any] = []
     last = ""

@@ -41,6 +41,15 @@ async def overdue(conn: Conn, shard: int, limit: int) -> list[int]:
     return [r["execution_id"] for r in await cur.fetchall()]
 
 
+def unstarted_gate(ids: Sequence[int]) -> Write:
+    """A gate of a ``gated`` statement: none of ``ids`` has engine state or waits in a
+    concurrency queue (executions that start in the statement, which the engine folded
+    as never seen)."""
+    return Write("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM noetl.engine_state WHERE execution_id = ANY(%s))"
+                 f" AND NOT EXISTS (SELECT 1 FROM noetl.concurrency_wait WHERE execution_id = ANY(%s)) AND {GUARD}",
+                 (list(ids), list(ids)))
+
+
 class StateRow(NamedTuple):
     state: ExecState
     last_shard_seq: int

@@ -72,23 +72,26 @@ class EnginePositions(NamedTuple):
 
 
 async def fenced_batch(conn: Conn, role: str, shard: int, owner: int, epoch: int, *, event_seq: int,
-                       stream_seq: int, positions: EnginePositions, writes: Sequence[Write]) -> bool:
+                       stream_seq: int, positions: EnginePositions, writes: Sequence[Write],
+                       checks: Sequence[Write] = ()) -> bool:
     """An engine batch as ONE statement, committed on its own (``conn`` in autocommit): the
     fence (our lease, not run out, and its ``event_seq`` still the one this engine last
     committed, so the ``shard_seq`` it numbered its events from is right) records the stream
     position and the batch's ``positions``, and every write is a CTE whose rows pass only
     when the fence matched (``gated``). True when it did (everything written); False when
     it matched nothing (nothing written: the lease is lost, or the engine's idea of it is
-    stale). The writes must not depend on each other (a CTE does not see another's rows):
-    the engine composes only batches whose statements touch different rows
-    (docs/ARCHITECTURE.md "The life of an execution", 2)."""
+    stale). ``checks`` are read-only gates the fence waits for (e.g. that the executions the
+    batch starts have no state yet): a check that fails leaves the lease row as it was. The writes must not depend on each other (a CTE does not
+    see another's rows): the engine composes only batches whose statements touch different
+    rows (docs/ARCHITECTURE.md "The life of an execution", 2)."""
     fence = Write(
         "UPDATE noetl.shard_lease SET stream_seq = GREATEST(stream_seq, %s), event_seq = %s,"
         " sweep_from = GREATEST(sweep_from, %s), barrier_epoch = %s, barrier_seq = %s, updated_at = now()"
         " WHERE role = %s AND shard_id = %s AND owner_runtime_id = %s AND epoch = %s"
         f" AND leased_until > clock_timestamp() AND event_seq = %s AND {GUARD} RETURNING 1",
         (stream_seq, *positions, role, shard, owner, epoch, event_seq))
-    return await gated(conn, [fence], writes)
+    # the checks first: the fence updates the lease row, which must not move when a check fails
+    return await gated(conn, [*checks, fence], writes)
 
 
 def fence_write(role: str, shard: int, owner: int, epoch: int) -> Write:

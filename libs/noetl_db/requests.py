@@ -146,22 +146,39 @@ async def insert_submission(conn: Conn, *, execution_id: int, shard_id: int, cat
     retry won: its execution is the one), or, with ``latest_of`` (a catalog path), when
     ``catalog_id`` is no longer the latest version of that path (checked in the same
     statement: an api's remembered catalog entry is a hint, never pinned stale)."""
+    return await insert_submission_row(
+        conn, execution_id=execution_id, shard_id=shard_id, catalog_id=catalog_id, payload=payload,
+        idempotency_key=idempotency_key, parent_execution_id=parent_execution_id, parent_step=parent_step,
+        timeout_sec=timeout_sec, traceparent=traceparent, depth=depth, workload_ref_id=workload_ref_id,
+        payload_bytes=payload_bytes, submitted_by=submitted_by, rerun_of=rerun_of, rerun_from=rerun_from,
+        priority=priority, latest_of=latest_of, whole=False) is not None
+
+
+async def insert_submission_row(conn: Conn, *, execution_id: int, shard_id: int, catalog_id: int, payload: str,
+                                idempotency_key: str | None, parent_execution_id: int | None,
+                                parent_step: str | None, timeout_sec: float, traceparent: str | None, depth: int,
+                                workload_ref_id: int | None, payload_bytes: int, submitted_by: int | None,
+                                rerun_of: int | None, rerun_from: str | None, priority: str | None,
+                                latest_of: str | None = None, whole: bool = True) -> dict[str, Any] | None:
+    """``insert_submission``, returning the row as committed (what ``load_requests`` reads
+    of it, but the catalog's ``path`` and ``version``; only its ``execution_id`` unless
+    ``whole``), or None when nothing was."""
     values = (execution_id, shard_id, catalog_id, payload, idempotency_key, parent_execution_id, parent_step,
               timeout_sec, traceparent, depth, workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from,
               priority)
     columns = ("INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
                " idempotency_key, parent_execution_id, parent_step, timeout_sec, traceparent, depth,"
                " workload_ref_id, payload_bytes, submitted_by, rerun_of, rerun_from, priority)")
-    conflict = " ON CONFLICT (idempotency_key) DO NOTHING RETURNING execution_id"
+    conflict = " ON CONFLICT (idempotency_key) DO NOTHING RETURNING " + ("*" if whole else "execution_id")
     if latest_of is None:
         return await one(conn, columns + " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-                         + conflict, values) is not None
+                         + conflict, values)
     return await one(conn, columns + " SELECT %s::bigint, %s::int, %s::bigint, %s::jsonb, %s::text, %s::bigint,"
                      " %s::text, %s::double precision, %s::text, %s::int, %s::bigint, %s::int, %s::bigint, %s::bigint,"
                      " %s::text, %s::text"
                      " WHERE (SELECT c.catalog_id FROM noetl.catalog c WHERE c.path = %s"
                      " ORDER BY c.version DESC LIMIT 1) = %s" + conflict,
-                     (*values, latest_of, catalog_id)) is not None
+                     (*values, latest_of, catalog_id))
 
 
 async def request_cancel(conn: Conn, execution_id: int, shard_id: int, reason: str) -> None:

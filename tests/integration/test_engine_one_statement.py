@@ -33,6 +33,7 @@ from noetl_common.config import CommandSettings, ExecutionSettings
 from noetl_common.db import Pool
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
+from noetl_db import requests
 from noetl_proto.v1 import messages_pb2
 from noetl_store import MemoryResultStore, envelope_to_proto
 
@@ -96,6 +97,21 @@ class Shard:
             submitted=messages_pb2.ExecutionSubmitted(execution_id=eid)))
         return eid
 
+    async def hand(self) -> int:
+        """A submission as this api's Submitter makes it: committed, then handed to the
+        engine in process with its row."""
+        eid = IDS.next_id()
+        async with self.pool.connection() as conn:
+            row = await requests.insert_submission_row(
+                conn, execution_id=eid, shard_id=self.shard, catalog_id=self.catalog_id, payload="{}",
+                idempotency_key=None, parent_execution_id=None, parent_step=None, timeout_sec=600,
+                traceparent=None, depth=0, workload_ref_id=None, payload_bytes=2, submitted_by=None, rerun_of=None,
+                rerun_from=None, priority=None)
+            await conn.commit()
+        assert row is not None and self.engine is not None
+        assert self.engine[0].take_submission(eid, {**row, "path": "tests/one_statement", "version": 1})
+        return eid
+
     async def publish(self, kind: str, msg: messages_pb2.EngineInput) -> None:
         await natsio.publish(self.nc.jetstream(), natsio.events_subject(self.shard, kind), msg.SerializeToString())
 
@@ -141,7 +157,7 @@ async def shard(pool: Pool, nc: NATS) -> AsyncIterator[Shard]:
 
 
 async def test_results_commit_as_one_statement_and_a_stale_lease_view_takes_the_transaction(shard: Shard) -> None:
-    one, missed = batches(shard.shard, "one statement"), batches(shard.shard, "fence missed")
+    one, missed = batches(shard.shard, "one statement"), batches(shard.shard, "gate missed")
     eid = await shard.submit()
     await shard.result(eid, "a")
     await shard.command(eid, "b")
@@ -154,7 +170,7 @@ async def test_results_commit_as_one_statement_and_a_stale_lease_view_takes_the_
                     (shard.shard,))
     await shard.result(eid, "b")
     await shard.command(eid, "c")
-    assert batches(shard.shard, "fence missed") == missed + 1
+    assert batches(shard.shard, "gate missed") == missed + 1
     await shard.result(eid, "c")
     await until(lambda: shard.status(eid), timeout=15, what="the execution's state")
 
@@ -194,3 +210,36 @@ async def test_a_cancellation_takes_the_transaction(shard: Shard) -> None:
     assert batches(shard.shard, "dependent writes") == dependent + 1
     assert await shard.sql("SELECT 1 FROM noetl.cancel_request WHERE execution_id = %s", (eid,)) == [], \
         "the transaction applied the cancellation"
+
+
+async def test_a_submission_handed_with_its_row_starts_in_one_statement_and_only_once(shard: Shard) -> None:
+    """This api's own submission comes with its request row: its start reads nothing and
+    commits as one statement, which checks that the execution has no state yet; handed
+    again (here after the engine forgot it), that check fails, nothing is written, and the
+    transaction sees the duplicate."""
+    await shard.command(await shard.hand(), "a")  # the engine's first batch reads its lease row's positions
+    one, missed = batches(shard.shard, "one statement"), batches(shard.shard, "gate missed")
+    eid = await shard.hand()
+    await shard.command(eid, "a")
+    assert batches(shard.shard, "one statement") == one + 1
+    assert shard.engine is not None
+    engine = shard.engine[0]
+    engine._cache.pop(eid, None)  # as if evicted: the next hand-over looks fresh
+    row = (await shard.sql("SELECT r.*, c.path, c.version FROM noetl.execution_request r JOIN noetl.catalog c"
+                           " USING (catalog_id) WHERE r.execution_id = %s", (eid,)))[0]
+    assert engine.take_submission(eid, row)
+
+    async def missed_once() -> bool:
+        return batches(shard.shard, "gate missed") == missed + 1
+
+    await until(missed_once, timeout=15, what="the second start refused by its check")
+    started = await shard.sql("SELECT count(*) AS n FROM noetl.event WHERE execution_id = %s"
+                              " AND event_type = 'playbook.started'", (eid,))
+    assert started[0]["n"] == 1
+    for step in ("a", "b", "c"):
+        await shard.result(eid, step)
+
+    async def completed() -> bool:
+        return await shard.status(eid) == "completed"
+
+    await until(completed, timeout=15, what="the execution completed")

@@ -402,7 +402,7 @@ async def test_a_fence_sent_in_a_pipeline_is_read_after_the_statements_queued_be
 
 @covers("leases.fenced_batch", "events.append_events_write",
         "engine_state.save_states_write", "commands.insert_commands_write", "commands.update_commands_write",
-        "loops.store_loop_results_write", "limits.release_writes")
+        "loops.store_loop_results_write", "limits.release_writes", "engine_state.unstarted_gate")
 async def test_a_fenced_batch_writes_everything_in_one_statement_or_nothing(db: Pool, catalog_id: int) -> None:
     """The engine's one-statement batch: the fence (owner, epoch, lease not run out, and the
     event_seq the engine numbered from) guards every write; a fence that matches nothing
@@ -430,9 +430,10 @@ async def test_a_fenced_batch_writes_everything_in_one_statement_or_nothing(db: 
         assert None not in built
         return [w for w in built if w is not None]
 
-    async def batch(conn: Any, *, epoch: int = 2, event_seq: int = 40) -> bool:
+    async def batch(conn: Any, *, epoch: int = 2, event_seq: int = 40, starts: tuple[int, ...] = ()) -> bool:
         return await leases.fenced_batch(conn, role, shard, owner, epoch, event_seq=event_seq, stream_seq=9,
-                                         positions=leases.EnginePositions(42, 50, 7, 41), writes=writes(40))
+                                         positions=leases.EnginePositions(42, 50, 7, 41), writes=writes(40),
+                                         checks=[engine_state.unstarted_gate(starts)] if starts else [])
 
     async def written() -> tuple[int, ...]:
         row = await sql1(db,
@@ -445,9 +446,16 @@ async def test_a_fenced_batch_writes_everything_in_one_statement_or_nothing(db: 
             {"e": eid, "c": new_cmd, "d": done_cmd, "x": ended}) or {}
         return tuple(int(v) for v in row.values())
 
+    started, queued = new_eid(), new_eid()
+    async with autocommit(db) as conn:
+        await engine_state.save_states(conn, shard, [engine_state.StateRow(ExecState(started, shard, catalog_id), 1,
+                                                                           None)])
+        await limits.enqueue(conn, lid, "k", queued, shard)
     async with autocommit(db) as conn:
         assert await batch(conn, epoch=3) is False, "another epoch"
         assert await batch(conn, event_seq=39) is False, "the engine's event_seq is stale"
+        assert await batch(conn, starts=(eid, started)) is False, "it would start an execution that has state"
+        assert await batch(conn, starts=(queued,)) is False, "it would start an execution that waits in a queue"
     assert await written() == (0, 0, 0, 0, 0, 1), "a fence that matched nothing wrote nothing"
     row = await lease(db, role, shard) or {}
     assert (row["event_seq"], row["stream_seq"], row["sweep_from"]) == (40, 5, 100)
@@ -456,7 +464,7 @@ async def test_a_fenced_batch_writes_everything_in_one_statement_or_nothing(db: 
         assert await batch(conn) is False, "the lease ran out"
     await put_lease(db, role, shard, owner, 2)
     async with autocommit(db) as conn:
-        assert await batch(conn) is True
+        assert await batch(conn, starts=(eid, new_eid())) is True, "neither has state nor waits"
     assert await written() == (2, 1, 1, 1, 1, 0)
     row = await lease(db, role, shard) or {}
     assert (row["event_seq"], row["stream_seq"], row["sweep_from"], row["barrier_epoch"], row["barrier_seq"]) == (
@@ -1113,7 +1121,7 @@ async def test_insert_submission_refuses_a_reused_idempotency_key(db: Pool, cata
     assert (loaded[e1]["path"], loaded[e1]["version"], loaded[e1]["payload"]) == (f"{TAG}/playbook", 1, {"n": 1})
 
 
-@covers("requests.insert_submission")
+@covers("requests.insert_submission", "requests.insert_submission_row")
 async def test_insert_submission_latest_of_pins_only_the_latest_version(db: Pool) -> None:
     """An api's remembered catalog entry is pinned only while it is its path's latest
     version: the check is in the insert's own statement (submissions.py)."""
@@ -1145,6 +1153,27 @@ async def test_insert_submission_latest_of_pins_only_the_latest_version(db: Pool
     assert not ok and await request_row(db, stale) is None, "v1 is no longer the latest: nothing committed"
     ok, e2 = await insert(v2["catalog_id"])
     assert ok and (await request_row(db, e2) or {}).get("catalog_id") == v2["catalog_id"]
+    # the row as committed comes back (what the engine reads of it, but the catalog's part)
+    async with autocommit(db) as conn:
+        e3 = new_eid()
+        row = await requests.insert_submission_row(
+            conn, execution_id=e3, shard_id=1, catalog_id=v2["catalog_id"], payload='{"n": 3}', idempotency_key=None,
+            parent_execution_id=None, parent_step=None, timeout_sec=9.5, traceparent=None, depth=0,
+            workload_ref_id=None, payload_bytes=8, submitted_by=None, rerun_of=None, rerun_from=None,
+            priority=None, latest_of=path)
+        loaded = (await requests.load_requests(conn, [e3]))[e3]
+        assert row == {k: v for k, v in loaded.items() if k not in ("path", "version")}
+        thin = await requests.insert_submission_row(
+            conn, execution_id=new_eid(), shard_id=1, catalog_id=v2["catalog_id"], payload="{}",
+            idempotency_key=None, parent_execution_id=None, parent_step=None, timeout_sec=1, traceparent=None,
+            depth=0, workload_ref_id=None, payload_bytes=2, submitted_by=None, rerun_of=None, rerun_from=None,
+            priority=None, whole=False)
+        assert thin is not None and set(thin) == {"execution_id"}
+        assert await requests.insert_submission_row(
+            conn, execution_id=new_eid(), shard_id=1, catalog_id=v1["catalog_id"], payload="{}",
+            idempotency_key=None, parent_execution_id=None, parent_step=None, timeout_sec=1, traceparent=None,
+            depth=0, workload_ref_id=None, payload_bytes=2, submitted_by=None, rerun_of=None, rerun_from=None,
+            priority=None, latest_of=path) is None
 
 
 @covers("requests.unstarted", "events.NOT_QUARANTINED")

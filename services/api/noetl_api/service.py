@@ -207,10 +207,10 @@ class ApiService(Service):
                                       still_held=lambda shard, epoch: ownership.epoch(shard) == epoch)
         return self.engines
 
-    def _local_submission(self, shard: int, execution_id: int) -> bool:
+    def _local_submission(self, shard: int, execution_id: int, row: dict[str, Any] | None) -> bool:
         """Hand a submission to this process's engine of ``shard``, if it runs one."""
         engine = self.engines.worker(shard) if self.engines is not None else None
-        return isinstance(engine, ShardEngine) and engine.take_submission(execution_id)
+        return isinstance(engine, ShardEngine) and engine.take_submission(execution_id, row)
 
     async def on_joined(self) -> None:
         # A rejoin hands out a new node id (the old one was freed when this member was

@@ -87,8 +87,13 @@ def _prepare(playbook_yaml: str, playbook: Playbook | None, payload: dict[str, A
 INLINE_PREPARE_BYTES = 16 * 1024
 
 # Hands a committed submission to this process's engine of its shard: (shard,
-# execution_id) -> whether one took it (then no NATS nudge is sent).
-LocalEngines = Callable[[int, int], bool]
+# execution_id, the request row as committed or None) -> whether one took it (then no NATS
+# nudge is sent).
+LocalEngines = Callable[[int, int, "dict[str, Any] | None"], bool]
+
+# A request row whose payload is at most this large comes back from its insert to be handed
+# to the engine with it (decoding a larger one would hold up the loop; the engine reads it).
+HANDED_ROW_PAYLOAD_BYTES = 64 * 1024
 
 
 class Submitter:
@@ -220,16 +225,18 @@ class Submitter:
         and None returned."""
         shard = shard_for(execution_id, self._shards)
         timeout = timeout_sec or self._default_timeout
+        encoded = json.dumps(payload)
         async with autocommit(self._pool) as conn:  # one statement: its own transaction
-            inserted = await requests.insert_submission(
+            inserted = await requests.insert_submission_row(
                 conn, execution_id=execution_id, shard_id=shard, catalog_id=entry.catalog_id,
-                payload=json.dumps(payload), idempotency_key=idempotency_key or None,
+                payload=encoded, idempotency_key=idempotency_key or None,
                 parent_execution_id=parent_execution_id or None, parent_step=parent_step or None, timeout_sec=timeout,
                 # the engine continues this trace for every command (engine/traces.py)
                 traceparent=tracing.current_traceparent(), depth=depth, workload_ref_id=workload_ref,
                 payload_bytes=size, submitted_by=who.token_id if (who := auth.require_identity()) is not None else None,
-                rerun_of=rerun_of, rerun_from=rerun_from, priority=priority or None, latest_of=latest_of or None)
-        if not inserted:
+                rerun_of=rerun_of, rerun_from=rerun_from, priority=priority or None, latest_of=latest_of or None,
+                whole=len(encoded) <= HANDED_ROW_PAYLOAD_BYTES)
+        if inserted is None:
             # lost an idempotency race to a concurrent retry, or (latest_of) the version moved
             existing = await self.existing(idempotency_key) if idempotency_key else None
             if existing is not None or latest_of:
@@ -237,7 +244,8 @@ class Submitter:
             raise NoetlError(f"execution request {execution_id} was not recorded")
         if self._admission is not None:
             self._admission.admitted()
-        await self.nudge(shard, execution_id)
+        row = {**inserted, "path": entry.path, "version": entry.version} if len(inserted) > 1 else None
+        await self.nudge(shard, execution_id, row)
         return Submission(execution_id, shard, entry, False)
 
     def next_id(self) -> int:
@@ -273,13 +281,14 @@ class Submitter:
                                       task=WORKLOAD_TASK, parent_ref_id=None)
         return ref.ref_id
 
-    async def nudge(self, shard: int, execution_id: int) -> None:
+    async def nudge(self, shard: int, execution_id: int, row: dict[str, Any] | None = None) -> None:
         """Tell the shard's engine: this process's own when it holds the shard (no NATS
-        message), else through the shard's events stream."""
+        message; with the request ``row`` as committed, when given, which it need not read),
+        else through the shard's events stream."""
         if self._local is not None:
             with tracing.span(f"hand {natsio.events_subject(shard, natsio.KIND_SUBMIT)}",
                               attributes={"noetl.execution_id": execution_id, "noetl.shard": shard}) as s:
-                if self._local(shard, execution_id):
+                if self._local(shard, execution_id, row):
                     return
                 tracing.set_attributes(s, {"noetl.handed": False})  # not held here: published below
         msg = messages_pb2.EngineInput(submitted=messages_pb2.ExecutionSubmitted(execution_id=execution_id))

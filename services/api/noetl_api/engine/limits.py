@@ -87,15 +87,17 @@ class EngineLimits:
         return self._by_path.get(path, [])
 
     async def admit(self, conn: Any, shard: int, execution_id: int, path: str,
-                    workload: Mapping[str, Any]) -> bool:
+                    workload: Mapping[str, Any], *, queued: bool = True) -> bool:
         """Take a slot of every limit of ``path`` for the execution, or queue it (False).
         A partial grant is given back and queued too, so an execution never holds one
-        limit's slot while it waits for another's."""
+        limit's slot while it waits for another's. ``queued=False``: the execution cannot be
+        in a queue (a submission handed over by its api; its batch checks that it is not)."""
         await self.refresh(conn)
         limits = self.of(path)
         if not limits:
             # no limit (any more): leave any queue it was in
-            await limits_db.dequeue(conn, execution_id)
+            if queued:
+                await limits_db.dequeue(conn, execution_id)
             return True
         wanted = sorted((lim.limit_id, render_key(lim.key_template, workload, execution_id), lim.max_running)
                         for lim in limits)

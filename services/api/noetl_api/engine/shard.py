@@ -106,7 +106,8 @@ RESUBSCRIBES = Counter("noetl_engine_resubscribes_total",
 FAST_BATCHES = Counter("noetl_engine_batches_total",
                        "Engine batches by how they committed: as one statement, or in a transaction because"
                        " the batch needed reads first (needs reads), had writes that depend on each other"
-                       " (dependent writes) or its one statement's fence did not match (fence missed)",
+                       " (dependent writes) or a gate of its one statement did not match (gate missed: its fence,"
+                       " or an execution it started had state)",
                        ["shard", "path"])
 HANDOFFS = Counter("noetl_engine_handoffs_total",
                    "Commands the engine handed straight to the worker that offered to take them", ["shard"])
@@ -181,6 +182,8 @@ class _Input:
     # transition (the execution has no state, or was compacted)
     requested_by: dict[int, str] = field(default_factory=dict)
     refused: list[tuple[int, str | None, str | None]] = field(default_factory=list)
+    # a submission this api committed and handed over: its request row as committed
+    request: dict[str, Any] | None = None
 
 
 @dataclass
@@ -251,7 +254,7 @@ class ShardEngine:
         self._generation = 0  # the NATS connection's reconnect count our consumer was made for
         self._reset_to: int | None = None  # the stream went back to here: the next fence records it
         # submissions this process committed for the shard, handed over without a NATS nudge
-        self._local: deque[int] = deque()
+        self._local: deque[tuple[int, dict[str, Any] | None]] = deque()
         self._running = False
         # the lease row's engine positions as this engine last committed them (its only
         # writer at its epoch); None: unknown, the next batch reads them with its fence
@@ -261,15 +264,16 @@ class ShardEngine:
         self._stopped.set()
         self._wake.set()
 
-    def take_submission(self, execution_id: int) -> bool:
+    def take_submission(self, execution_id: int, request: dict[str, Any] | None = None) -> bool:
         """A submission committed by this api process (``Submitter.nudge``): folded with the
-        next batch, as a nudge from the stream would be. False when this engine is not
-        running (nudge through the stream then). Nothing depends on it: an engine that
-        stops first leaves the submission to the shard's sweep (a committed request
-        without engine state), as a lost nudge does."""
+        next batch, as a nudge from the stream would be (``request``: its row as committed,
+        which the batch then need not read). False when this engine is not running (nudge
+        through the stream then). Nothing depends on it: an engine that stops first leaves
+        the submission to the shard's sweep (a committed request without engine state), as
+        a lost nudge does."""
         if not self._running or self._stopped.is_set():
             return False
-        self._local.append(execution_id)
+        self._local.append((execution_id, request))
         self._wake.set()
         return True
 
@@ -312,7 +316,8 @@ class ShardEngine:
                 msgs.append(self._queue.get_nowait())
             synthetic: list[_Input] = []
             while self._local and len(synthetic) < MAX_BATCH:
-                synthetic.append(_Input("submitted", self._local.popleft()))
+                eid, request = self._local.popleft()
+                synthetic.append(_Input("submitted", eid, request=request))
             if time.monotonic() >= self._next_tick:
                 # to the next interval boundary: the shard engines of the process sweep
                 # together, and their first reads are one (``sweep_rounds``)
@@ -577,12 +582,19 @@ class ShardEngine:
         states: dict[int, ExecState] = {e: self._cache[e] for e in ids if e in self._cache}
         need_requests = [e for e in ids if e not in states or e not in self.d.workloads
                          or e not in self.d.priorities or e not in self.d.workload_refs]
+        # submissions this api handed over with their rows, not seen here before: started
+        # without reading anything (their one statement checks that they have no state)
+        fresh = {i.execution_id: i.request for i in inputs
+                 if i.kind == "submitted" and i.request is not None and i.execution_id not in states}
         batch: _Batch | None = None
-        if (self._positions is not None and not reset and not quarantine and len(states) == len(ids)
-                and not need_requests):
-            batch = await self._process_fast(inputs, ids, dict(states), last_stream_seq, self._positions)
+        if (self._positions is not None and not reset and not quarantine
+                and len(states) + len(fresh) == len(ids) and not set(need_requests) - set(fresh)):
+            batch = await self._process_fast(inputs, ids, dict(states), dict(fresh), last_stream_seq,
+                                             self._positions)
             if batch is None:  # folded again below, from what Postgres holds
                 states = {e: self._cache[e] for e in ids if e in self._cache}
+                need_requests = [e for e in ids if e not in states or e not in self.d.workloads
+                                 or e not in self.d.priorities or e not in self.d.workload_refs]
         if batch is None:
             batch = await self._process_slow(inputs, ids, states, need_requests, last_stream_seq, reset,
                                              quarantine)
@@ -688,7 +700,8 @@ class ShardEngine:
         return batch
 
     async def _process_fast(self, inputs: list[_Input], ids: set[int], states: dict[int, ExecState],
-                            last_stream_seq: int, positions: leases.EnginePositions) -> _Batch | None:
+                            fresh: dict[int, dict[str, Any]], last_stream_seq: int,
+                            positions: leases.EnginePositions) -> _Batch | None:
         """The batch as ONE statement (``leases.fenced_batch``), when it reads nothing: every
         execution's state and request at hand, the lease's positions as this engine last
         committed them, and a fold that never needs the connection. The common batch, a
@@ -696,28 +709,39 @@ class ShardEngine:
         none of a transaction's BEGIN, COMMIT and pipeline syncs (about a third of the
         client CPU of the batch, measured). None when the batch must take the transaction
         after all (its fold needed the connection, its writes depend on each other, or the
-        fence did not match): nothing was written, the executions' states are dropped from
+        fence, or the check that the executions it starts have no state, did not match):
+        nothing was written, the executions' states are dropped from
         the cache (the fold changes them in place) and the kept offers it took given back."""
         batch = _Batch(*positions)
         try:
-            await self.d.traces.load(_NO_CONNECTION, ids, {})
-            await self._fold(inputs, states, {}, _NO_CONNECTION, batch)
+            for e, req in fresh.items():
+                self.d.priorities[e] = req.get("priority") or ""
+                self.d.workload_refs[e] = req.get("workload_ref_id")
+            if fresh and self.d.concurrency.due:  # admission's view of the limits, read beside the batch
+                async with autocommit(self.d.pool) as conn:
+                    await self.d.concurrency.refresh(conn)
+            await self.d.traces.load(_NO_CONNECTION, ids, fresh)
+            await self._fold(inputs, states, fresh, _NO_CONNECTION, batch)
             writes = self._fast_writes(inputs, batch)
             if writes is not None:
                 if batch.finished and self.d.concurrency.due:  # whom to nudge: read beside the batch
                     async with autocommit(self.d.pool) as conn:
                         await self.d.concurrency.refresh(conn)
+                started = [e for e in fresh if e in batch.touched]
                 async with autocommit(self.d.pool) as conn:
                     if await leases.fenced_batch(conn, ROLE, self.shard, self.d.ownership.runtime_id, self.epoch,
                                                  event_seq=positions.event_seq, stream_seq=last_stream_seq,
                                                  positions=leases.EnginePositions(
                                                      batch.seq, batch.new_sweep, batch.barrier_epoch,
                                                      batch.barrier_seq),
-                                                 writes=writes):
+                                                 writes=writes,
+                                                 checks=[engine_state_db.unstarted_gate(started)] if started else []):
                         FAST_BATCHES.labels(str(self.shard), "one statement").inc()
                         return batch
-                self._positions = None  # the fence did not match: the transaction says why
-                FAST_BATCHES.labels(str(self.shard), "fence missed").inc()
+                # a gate did not match (the fence: the transaction says why; an execution it
+                # started had state after all: the transaction reads it)
+                self._positions = None
+                FAST_BATCHES.labels(str(self.shard), "gate missed").inc()
             else:
                 FAST_BATCHES.labels(str(self.shard), "dependent writes").inc()
         except _NeedsTransaction:
@@ -841,7 +865,7 @@ class ShardEngine:
             compiled = await self.d.catalog.compiled(req["catalog_id"])
             workload = self._workload(eid, req, compiled.playbook)
             if inp.kind == "submitted" and not await self.d.concurrency.admit(conn, self.shard, eid, req["path"],
-                                                                               workload):
+                                                                               workload, queued=inp.request is None):
                 return None  # queued by a concurrency limit: started when a slot frees (limits.py)
             deadline = req["requested_at"] + timedelta(seconds=float(req["timeout_sec"]))
             start = StartInput(eid, self.shard, req["catalog_id"], int(deadline.timestamp() * 1000),
