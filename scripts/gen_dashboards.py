@@ -253,6 +253,15 @@ def api() -> list[Row]:
             Panel("Inputs per batch", [
                 (quantile(0.5, "noetl_engine_batch_inputs", c), "p50"),
                 (quantile(0.99, "noetl_engine_batch_inputs", c), "p99")]),
+            Panel("Batches by commit path", [
+                (f"sum by (path) (rate(noetl_engine_batches_total{c}[{RI}]))", "{{path}}")], "ops",
+                description="one statement: the usual worker result, committed as one autocommit statement; "
+                            "needs reads / dependent writes: the transaction; gate missed: a fence lost or a "
+                            "duplicate start nudge (often worth a look)."),
+            Panel("Commands handed straight to workers", [
+                (f"sum by (shard) (rate(noetl_engine_handoffs_total{c}[{RI}]))", "shard {{shard}}")], "ops",
+                description="Next commands sent to the worker whose result led to them, skipping the claim "
+                            "(noetl_worker_claims_total{outcome=\"handoff\"} on the worker side)."),
             Panel("Inputs replayed after takeovers", [
                 (f"sum by (shard) (increase(noetl_engine_replayed_inputs_total{c}[{RI}]))", "shard {{shard}}")],
                 description="Inputs delivered to a previous owner of the shard but not committed by it."),
