@@ -36,6 +36,7 @@ from noetl_common import faults, natsio
 from noetl_common.coalesce import ShardRounds
 from noetl_common.config import CommandSettings, ExecutionSettings
 from noetl_common.db import Pool
+from noetl_common.errors import NotFound
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
 from noetl_proto.v1 import execution_pb2, messages_pb2
@@ -215,8 +216,12 @@ async def test_an_execution_whose_start_is_poisoned_reads_failed_and_is_not_swep
     assert rows[0]["input_kind"] == "submitted" and rows[0]["stream_seq"] is None
     await asyncio.sleep(1.0)  # a sleep, not a wait: five sweeps later there is still one record
     assert len(await cell.rows("SELECT 1 FROM noetl.quarantine WHERE execution_id = %s", (doomed,))) == 1
-    row = await Queries(cell.pool, MemoryResultStore()).execution(doomed)
+    queries = Queries(cell.pool, MemoryResultStore())
+    row = await queries.execution(doomed)
     assert row["status"] == "FAILED" and "ENGINE_INPUT_QUARANTINED" in row["error"]
+    unknown = IDS.next_id()
+    with pytest.raises(NotFound, match=f"execution {unknown} not found"):
+        await queries.execution(unknown)
 
 
 async def test_engine_resumes_at_the_end_of_a_stream_that_went_back(cell: Cell) -> None:
