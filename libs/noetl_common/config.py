@@ -63,6 +63,9 @@ class CoreSettings(BaseSettings):
     instance: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     ready_file: str = Field(default="", description="write {role,pid,grpc,metrics} JSON here once serving")
     log_level: str = "INFO"
+    # The role's asyncio event loop: uvloop's (libuv, with its transports and TLS in
+    # Cython; docs/PERFORMANCE.md) or the standard library's.
+    event_loop: Literal["uvloop", "asyncio"] = Field(default="uvloop", description="uvloop | asyncio")
     shutdown_grace_sec: float = Field(default=5.0, gt=0)
     # Calls a gRPC server holds before the role's event loop takes them up. gRPC's own
     # default holds 1,000 and cancels the calls past that at random (the client sees

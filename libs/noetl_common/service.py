@@ -517,6 +517,14 @@ class Service:
                                  timeout=2)
 
 
+def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The factory of the event loop ``NOETL_EVENT_LOOP`` names (None: asyncio's own)."""
+    if name == "asyncio":
+        return None
+    import uvloop
+    return uvloop.new_event_loop
+
+
 def run_service(factory: Callable[[], Service]) -> int:
     """Entry point helper: logging, tracing (``NOETL_OTEL_*``), signals, run; exit code 0 on
     a clean stop, 2 on bad config."""
@@ -541,7 +549,8 @@ def run_service(factory: Callable[[], Service]) -> int:
         await svc.run()
 
     try:
-        asyncio.run(main())
+        with asyncio.Runner(loop_factory=event_loop_factory(svc.core.event_loop)) as runner:
+            runner.run(main())
     except ConfigError as exc:
         logging.getLogger("noetl").error("%s", exc)
         return 2

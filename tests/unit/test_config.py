@@ -10,15 +10,18 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import uvloop
 
 from noetl_common.config import (
     CheckpointSettings,
     CommandSettings,
+    CoreSettings,
     ProjectionSettings,
     ShardSettings,
     load,
 )
 from noetl_common.errors import ConfigError
+from noetl_common.service import event_loop_factory
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -99,6 +102,20 @@ def test_bad_checkpoint_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "NOETL_CHECKPOINT_INTERVAL_MS" in message, message
 
 
+def test_event_loop_is_uvloop_unless_asked_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load(CoreSettings).event_loop == "uvloop"
+    factory = event_loop_factory("uvloop")
+    assert factory is not None
+    loop = factory()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
+    assert event_loop_factory("asyncio") is None  # asyncio.Runner's default loop
+    message = config_error(CoreSettings, {"NOETL_EVENT_LOOP": "trio"}, monkeypatch)
+    assert "NOETL_EVENT_LOOP" in message and "uvloop" in message and "asyncio" in message, message
+
+
 # Endpoints that would be contacted if the role got past its configuration: nothing listens
 # there, so a role that accepted the bad value would fail differently (or hang) instead.
 UNREACHABLE = {"NOETL_POSTGRES_DSN": "postgresql://nobody@127.0.0.1:1/none",
@@ -111,6 +128,7 @@ UNREACHABLE = {"NOETL_POSTGRES_DSN": "postgresql://nobody@127.0.0.1:1/none",
     ("noetl_api", "NOETL_COMMAND_LEASE_SEC", "0"),
     ("noetl_shard_manager", "NOETL_SHARD_COUNT", "x"),
     ("noetl_worker", "NOETL_SHARD_LEASE_SEC", "1"),
+    ("noetl_reaper", "NOETL_EVENT_LOOP", "trio"),
 ])
 def test_role_started_with_a_bad_value_exits_2_naming_it(module: str, name: str, value: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NOETL_")}
