@@ -18,10 +18,11 @@ from ._conn import GUARD, Conn, Write, gated, one, rows
 # The lease must be ours (owner and epoch) and not run out on the database's clock; the row
 # stays locked to COMMIT, so a takeover (which bumps the epoch under the same row lock)
 # waits for the batch, and every later write of the old owner finds zero rows.
+_OURS = ("role = %s AND shard_id = %s AND owner_runtime_id = %s AND epoch = %s"
+         " AND leased_until > clock_timestamp()")
 _FENCE = (
     "UPDATE noetl.shard_lease SET {sets}updated_at = now()"
-    " WHERE role = %s AND shard_id = %s AND owner_runtime_id = %s AND epoch = %s"
-    " AND leased_until > clock_timestamp()"
+    f" WHERE {_OURS}"
     " RETURNING event_seq, stream_seq, sweep_from, barrier_epoch, barrier_seq"
 )
 _FENCE_PLAIN = _FENCE.format(sets="")
@@ -87,8 +88,7 @@ async def fenced_batch(conn: Conn, role: str, shard: int, owner: int, epoch: int
     fence = Write(
         "UPDATE noetl.shard_lease SET stream_seq = GREATEST(stream_seq, %s), event_seq = %s,"
         " sweep_from = GREATEST(sweep_from, %s), barrier_epoch = %s, barrier_seq = %s, updated_at = now()"
-        " WHERE role = %s AND shard_id = %s AND owner_runtime_id = %s AND epoch = %s"
-        f" AND leased_until > clock_timestamp() AND event_seq = %s AND {GUARD} RETURNING 1",
+        f" WHERE {_OURS} AND event_seq = %s AND {GUARD} RETURNING 1",
         (stream_seq, *positions, role, shard, owner, epoch, event_seq))
     # the checks first: the fence updates the lease row, which must not move when a check fails
     return await gated(conn, [*checks, fence], writes)
@@ -97,9 +97,8 @@ async def fenced_batch(conn: Conn, role: str, shard: int, owner: int, epoch: int
 def fence_write(role: str, shard: int, owner: int, epoch: int) -> Write:
     """The fence as a gate of a ``gated`` statement: the lease is ours and has not run out
     (the row stays locked to the statement's end, as ``fence``'s to COMMIT)."""
-    return Write("UPDATE noetl.shard_lease SET updated_at = now() WHERE role = %s AND shard_id = %s"
-                 f" AND owner_runtime_id = %s AND epoch = %s AND leased_until > clock_timestamp() AND {GUARD}"
-                 " RETURNING 1", (role, shard, owner, epoch))
+    return Write(f"UPDATE noetl.shard_lease SET updated_at = now() WHERE {_OURS} AND {GUARD} RETURNING 1",
+                 (role, shard, owner, epoch))
 
 
 async def finish_engine_batch(conn: Conn, role: str, shard: int, event_seq: int, sweep_from: int,
