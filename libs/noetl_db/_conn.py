@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from noetl_common.db import Conn, columns
+from noetl_common.db import Column, Conn, columns
 
-__all__ = ["GUARD", "Conn", "Write", "columns", "gated", "one", "rows", "run"]
+__all__ = ["GUARD", "Column", "Conn", "Write", "columns", "gated", "one", "rows", "run"]
 
 # Where a write statement's rows may be made conditional on a guard: a composed statement
 # (``leases.fenced_batch``) puts its fence's condition there; on its own it is TRUE.

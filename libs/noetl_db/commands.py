@@ -11,7 +11,7 @@ from noetl_common import pools
 from noetl_common.vocab import CommandStatus
 from noetl_flow import CommandUpdate, NewCommand
 
-from ._conn import GUARD, Conn, Write, columns, one, rows, run
+from ._conn import GUARD, Column, Conn, Write, columns, one, rows, run
 
 
 class Placement(Protocol):
@@ -63,8 +63,8 @@ def insert_commands_write(shard: int, commands: Iterable[QueuedCommand], lease_s
         f" SELECT c, e, sh, cat, st, k, CASE WHEN w IS NULL THEN '{CommandStatus.QUEUED}'"
         f" ELSE '{CommandStatus.CLAIMED}' END, a, ctx::jsonb, t, po, rq::jsonb, pr, w,"
         " CASE WHEN w IS NOT NULL THEN now() END, CASE WHEN w IS NOT NULL THEN now() + make_interval(secs => %s) END"
-        " FROM unnest(%b::text[], %b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::int[],"
-        " %b::text[], %b::float8[], %b::text[], %b::text[], %b::text[], %b::text[])"
+        " FROM unnest(%t::text[], %t::bigint[], %t::int[], %t::bigint[], %t::text[], %t::text[], %t::int[],"
+        " %t::text[], %t::float8[], %t::text[], %t::text[], %t::text[], %t::text[])"
         f" AS x(c, e, sh, cat, st, k, a, ctx, t, po, rq, pr, w) WHERE {GUARD}"
         " ON CONFLICT (command_id) DO NOTHING",
         [float(lease_sec), *columns(rows, 13)],
@@ -90,7 +90,7 @@ def update_commands_write(updates: Iterable[CommandUpdate]) -> Write | None:
     return Write(
         "UPDATE noetl.command c SET status = u.st, attempt = COALESCE(u.a, c.attempt),"
         " worker_id = CASE WHEN u.rq THEN NULL ELSE c.worker_id END, updated_at = now()"
-        " FROM unnest(%b::text[], %b::text[], %b::int[], %b::bool[]) AS u(cid, st, a, rq)"
+        " FROM unnest(%t::text[], %t::text[], %t::int[], %t::bool[]) AS u(cid, st, a, rq)"
         f" WHERE c.command_id = u.cid AND {GUARD}",
         columns(list(merged.values()), 4),
     )
@@ -98,15 +98,15 @@ def update_commands_write(updates: Iterable[CommandUpdate]) -> Write | None:
 
 _CLAIM = f"""
 WITH wanted AS (
-  SELECT * FROM unnest(%(ids)b::text[], %(attempts)b::int[]) AS w(command_id, attempt)
+  SELECT * FROM unnest(%(ids)t::text[], %(attempts)t::int[]) AS w(command_id, attempt)
 ), claimed AS (
   UPDATE noetl.command c SET status = '{CommandStatus.CLAIMED}', worker_id = %(worker)s, claimed_at = now(),
          lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
   FROM wanted w
   WHERE c.command_id = w.command_id
     -- only a worker that qualifies (noetl_common.pools.qualifies says the same)
-    AND c.pool = ANY(%(pools)s::text[]) AND (c.requires IS NULL OR c.requires <@ %(labels)s::jsonb)
-    AND (cardinality(%(tools)s::text[]) = 0 OR c.kind = ANY(%(tools)s::text[]))
+    AND c.pool = ANY(%(pools)t::text[]) AND (c.requires IS NULL OR c.requires <@ %(labels)s::jsonb)
+    AND (cardinality(%(tools)t::text[]) = 0 OR c.kind = ANY(%(tools)t::text[]))
     AND (c.status = '{CommandStatus.QUEUED}' AND (c.attempt = w.attempt OR w.attempt = 0)
          -- the same worker claiming the same attempt again: its first claim committed but the
          -- answer was lost (an api replica died mid-call); it gets the command back
@@ -114,7 +114,7 @@ WITH wanted AS (
   RETURNING c.*
 )
 SELECT c.*, li.item AS loop_item, li.idx IS NOT NULL AS has_item, lb.items AS loop_items, r.workload_ref_id,
-       CASE WHEN c.execution_id = ANY(%(need_payload)b::bigint[]) AND r.workload_ref_id IS NULL
+       CASE WHEN c.execution_id = ANY(%(need_payload)t::bigint[]) AND r.workload_ref_id IS NULL
             THEN r.payload END AS payload
 FROM claimed c
 LEFT JOIN noetl.execution_request r ON r.execution_id = c.execution_id
@@ -141,8 +141,9 @@ async def claim(conn: Conn, wanted: list[tuple[str, int]], worker_id: str, lease
     ``need_payload``, the submitted payload. Only commands the worker qualifies for
     (``pools``, ``labels``, ``tools``: noetl_common.pools.qualifies says the same)."""
     found = await rows(conn, _CLAIM, {
-        "worker": worker_id, "lease": lease_sec, "ids": [c for c, _ in wanted], "attempts": [a for _, a in wanted],
-        "need_payload": need_payload, "pools": pools, "labels": json.dumps(labels), "tools": tools})
+        "worker": worker_id, "lease": lease_sec, "ids": Column(c for c, _ in wanted), "attempts": Column(a for _, a in wanted),
+        "need_payload": Column(need_payload), "pools": Column(pools), "labels": json.dumps(labels),
+        "tools": Column(tools)})
     return {r["command_id"]: r for r in found}
 
 

@@ -23,8 +23,8 @@ async def insert_dead_letters(conn: Conn, shard: int,
         "INSERT INTO noetl.dead_letter (execution_id, shard_id, command_id, step, loop_instance, loop_index,"
         " attempts, reason, error, worker_id)"
         " SELECT x.e, x.sh, x.c, x.st, x.li, x.ix, x.a, x.r, x.err::jsonb, COALESCE(x.w, c.worker_id)"
-        " FROM unnest(%b::bigint[], %b::int[], %b::text[], %b::text[], %b::text[], %b::int[], %b::int[],"
-        " %b::text[], %b::text[], %b::text[]) AS x(e, sh, c, st, li, ix, a, r, err, w)"
+        " FROM unnest(%t::bigint[], %t::int[], %t::text[], %t::text[], %t::text[], %t::int[], %t::int[],"
+        " %t::text[], %t::text[], %t::text[]) AS x(e, sh, c, st, li, ix, a, r, err, w)"
         " LEFT JOIN noetl.command c ON c.command_id = x.c"
         " ON CONFLICT (command_id) DO NOTHING",
         columns(data, 10))
@@ -49,5 +49,5 @@ async def record_redrives(conn: Conn, outcomes: Sequence[RedriveOutcome]) -> Non
         " redrive_command_id = COALESCE(o.c, d.redrive_command_id),"
         " redriven_at = CASE WHEN o.c IS NULL THEN d.redriven_at ELSE now() END,"
         " redriven_by = CASE WHEN o.c IS NULL THEN d.redriven_by ELSE o.who END, refusal = o.why"
-        " FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::text[]) AS o(id, c, why, who)"
+        " FROM unnest(%t::bigint[], %t::text[], %t::text[], %t::text[]) AS o(id, c, why, who)"
         " WHERE d.dead_letter_id = o.id", columns(list(outcomes), 4))

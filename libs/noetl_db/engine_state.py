@@ -69,8 +69,8 @@ def save_states_write(shard: int, states: Iterable[StateRow]) -> Write | None:
         return None
     return Write(
         "INSERT INTO noetl.engine_state (execution_id, shard_id, status, state, deadline, last_shard_seq)"
-        " SELECT e, sh, st, js::jsonb, d, q FROM unnest(%b::bigint[], %b::int[], %b::text[], %b::text[],"
-        f" %b::timestamptz[], %b::bigint[]) AS t(e, sh, st, js, d, q) WHERE {GUARD}"
+        " SELECT e, sh, st, js::jsonb, d, q FROM unnest(%t::bigint[], %t::int[], %t::text[], %t::text[],"
+        f" %t::timestamptz[], %t::bigint[]) AS t(e, sh, st, js, d, q) WHERE {GUARD}"
         " ON CONFLICT (execution_id) DO UPDATE SET status = EXCLUDED.status, state = EXCLUDED.state,"
         " deadline = EXCLUDED.deadline, last_shard_seq = EXCLUDED.last_shard_seq, updated_at = now()",
         columns(rows, 6),

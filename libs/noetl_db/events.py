@@ -47,8 +47,8 @@ def append_events_write(rows: Sequence[EventRow]) -> Write | None:
         return None
     return Write(
         "INSERT INTO noetl.event (execution_id, shard_id, shard_seq, event_type, step, command_id, result, meta)"
-        " SELECT * FROM unnest(%b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::text[], %b::text[],"
-        f" %b::text[]::jsonb[], %b::text[]::jsonb[]) WHERE {GUARD}",
+        " SELECT * FROM unnest(%t::bigint[], %t::int[], %t::bigint[], %t::text[], %t::text[], %t::text[],"
+        f" %t::text[]::jsonb[], %t::text[]::jsonb[]) WHERE {GUARD}",
         columns(rows, 8),
     )
 

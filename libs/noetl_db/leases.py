@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from noetl_common.errors import LeaseLost
 from noetl_common.vocab import MemberStatus
 
-from ._conn import GUARD, Conn, Write, gated, one, rows
+from ._conn import GUARD, Column, Conn, Write, gated, one, rows
 
 # ---------------------------------------------------------------- the fence
 
@@ -122,9 +122,9 @@ async def renew(conn: Conn, role: str, runtime_id: int, lease_sec: float,
     found = await rows(conn,
         "UPDATE noetl.shard_lease SET leased_until = now() + make_interval(secs => %s), updated_at = now()"
         " WHERE role = %s AND owner_runtime_id = %s"
-        " AND (shard_id, epoch) IN (SELECT * FROM unnest(%s::int[], %s::bigint[]))"
+        " AND (shard_id, epoch) IN (SELECT * FROM unnest(%t::int[], %t::bigint[]))"
         " RETURNING shard_id, epoch",
-        (lease_sec, role, runtime_id, shards, [terms[s] for s in shards]))
+        (lease_sec, role, runtime_id, Column(shards), Column(terms[s] for s in shards)))
     return {r["shard_id"]: r["epoch"] for r in found}
 
 

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from noetl_common.vocab import ResultStatus
 
-from ._conn import GUARD, Conn, Write, columns, run
+from ._conn import GUARD, Column, Conn, Write, columns, run
 
 LOOP_ITEMS_CHUNK = 10_000
 
@@ -21,8 +21,8 @@ async def store_loop_items(conn: Conn, execution_id: int, instance: str,
         chunk = items[start:start + LOOP_ITEMS_CHUNK]
         await conn.execute(
             "INSERT INTO noetl.loop_item (execution_id, loop_instance, idx, item)"
-            " SELECT %b, %b, %b + i.ord - 1, i.item::jsonb FROM unnest(%b::text[]) WITH ORDINALITY AS i(item, ord)",
-            (execution_id, instance, start, [json.dumps(item, default=str) for item in chunk]))
+            " SELECT %b, %b, %b + i.ord - 1, i.item::jsonb FROM unnest(%t::text[]) WITH ORDINALITY AS i(item, ord)",
+            (execution_id, instance, start, Column(json.dumps(item, default=str) for item in chunk)))
 
 
 class IterationKey(NamedTuple):
@@ -52,7 +52,7 @@ def store_loop_results_write(rows: Iterable[IterationResult]) -> Write | None:
         return None
     return Write(
         "INSERT INTO noetl.loop_result (execution_id, loop_instance, idx, status, ref_id)"
-        f" SELECT * FROM unnest(%b::bigint[], %b::text[], %b::int[], %b::text[], %b::bigint[]) WHERE {GUARD}"
+        f" SELECT * FROM unnest(%t::bigint[], %t::text[], %t::int[], %t::text[], %t::bigint[]) WHERE {GUARD}"
         " ON CONFLICT DO NOTHING", columns(rows, 5))
 
 
@@ -92,6 +92,6 @@ async def clear_loop_results(conn: Conn, rows: Sequence[IterationKey]) -> None:
     """Take back failed iteration results a redrive re-issues ((execution, instance, index))."""
     if rows:
         await conn.execute(
-            "DELETE FROM noetl.loop_result l USING unnest(%b::bigint[], %b::text[], %b::int[]) AS x(e, li, ix)"
+            "DELETE FROM noetl.loop_result l USING unnest(%t::bigint[], %t::text[], %t::int[]) AS x(e, li, ix)"
             f" WHERE l.execution_id = x.e AND l.loop_instance = x.li AND l.idx = x.ix AND l.status = '{ResultStatus.ERROR}'",
             columns(list(rows), 3))

@@ -91,9 +91,9 @@ def save_views_writes(views: Iterable[ExecutionView]) -> list[Write]:
     writes = [Write(
         "INSERT INTO noetl.execution (execution_id, shard_id, catalog_id, playbook_path, playbook_version,"
         " parent_execution_id, status, error, created_at, started_at, ended_at, last_shard_seq, rerun_of, updated_at)"
-        " SELECT *, now() FROM unnest(%b::bigint[], %b::int[], %b::bigint[], %b::text[], %b::int[], %b::bigint[],"
-        " %b::text[], %b::text[], %b::timestamptz[], %b::timestamptz[], %b::timestamptz[], %b::bigint[],"
-        f" %b::bigint[]) WHERE {GUARD}"
+        " SELECT *, now() FROM unnest(%t::bigint[], %t::int[], %t::bigint[], %t::text[], %t::int[], %t::bigint[],"
+        " %t::text[], %t::text[], %t::timestamptz[], %t::timestamptz[], %t::timestamptz[], %t::bigint[],"
+        f" %t::bigint[]) WHERE {GUARD}"
         " ON CONFLICT (execution_id) DO UPDATE SET catalog_id = EXCLUDED.catalog_id,"
         " playbook_path = EXCLUDED.playbook_path, playbook_version = EXCLUDED.playbook_version,"
         " parent_execution_id = EXCLUDED.parent_execution_id, status = EXCLUDED.status, error = EXCLUDED.error,"
@@ -110,8 +110,8 @@ def save_views_writes(views: Iterable[ExecutionView]) -> list[Write]:
         writes.append(Write(
             "INSERT INTO noetl.execution_step (execution_id, step, status, visits, attempts, result_ref_id,"
             " error, started_at, ended_at, loop_total, loop_done, loop_failed)"
-            " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::int[], %b::int[], %b::bigint[],"
-            f" %b::text[], %b::timestamptz[], %b::timestamptz[], %b::bigint[], %b::bigint[], %b::bigint[]) WHERE {GUARD}"
+            " SELECT * FROM unnest(%t::bigint[], %t::text[], %t::text[], %t::int[], %t::int[], %t::bigint[],"
+            f" %t::text[], %t::timestamptz[], %t::timestamptz[], %t::bigint[], %t::bigint[], %t::bigint[]) WHERE {GUARD}"
             " ON CONFLICT (execution_id, step) DO UPDATE SET status = EXCLUDED.status, visits = EXCLUDED.visits,"
             " attempts = EXCLUDED.attempts, result_ref_id = EXCLUDED.result_ref_id, error = EXCLUDED.error,"
             " started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at, loop_total = EXCLUDED.loop_total,"

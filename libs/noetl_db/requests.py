@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from noetl_common.db import REDRIVE_LOCK_CLASS
+from noetl_common.db import REDRIVE_LOCK_CLASS, Column
 from noetl_common.vocab import EngineStatus
 
 from ._conn import Conn, one
@@ -80,8 +80,8 @@ async def pending_cancels(conn: Conn, shard: int, limit: int) -> list[dict[str, 
 async def applied_cancels(conn: Conn, execution_ids: Sequence[int]) -> None:
     """Pending cancellations the batch applied (or found moot) are done."""
     if execution_ids:
-        await conn.execute("DELETE FROM noetl.cancel_request WHERE execution_id = ANY(%b::bigint[])",
-                           (list(execution_ids),))
+        await conn.execute("DELETE FROM noetl.cancel_request WHERE execution_id = ANY(%t::bigint[])",
+                           (Column(execution_ids),))
 
 
 async def cascade_cancels(conn: Conn, parents: Sequence[int]) -> None:
@@ -91,8 +91,8 @@ async def cascade_cancels(conn: Conn, parents: Sequence[int]) -> None:
         await conn.execute(
             "INSERT INTO noetl.cancel_request (execution_id, shard_id, reason)"
             " SELECT execution_id, shard_id, 'parent execution cancelled' FROM noetl.execution_request"
-            " WHERE parent_execution_id = ANY(%b::bigint[]) ON CONFLICT (execution_id) DO NOTHING",
-            (list(parents),))
+            " WHERE parent_execution_id = ANY(%t::bigint[]) ON CONFLICT (execution_id) DO NOTHING",
+            (Column(parents),))
 
 
 async def children(conn: Conn, parents: Sequence[int]) -> list[dict[str, Any]]:
@@ -133,8 +133,8 @@ async def redrive_requests(conn: Conn, execution_id: int) -> list[dict[str, Any]
 async def applied_redrives(conn: Conn, dead_letter_ids: Sequence[int]) -> None:
     """The redrive requests the batch applied (or refused) are done."""
     if dead_letter_ids:
-        await conn.execute("DELETE FROM noetl.redrive_request WHERE dead_letter_id = ANY(%b::bigint[])",
-                           (list(dead_letter_ids),))
+        await conn.execute("DELETE FROM noetl.redrive_request WHERE dead_letter_id = ANY(%t::bigint[])",
+                           (Column(dead_letter_ids),))
 
 
 async def insert_submission(conn: Conn, *, execution_id: int, shard_id: int, catalog_id: int, payload: str,

@@ -34,7 +34,7 @@ from psycopg.rows import dict_row
 
 from noetl_common.coalesce import Coalescer
 from noetl_common.codec import decode_json
-from noetl_common.db import Conn, Pool, autocommit
+from noetl_common.db import Column, Conn, Pool, autocommit
 from noetl_common.errors import NoetlError, NotFound, Unavailable
 
 from ._metrics import WRITES, resolving
@@ -112,8 +112,8 @@ SELECT ref_id, tier, uri FROM chain ORDER BY depth
 # per row in a CTE referenced twice (materialised), so ref and payload rows agree.
 _PUT_MANY = """
 WITH input AS (
-  SELECT * FROM unnest(%(execution_ids)b::bigint[], %(steps)b::text[], %(command_ids)b::text[],
-                       %(tasks)b::text[], %(sizes)b::bigint[], %(shas)b::text[], %(parents)b::bigint[],
+  SELECT * FROM unnest(%(execution_ids)t::bigint[], %(steps)t::text[], %(command_ids)t::text[],
+                       %(tasks)t::text[], %(sizes)t::bigint[], %(shas)t::text[], %(parents)t::bigint[],
                        %(datas)b::bytea[]) WITH ORDINALITY
        AS i(execution_id, step, command_id, task, size, sha256, parent, data, ord)
 ), ids AS MATERIALIZED (
@@ -198,10 +198,10 @@ class PostgresResultStore(ResultStore):
         if len(items) == 1:
             return [await self._put_one(items[0])]
         params = {
-            "execution_ids": [i.execution_id for i in items], "steps": [i.step for i in items],
-            "command_ids": [i.command_id for i in items], "tasks": [i.task for i in items],
-            "sizes": [len(i.data) for i in items], "shas": [digest(i.data) for i in items],
-            "parents": [i.parent_ref_id for i in items], "datas": [i.data for i in items],
+            "execution_ids": Column(i.execution_id for i in items), "steps": Column(i.step for i in items),
+            "command_ids": Column(i.command_id for i in items), "tasks": Column(i.task for i in items),
+            "sizes": Column(len(i.data) for i in items), "shas": Column(digest(i.data) for i in items),
+            "parents": Column(i.parent_ref_id for i in items), "datas": [i.data for i in items],  # bytea: binary
             "tier": TIER, "prefix": URI_PREFIX,
         }
         try:
