@@ -15,8 +15,8 @@ LOOP_ITEMS_CHUNK = 10_000
 
 async def store_loop_items(conn: Conn, execution_id: int, instance: str,
                            items: list[Any]) -> None:
-    """A loop's collection, rendered once at entry, one row per item (binary arrays in
-    chunks: the engine's transaction runs in pipeline mode, where COPY is not available)."""
+    """A loop's collection, rendered once at entry, one row per item (a ``Column``
+    array per chunk: the engine's transaction runs in pipeline mode, where COPY is not available)."""
     for start in range(0, len(items), LOOP_ITEMS_CHUNK):
         chunk = items[start:start + LOOP_ITEMS_CHUNK]
         await conn.execute(

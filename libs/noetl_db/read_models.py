@@ -77,8 +77,8 @@ async def load_views(conn: Conn, shard: int, ids: Sequence[int]) -> dict[int, Ex
 
 
 async def save_views(conn: Conn, views: Iterable[ExecutionView]) -> None:
-    """Upsert the touched executions and their changed steps (one statement each, arrays
-    in binary)."""
+    """Upsert the touched executions and their changed steps (one statement each over
+    ``Column`` arrays)."""
     for write in save_views_writes(views):
         await run(conn, write)
 

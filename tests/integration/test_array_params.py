@@ -31,7 +31,7 @@ async def test_text_elements_come_back_unchanged(pool: Pool) -> None:
     rng = random.Random(16)
     alphabet = list('ab "\\{},\'\t\nNUL é😀')
     generated = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12))) for _ in range(300)]
-    for values in (AWKWARD, AWKWARD + [None] + AWKWARD, generated, [None], []):
+    for values in (AWKWARD, [*AWKWARD, None, *AWKWARD], generated, [None], []):
         assert await round_trip(pool, values, "text[]") == values
 
 
