@@ -11,7 +11,10 @@ of its own, when its inputs or its stream go wrong:
   new inputs are consumed, not skipped;
 * a cancellation is committed to Postgres before it is acknowledged: with NATS unable to
   carry the nudge, CancelExecution still answers accepted and the engine's sweep applies
-  it.
+  it;
+* a checkpoint barrier behind a backlog of inputs is folded ahead of it (seed 004's
+  checkpoint age counts that wait), once, and the positions the engine records still
+  replay every input.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ from prometheus_client import REGISTRY
 from waiting import until
 
 from noetl_api.catalog import Catalog
-from noetl_api.engine.shard import EngineDeps, ShardEngine
+from noetl_api.engine.shard import MAX_BATCH, EngineDeps, ShardEngine
 from noetl_api.queries import Queries
 from noetl_api.servicers import ExecutionServicer
 from noetl_common import faults, natsio
 from noetl_common.coalesce import ShardRounds
 from noetl_common.config import CommandSettings, ExecutionSettings
-from noetl_common.db import Pool
+from noetl_common.db import Column, Pool
 from noetl_common.errors import NotFound
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
@@ -281,3 +284,53 @@ async def test_a_submission_whose_nudge_was_lost_is_started_by_the_sweep(cell: C
     await until(lambda: cell.status(eid), what="the swept submission to start", timeout=20)
     if candidates == "failing":
         assert asked, "the shared read was asked (and failed) before the full sweep"
+
+
+async def test_a_checkpoint_barrier_goes_ahead_of_a_backlog(cell: Cell) -> None:
+    # three batches of submissions, then a barrier, all in the stream before the engine starts
+    ids = [IDS.next_id() for _ in range(3 * MAX_BATCH)]
+    cell.executions += ids
+    async with cell.pool.connection() as conn, conn.transaction():
+        await conn.execute("INSERT INTO noetl.execution_request (execution_id, shard_id, catalog_id, payload,"
+                           " timeout_sec) SELECT e, %s, %s, '{}', 600 FROM unnest(%t::bigint[]) AS e",
+                           (cell.shard, cell.catalog_id, Column(ids)))
+    for start in range(0, len(ids), 100):
+        await asyncio.gather(*(cell.publish(natsio.KIND_SUBMIT, messages_pb2.EngineInput(
+            submitted=messages_pb2.ExecutionSubmitted(execution_id=eid)).SerializeToString())
+            for eid in ids[start:start + 100]))
+    epoch = IDS.next_id()
+    barrier = messages_pb2.EngineInput(barrier=messages_pb2.CheckpointBarrier(shard_id=cell.shard,
+                                                                              checkpoint_epoch=epoch))
+    await cell.publish(natsio.KIND_BARRIER, barrier.SerializeToString())
+    await cell.start_engine()
+
+    async def folded() -> bool:
+        found = await cell.rows("SELECT (SELECT count(*) FROM noetl.engine_state WHERE shard_id = %s) AS n,"
+                                " (SELECT count(*) FROM noetl.event WHERE shard_id = %s AND event_type = %s) AS b",
+                                (cell.shard, cell.shard, "checkpoint.committed"))
+        return found[0]["n"] == len(ids) and found[0]["b"] > 0
+
+    await until(folded, timeout=120, what="every execution of the backlog started and the barrier appended")
+    marks = await cell.rows("SELECT shard_seq, meta FROM noetl.event WHERE shard_id = %s AND event_type = %s",
+                            (cell.shard, "checkpoint.committed"))
+    assert len(marks) == 1 and marks[0]["meta"]["checkpoint_epoch"] == epoch, marks
+    firsts = await cell.rows("SELECT execution_id, min(shard_seq) AS first FROM noetl.event WHERE shard_id = %s"
+                             " AND execution_id = ANY(%t::bigint[]) GROUP BY execution_id", (cell.shard, Column(ids)))
+    assert len(firsts) == len(ids)
+    # published after all of them, it was folded before some: it did not wait for the backlog
+    behind = sum(1 for r in firsts if r["first"] > marks[0]["shard_seq"])
+    assert behind > 0, "the barrier was folded after the whole backlog"
+    lease = (await cell.rows("SELECT stream_seq, barrier_epoch, barrier_seq FROM noetl.shard_lease"
+                             " WHERE role = 'api' AND shard_id = %s", (cell.shard,)))[0]
+    assert (lease["barrier_epoch"], lease["barrier_seq"]) == (epoch, marks[0]["shard_seq"])
+    # the recorded position covers the whole backlog: nothing is replayed past it or skipped
+    last = int((await cell.nc.jetstream().stream_info(natsio.EVENTS_STREAM)).state.last_seq)
+    assert lease["stream_seq"] <= last
+
+    # delivered again (a replay after a crash, a checkpointer asking twice): dropped by its epoch
+    await cell.publish(natsio.KIND_BARRIER, barrier.SerializeToString())
+    late = await cell.request()
+    await until(lambda: cell.status(late), timeout=30, what="an execution submitted after the repeat")
+    again = await cell.rows("SELECT count(*) AS n FROM noetl.event WHERE shard_id = %s AND event_type = %s",
+                            (cell.shard, "checkpoint.committed"))
+    assert again[0]["n"] == 1
