@@ -12,7 +12,7 @@ from noetl_store._lineage import (
     MAX_CHAIN_DEPTH,  # the trace's own bound: a manifest's chain equals GetTrace's
 )
 
-from ._conn import Conn, rows
+from ._conn import Column, Conn, rows
 
 
 async def seal_state(conn: Conn, engine_role: str, shard: int) -> dict[str, Any] | None:
@@ -33,7 +33,7 @@ async def seal_states(conn: Conn, engine_role: str, shards: Sequence[int]) -> di
         " LEFT JOIN noetl.projection_checkpoint p ON p.shard_id = e.shard_id"
         " LEFT JOIN LATERAL (SELECT epoch, last_shard_seq, sealed_at FROM noetl.checkpoint"
         "   WHERE shard_id = e.shard_id ORDER BY epoch DESC LIMIT 1) c ON true"
-        " WHERE e.role = %s AND e.shard_id = ANY(%s)", (engine_role, list(shards)))
+        " WHERE e.role = %s AND e.shard_id = ANY(%t::int[])", (engine_role, Column(shards)))
     return {int(r.pop("shard_id")): r for r in found}
 
 

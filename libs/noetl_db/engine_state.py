@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from noetl_common.vocab import EngineStatus
 from noetl_flow import ExecState
 
-from ._conn import GUARD, Conn, Write, columns, run
+from ._conn import GUARD, Column, Conn, Write, columns, run
 from .events import NOT_QUARANTINED
 
 
@@ -23,8 +23,8 @@ async def send_load_states(conn: Conn, ids: Sequence[int]) -> Any:
     in pipeline mode it travels with the statements around it; ``loaded_states`` reads it."""
     if not ids:
         return None
-    return await conn.execute("SELECT execution_id, state FROM noetl.engine_state WHERE execution_id = ANY(%s)",
-                              (list(ids),))
+    return await conn.execute("SELECT execution_id, state FROM noetl.engine_state WHERE execution_id = ANY(%t::bigint[])",
+                              (Column(ids),))
 
 
 async def loaded_states(cursor: Any) -> dict[int, ExecState]:
@@ -45,9 +45,9 @@ def unstarted_gate(ids: Sequence[int]) -> Write:
     """A gate of a ``gated`` statement: none of ``ids`` has engine state or waits in a
     concurrency queue (executions that start in the statement, which the engine folded
     as never seen)."""
-    return Write("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM noetl.engine_state WHERE execution_id = ANY(%s))"
-                 f" AND NOT EXISTS (SELECT 1 FROM noetl.concurrency_wait WHERE execution_id = ANY(%s)) AND {GUARD}",
-                 (list(ids), list(ids)))
+    return Write("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM noetl.engine_state WHERE execution_id = ANY(%t::bigint[]))"
+                 f" AND NOT EXISTS (SELECT 1 FROM noetl.concurrency_wait WHERE execution_id = ANY(%t::bigint[]))"
+                 f" AND {GUARD}", (Column(ids), Column(ids)))
 
 
 class StateRow(NamedTuple):

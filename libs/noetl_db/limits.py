@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._conn import GUARD, Conn, Write, one, rows, run
+from ._conn import GUARD, Column, Conn, Write, one, rows, run
 
 
 async def all_limits(conn: Conn) -> list[dict[str, Any]]:
@@ -79,9 +79,9 @@ def release_writes(ended: Sequence[int]) -> list[Write]:
     """``release``' statements (none when nothing ended)."""
     if not ended:
         return []
-    ids = (list(ended),)
-    return [Write(f"DELETE FROM noetl.concurrency_slot WHERE execution_id = ANY(%s) AND {GUARD}", ids),
-            Write(f"DELETE FROM noetl.concurrency_wait WHERE execution_id = ANY(%s) AND {GUARD}", ids)]
+    ids = (Column(ended),)
+    return [Write(f"DELETE FROM noetl.concurrency_slot WHERE execution_id = ANY(%t::bigint[]) AND {GUARD}", ids),
+            Write(f"DELETE FROM noetl.concurrency_wait WHERE execution_id = ANY(%t::bigint[]) AND {GUARD}", ids)]
 
 
 _HEADS = """

@@ -12,7 +12,7 @@ from typing import Any
 from noetl_flow.projection import ExecutionView, StepView
 
 from . import leases
-from ._conn import GUARD, Conn, Write, columns, run
+from ._conn import GUARD, Column, Conn, Write, columns, run
 
 ROLE = "projector"
 
@@ -56,8 +56,9 @@ async def shards_behind(conn: Conn, shards: Sequence[int]) -> set[int]:
 
 
 async def load_views(conn: Conn, shard: int, ids: Sequence[int]) -> dict[int, ExecutionView]:
-    cur = await conn.execute("SELECT * FROM noetl.execution WHERE execution_id = ANY(%s)", (list(ids),))
-    step_cur = await conn.execute("SELECT * FROM noetl.execution_step WHERE execution_id = ANY(%s)", (list(ids),))
+    cur = await conn.execute("SELECT * FROM noetl.execution WHERE execution_id = ANY(%t::bigint[])", (Column(ids),))
+    step_cur = await conn.execute("SELECT * FROM noetl.execution_step WHERE execution_id = ANY(%t::bigint[])",
+                                  (Column(ids),))
     views: dict[int, ExecutionView] = {}
     for r in await cur.fetchall():
         views[r["execution_id"]] = ExecutionView(

@@ -25,7 +25,7 @@ async def send_load_requests(conn: Conn, ids: Sequence[int]) -> Any:
         return None
     return await conn.execute(
         "SELECT r.*, c.path, c.version FROM noetl.execution_request r"
-        " JOIN noetl.catalog c ON c.catalog_id = r.catalog_id WHERE r.execution_id = ANY(%s)", (list(ids),))
+        " JOIN noetl.catalog c ON c.catalog_id = r.catalog_id WHERE r.execution_id = ANY(%t::bigint[])", (Column(ids),))
 
 
 async def loaded_requests(cursor: Any) -> dict[int, dict[str, Any]]:

@@ -7,7 +7,7 @@ import builtins
 from typing import Any
 
 from noetl_common import pools
-from noetl_common.db import Pool, autocommit
+from noetl_common.db import Column, Pool, autocommit
 from noetl_common.errors import InvalidInput, NotFound
 from noetl_common.vocab import PUBLIC_TERMINAL, CommandStatus, ExecutionStatus
 from noetl_db import requests
@@ -77,7 +77,7 @@ class Queries:
         """(status, last_shard_seq) of each projected one of ``execution_ids`` (one query)."""
         async with autocommit(self._pool) as conn:
             cur = await conn.execute("SELECT execution_id, status, last_shard_seq FROM noetl.execution"
-                                     " WHERE execution_id = ANY(%s)", (execution_ids,))
+                                     " WHERE execution_id = ANY(%t::bigint[])", (Column(execution_ids),))
             return {int(r["execution_id"]): (str(r["status"]), int(r["last_shard_seq"] or 0))
                     for r in await cur.fetchall()}
 
