@@ -93,10 +93,8 @@ class ShardCheckpointer:
         self.epoch = epoch
         self.interval = interval_sec
         # while a barrier is outstanding: the backstop probe for a lost projector hint, after
-        # poll_sec, then doubling until the next tick. Half the interval: the hint normally
-        # comes first (the projection lag), so an earlier probe finds nothing to seal; at a
-        # tenth, 16 shards made three such reads per shard and second (docs/PERFORMANCE.md)
-        self.poll = poll_sec if poll_sec is not None else min(interval_sec, max(0.05, interval_sec / 2))
+        # poll_sec, then doubling until the next tick
+        self.poll = poll_sec if poll_sec is not None else min(interval_sec, max(0.05, interval_sec / 10))
         self._backoff = self.poll
         self._stopped = False
         self._wake = asyncio.Event()
