@@ -4,8 +4,8 @@
 ``ShardCheckpointer`` asks the engine for a barrier (``CheckpointBarrier`` on
 ``noetl.events.{shard}.barrier``) only when the shard's log grew past the last sealed
 epoch; the engine appends ``checkpoint.committed`` once per epoch; the checkpointer seals
-the epoch in ``noetl.checkpoint`` only once the projection has passed the barrier, in a
-transaction fenced on its own lease: a stale epoch (or another member) writes nothing.
+the epoch in ``noetl.checkpoint`` only once the projection has passed the barrier, in one
+statement fenced on its own lease: a stale epoch (or another member) writes nothing.
 
 The log grows through the engine's own statements (fence -> append -> finish_batch on the
 api lease row), so test writes and the running engine's batches serialise on that row

@@ -1553,6 +1553,54 @@ async def test_seal_state_puts_the_engine_positions_beside_the_projection_and_th
     assert {k: v for k, v in many[shard].items() if k != "now"} == {k: v for k, v in got.items() if k != "now"}
 
 
+@covers("checkpoints.seal_round")
+async def test_a_seal_round_seals_fenced_only_what_the_projection_passed(db: Pool) -> None:
+    engine, role, shard, owner, e1 = unique("engine"), unique("ckpt"), new_shard(), new_owner(), new_eid()
+
+    async def round_(who: int = owner, epoch: int = 1) -> dict[str, Any]:
+        async with autocommit(db) as conn:
+            return await checkpoints.seal_round(conn, engine, role, shard, who, epoch)
+
+    async def touched() -> Any:
+        return (await sql1(db, "SELECT updated_at FROM noetl.shard_lease WHERE role = %s AND shard_id = %s",
+                           (role, shard)) or {})["updated_at"]
+
+    await put_lease(db, role, shard, owner, 1)
+    got = await round_()  # no engine lease row yet: the state is all NULL, nothing to seal
+    assert (got["ours"], got["sealable"], got["sealed_now"], got["event_seq"]) == (True, False, False, None)
+    await put_lease(db, engine, shard, new_owner(), 1, event_seq=50, barrier_epoch=3, barrier_seq=40)
+    async with autocommit(db) as conn:
+        await events.append_events(conn, [(e1, shard, 41, "step.enter", "a", None, None, "{}"),
+                                          (e1, shard, 42, "step.enter", "b", None, None, "{}")])
+    at = {r["shard_seq"]: r["created_at"] for r in await sql(
+        db, "SELECT shard_seq, created_at FROM noetl.event WHERE shard_id = %s", (shard,))}
+    await sql(db, "INSERT INTO noetl.projection_checkpoint (shard_id, last_shard_seq) VALUES (%s, 30)", (shard,))
+    before = await touched()
+    got = await round_()  # the projection has not passed the barrier: read, nothing written
+    assert (got["ours"], got["sealable"], got["sealed_now"]) == (True, False, False)
+    assert (got["event_seq"], got["barrier_epoch"], got["projected_seq"], got["sealed_epoch"]) == (50, 3, 30, 0)
+    assert got["oldest_at"] == at[41] and await touched() == before
+    # another member's round (or ours at an old epoch) never seals, however sealable
+    await sql(db, "UPDATE noetl.projection_checkpoint SET last_shard_seq = 45 WHERE shard_id = %s", (shard,))
+    for who, epoch in ((new_owner(), 1), (owner, 2)):
+        got = await round_(who, epoch)
+        assert (got["ours"], got["sealable"], got["sealed_now"]) == (False, True, False)
+    assert await sql(db, "SELECT * FROM noetl.checkpoint WHERE shard_id = %s", (shard,)) == []
+    got = await round_()  # passed: fenced (the lease row touched) and sealed in the one statement
+    assert (got["ours"], got["sealable"], got["sealed_now"]) == (True, True, True)
+    assert got["sealed_epoch"] == 0  # the state as read before the seal
+    assert got["oldest_at"] == at[41]  # past seq 40, the new seal
+    assert [(r["epoch"], r["last_shard_seq"]) for r in await sql(
+        db, "SELECT epoch, last_shard_seq FROM noetl.checkpoint WHERE shard_id = %s", (shard,))] == [(3, 40)]
+    assert await touched() > before
+    got = await round_()  # sealed: nothing more to do
+    assert (got["sealable"], got["sealed_now"], got["sealed_epoch"], got["sealed_seq"]) == (False, False, 3, 40)
+    # a lease run out is not ours
+    await sql(db, "UPDATE noetl.shard_lease SET leased_until = now() - interval '1 second'"
+                  " WHERE role = %s AND shard_id = %s", (role, shard))
+    assert (await round_())["ours"] is False
+
+
 @covers("checkpoints.MANIFEST", "checkpoints.PARTS", "checkpoints.TERMINAL_REF")
 async def test_the_compactor_s_statements_summarise_an_execution(db: Pool, catalog_id: int) -> None:
     shard, eid = new_shard(), new_eid()

@@ -1,29 +1,31 @@
 """One shard's checkpoint loop (ARCHITECTURE.md section 6).
 
-Every ``NOETL_CHECKPOINT_INTERVAL_MS`` (a fixed cadence, tick start to tick start), in a
-transaction fenced on this member's checkpointer lease:
-* if the engine appended a barrier that is not sealed yet, seal it once the projection
-  has passed it: ``INSERT noetl.checkpoint (shard, epoch, last_shard_seq)``;
+Every ``NOETL_CHECKPOINT_INTERVAL_MS`` (a fixed cadence, tick start to tick start), one
+round, ONE statement (``checkpoints.seal_round``):
+* if the engine appended a barrier that is not sealed yet and the projection has passed
+  it, seal it, fenced on this member's checkpointer lease (the lease row locked by the
+  statement): ``INSERT noetl.checkpoint (shard, epoch, last_shard_seq)``; a round with
+  nothing to seal writes nothing (the lease is checked, not locked);
 * then, if the shard's log grew past the last sealed epoch (and no barrier is still
   outstanding), ask the engine for a new barrier (``CheckpointBarrier`` on
-  ``noetl.events.{shard}.barrier``); the engine appends ``checkpoint.committed`` in
-  order, exactly once per epoch. The checkpointer never writes events itself.
+  ``noetl.events.{shard}.barrier``); the engine appends ``checkpoint.committed`` in its
+  log order, exactly once per epoch. The checkpointer never writes events itself.
 
 Between ticks, while a barrier is outstanding, the seal does not wait for the next tick:
 the projector hints ``noetl.checkpointer.{shard}`` when a batch it projected held a
-barrier, and the checkpointer then checks the seal condition (a read-only query) and
-seals at once (the same fenced transaction as a tick). A probe every ``poll_sec`` is the
-backstop for a lost hint (then every 2x longer until the next tick). A seal that comes
-after a tick went by (the barrier still outstanding) asks for the next barrier at once if
-the last request is an interval old. An idle, fully sealed shard costs no transaction:
-the ticks of all the shards of a process start with one shared read (``seal_rounds``), and
-only a shard with something to seal or ask for takes the fenced round.
+barrier, and the checkpointer then runs the same round at once (it seals if the seal
+condition holds). A probe every ``poll_sec`` is the backstop for a lost hint (then every
+2x longer until the next tick). A seal that comes after a tick went by (the barrier still
+outstanding) asks for the next barrier at once if the last request is an interval old.
+An idle, fully sealed shard costs no round: the ticks of all the shards of a process
+start with one shared read (``seal_rounds``), and only a shard with something to seal or
+ask for takes its round.
 
 ``noetl_checkpoint_age_seconds{shard}`` (seed 004 section 12) is the age of the oldest event of
 the shard not yet covered by a sealed checkpoint, 0 when everything is sealed. It is
 computed when scraped: the oldest unsealed event's ``created_at`` is read from the log
-(on a tick, after a seal), and the engine's append hint on ``noetl.projector.{shard}``
-marks the moment a fully sealed shard gets new work (checked against the log at once).
+by every round, and the engine's append hint on ``noetl.projector.{shard}`` marks the
+moment a fully sealed shard gets new work (checked against the log at once).
 """
 
 from __future__ import annotations
@@ -40,13 +42,13 @@ from prometheus_client import Counter, Gauge
 
 from noetl_common import natsio
 from noetl_common.coalesce import ShardRounds, to_boundary
-from noetl_common.db import Pool, autocommit, transaction
+from noetl_common.db import Pool, autocommit
 from noetl_common.errors import LeaseLost, NoetlError
 from noetl_common.ids import SnowflakeGenerator
 from noetl_common.shards import ShardOwnership
 from noetl_common.shardtasks import forget_on_loss
 from noetl_common.vocab import barrier_msg_id
-from noetl_db import checkpoints, leases
+from noetl_db import checkpoints
 from noetl_proto.v1 import messages_pb2
 
 logger = logging.getLogger(__name__)
@@ -61,15 +63,13 @@ BARRIERS = Counter("noetl_checkpoint_barriers_requested_total", "Barriers reques
 ROLE = "checkpointer"
 ENGINE_ROLE = "api"  # whose lease row holds the engine's positions
 
-OLDEST_UNSEALED = ("SELECT created_at FROM noetl.event WHERE shard_id = %s AND shard_seq > %s"
-                   " ORDER BY shard_seq LIMIT 1")
 
 
 def seal_rounds(pool: Pool) -> ShardRounds[int, dict[str, Any] | None]:
     """The ticks' first read (``checkpoints.seal_states``), made once for every shard
     checkpointer of a process: the loops tick on the same interval boundaries, and a
     shard found idle (everything sealed, no barrier outstanding) skips its fenced tick,
-    so an idle checkpointer makes one query a tick, not one transaction per shard."""
+    so an idle checkpointer makes one query a tick, not one round per shard."""
 
     async def read(shards: list[int]) -> dict[int, dict[str, Any] | None]:
         async with autocommit(pool) as conn:
@@ -102,10 +102,8 @@ class ShardCheckpointer:
         self._asked_at: float | None = None  # monotonic time of the last barrier request
         self._pending = False      # a barrier was requested or appended and is not sealed yet
         self._verify = False       # the engine hinted new events on a shard believed fully sealed
-        # monotonic time the oldest unsealed event was appended (None: everything sealed), and
-        # the sealed shard_seq it was read for (None: an estimate from the engine's hint)
+        # monotonic time the oldest unsealed event was appended (None: everything sealed)
         self._oldest: float | None = None
-        self._oldest_for: int | None = None
         AGE.labels(str(shard)).set_function(self.age_seconds)
 
     def stop(self) -> None:
@@ -171,7 +169,7 @@ class ShardCheckpointer:
     async def _on_appended(self, _msg: Any) -> None:
         """The engine appended events to the shard."""
         if self._oldest is None:
-            self._oldest, self._oldest_for = time.monotonic(), None
+            self._oldest = time.monotonic()
             self._verify = True
             self._wake.set()
 
@@ -183,77 +181,76 @@ class ShardCheckpointer:
     # ------------------------------------------------------------ rounds
 
     async def tick(self, *, request: bool = True) -> str:
-        """One fenced round; returns what it did: sealed | requested | waiting | idle. A tick
-        that seals also asks for the next barrier when newer events wait (still "sealed").
+        """One round; returns what it did: sealed | requested | waiting | idle. A tick that
+        seals also asks for the next barrier when newer events wait (still "sealed").
         With ``request=False`` it only seals (a probe found the seal condition met)."""
-        async with transaction(self.pool) as conn:
-            at = time.monotonic()
-            await leases.fence(conn, ROLE, self.shard, self.ownership.runtime_id, self.epoch)
-            state = await self._state(conn)
-            sealed_epoch, sealed_seq = state["sealed_epoch"], state["sealed_seq"]
-            if state["barrier_epoch"] > sealed_epoch:
-                if state["projected_seq"] >= state["barrier_seq"]:
-                    await checkpoints.seal(conn, self.shard, state["barrier_epoch"], state["barrier_seq"])
-                    sealed_epoch, sealed_seq = state["barrier_epoch"], state["barrier_seq"]
-                    outcome = "sealed"
-                else:
-                    outcome = "waiting"
-            elif state["event_seq"] > sealed_seq:
-                outcome = "requested" if request else "idle"
-            else:
-                outcome = "idle"
-            ask = request and outcome in ("sealed", "requested") and state["event_seq"] > sealed_seq
-            await self._track(conn, state, sealed_seq, at)
-        self._pending = state["barrier_epoch"] > sealed_epoch or ask
-        if outcome == "sealed":
-            SEALED.labels(str(self.shard)).inc()
+        state, outcome, sealed_seq = await self._round(request)
+        ask = request and outcome in ("sealed", "requested") and state["event_seq"] > sealed_seq
+        self._pending = state["barrier_epoch"] > state["sealed_epoch"] or ask
         if ask:
             await self._request_barrier()
         return outcome
 
+    async def _round(self, request: bool) -> tuple[dict[str, Any], str, int]:
+        """The round's statement (``checkpoints.seal_round``: it fences and seals only when
+        the projection passed an unsealed barrier, so a round with nothing to seal writes
+        nothing): (the state after it, what it did, the sealed ``shard_seq``)."""
+        async with autocommit(self.pool) as conn:
+            at = time.monotonic()
+            row = await checkpoints.seal_round(conn, ENGINE_ROLE, ROLE, self.shard, self.ownership.runtime_id,
+                                               self.epoch)
+        if not row["ours"] or (row["sealable"] and not row["sealed_now"]):
+            raise LeaseLost(f"checkpointer shard {self.shard}: the lease at epoch {self.epoch} is no longer ours")
+        state = self._adopt(row if row["event_seq"] is not None else None)
+        sealed_seq = state["sealed_seq"]
+        if row["sealed_now"]:
+            state["sealed_epoch"], state["sealed_seq"] = state["barrier_epoch"], state["barrier_seq"]
+            outcome = "sealed"
+            SEALED.labels(str(self.shard)).inc()
+        elif state["barrier_epoch"] > state["sealed_epoch"]:
+            outcome = "waiting"
+        elif state["event_seq"] > sealed_seq:
+            outcome = "requested" if request else "idle"
+        else:
+            outcome = "idle"
+        self._track(state, row["oldest_at"], at)
+        return state, outcome, state["sealed_seq"]
+
     async def tick_unless_idle(self) -> str:
         """A tick, unless the shard's state read with the other shards' (``seal_rounds``)
         shows it idle: everything sealed and no barrier outstanding. An idle tick writes
-        nothing and asks for nothing, so skipping its fenced transaction changes nothing."""
+        nothing and asks for nothing, so skipping its round changes nothing."""
         state = self._adopt(await self.states.get(self.shard))
         if state["barrier_epoch"] > state["sealed_epoch"] or state["event_seq"] > state["sealed_seq"]:
             return await self.tick()
         self._pending = False
-        self._oldest, self._oldest_for = None, state["sealed_seq"]
+        self._oldest = None
         return "idle"
 
     async def probe(self) -> str:
-        """A read-only look between ticks: seal now if the engine appended the outstanding
-        barrier and the projection passed it; refresh the age after an append hint."""
-        async with autocommit(self.pool) as conn:
-            at = time.monotonic()
-            state = await self._state(conn)
-            sealable = state["barrier_epoch"] > state["sealed_epoch"] and \
-                state["projected_seq"] >= state["barrier_seq"]
-            if not sealable:
-                await self._track(conn, state, state["sealed_seq"], at)
+        """A look between ticks: seal now if the engine appended the outstanding barrier and
+        the projection passed it (the same one statement as a tick, which writes nothing
+        when there is nothing to seal); refresh the age after an append hint."""
+        state, outcome, _ = await self._round(request=False)
         self._verify = False
-        if sealable:
-            return await self.tick(request=False)
+        if outcome == "sealed":
+            self._pending = False
+            return outcome
         self._pending = self._pending and (state["barrier_epoch"] > state["sealed_epoch"] or
                                            self._requested is not None)
         return "waiting" if self._pending else "idle"
 
-    async def _track(self, conn: Any, state: dict[str, Any], sealed_seq: int, at: float) -> None:
-        """Keep the oldest unsealed event's time (``at``: monotonic time of ``state['now']``)."""
-        if state["event_seq"] <= sealed_seq:
-            self._oldest, self._oldest_for = None, sealed_seq
+    def _track(self, state: dict[str, Any], oldest_at: Any, at: float) -> None:
+        """Keep the oldest unsealed event's time (``oldest_at``: its ``created_at`` as the
+        round read it; ``at``: the monotonic time of ``state['now']``)."""
+        if state["event_seq"] <= state["sealed_seq"]:
+            self._oldest = None
             return
-        if self._oldest is not None and self._oldest_for == sealed_seq:
-            return  # the same oldest unsealed event as last time
-        cur = await conn.execute(OLDEST_UNSEALED, (self.shard, sealed_seq))
-        row = await cur.fetchone()
-        if row is None or state["now"] is None:  # compacted already: keep what is known
+        if oldest_at is None or state["now"] is None:  # compacted already: keep what is known
             self._oldest = self._oldest if self._oldest is not None else at
         else:
-            age = max(0.0, (state["now"] - row["created_at"]).total_seconds())
+            age = max(0.0, (state["now"] - oldest_at).total_seconds())
             self._oldest = at - age
-        self._oldest_for = sealed_seq
 
     async def _request_barrier(self) -> None:
         # Ask again only if the engine has not answered a previous request for a while
@@ -268,9 +265,6 @@ class ShardCheckpointer:
         self._requested = (epoch, time.monotonic())
         self._asked_at = self._requested[1]
         BARRIERS.labels(str(self.shard)).inc()
-
-    async def _state(self, conn: Any) -> dict[str, Any]:
-        return self._adopt(await checkpoints.seal_state(conn, ENGINE_ROLE, self.shard))
 
     def _adopt(self, row: dict[str, Any] | None) -> dict[str, Any]:
         """A ``seal_state`` row as the state the rounds use (an engine that never held the
