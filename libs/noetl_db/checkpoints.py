@@ -12,6 +12,7 @@ from noetl_store._lineage import (
     MAX_CHAIN_DEPTH,  # the trace's own bound: a manifest's chain equals GetTrace's
 )
 
+from . import leases
 from ._conn import Column, Conn, rows
 
 
@@ -56,24 +57,20 @@ WITH s AS (
 ), sealable AS (
   SELECT * FROM s WHERE barrier_epoch > sealed_epoch AND projected_seq >= barrier_seq
 ), f AS (
-  UPDATE noetl.shard_lease SET updated_at = now()
-  WHERE role = %(role)s AND shard_id = %(shard)s AND owner_runtime_id = %(owner)s AND epoch = %(epoch)s
-    AND leased_until > clock_timestamp() AND EXISTS (SELECT 1 FROM sealable)
-  RETURNING 1
+  {fence}
 ), ins AS (
   INSERT INTO noetl.checkpoint (shard_id, epoch, last_shard_seq)
   SELECT %(shard)s, barrier_epoch, barrier_seq FROM sealable WHERE EXISTS (SELECT 1 FROM f)
   ON CONFLICT DO NOTHING
 )
 SELECT EXISTS (SELECT 1 FROM f) AS sealed_now, EXISTS (SELECT 1 FROM sealable) AS sealable,
-       EXISTS (SELECT 1 FROM noetl.shard_lease WHERE role = %(role)s AND shard_id = %(shard)s
-               AND owner_runtime_id = %(owner)s AND epoch = %(epoch)s AND leased_until > clock_timestamp()) AS ours,
+       EXISTS (SELECT 1 FROM noetl.shard_lease WHERE {ours}) AS ours,
        s.*,
        (SELECT created_at FROM noetl.event WHERE shard_id = %(shard)s
           AND shard_seq > CASE WHEN EXISTS (SELECT 1 FROM f) THEN s.barrier_seq ELSE s.sealed_seq END
         ORDER BY shard_seq LIMIT 1) AS oldest_at
 FROM (SELECT 1) AS one LEFT JOIN s ON true
-"""
+""".format(fence=leases.fence_when("EXISTS (SELECT 1 FROM sealable)"), ours=leases.OURS_NAMED)
 
 
 async def seal_round(conn: Conn, engine_role: str, role: str, shard: int, owner: int,

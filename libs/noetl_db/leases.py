@@ -94,6 +94,19 @@ async def fenced_batch(conn: Conn, role: str, shard: int, owner: int, epoch: int
     return await gated(conn, [*checks, fence], writes)
 
 
+# ``_OURS`` with named parameters (%(role)s, %(shard)s, %(owner)s, %(epoch)s), for the
+# statements of other modules that fence or check a lease inside themselves.
+OURS_NAMED = ("role = %(role)s AND shard_id = %(shard)s AND owner_runtime_id = %(owner)s AND epoch = %(epoch)s"
+              " AND leased_until > clock_timestamp()")
+
+
+def fence_when(condition: str) -> str:
+    """The fence as the body of a data-modifying CTE of another module's statement (named
+    parameters: ``OURS_NAMED``): our lease row locked to the statement's end, only when
+    ``condition`` (SQL) holds; it returns a row when it did."""
+    return f"UPDATE noetl.shard_lease SET updated_at = now() WHERE {OURS_NAMED} AND ({condition}) RETURNING 1"
+
+
 def fence_write(role: str, shard: int, owner: int, epoch: int) -> Write:
     """The fence as a gate of a ``gated`` statement: the lease is ours and has not run out
     (the row stays locked to the statement's end, as ``fence``'s to COMMIT)."""

@@ -1553,7 +1553,7 @@ async def test_seal_state_puts_the_engine_positions_beside_the_projection_and_th
     assert {k: v for k, v in many[shard].items() if k != "now"} == {k: v for k, v in got.items() if k != "now"}
 
 
-@covers("checkpoints.seal_round")
+@covers("checkpoints.seal_round", "leases.fence_when")
 async def test_a_seal_round_seals_fenced_only_what_the_projection_passed(db: Pool) -> None:
     engine, role, shard, owner, e1 = unique("engine"), unique("ckpt"), new_shard(), new_owner(), new_eid()
 
