@@ -140,8 +140,13 @@ class Column(list[Any]):
     __slots__ = ()
 
 
+def _escaped(text: str) -> str:
+    """``text`` as it goes between an array element's double quotes."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
 def _quoted(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return '"' + _escaped(text) + '"'
 
 
 def _element(value: Any) -> str:
@@ -168,7 +173,7 @@ def array_literal(values: Sequence[Any]) -> str:
     if kinds <= {str}:  # escaped in three passes over the whole column, not one per element
         joined = "\0".join(values)  # NUL: Postgres text never holds one, so it marks the gaps
         if joined.count("\0") == len(values) - 1:
-            return '{"' + joined.replace("\\", "\\\\").replace('"', '\\"').replace("\0", '","') + '"}'
+            return '{"' + _escaped(joined).replace("\0", '","') + '"}'
     return "{" + ",".join(map(_element, values)) + "}"
 
 

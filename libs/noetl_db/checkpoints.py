@@ -15,52 +15,46 @@ from noetl_store._lineage import (
 from . import leases
 from ._conn import Column, Conn, rows
 
-
-async def seal_state(conn: Conn, engine_role: str, shard: int) -> dict[str, Any] | None:
-    """A shard's engine positions (events, last barrier) beside its projection and latest seal."""
-    return (await seal_states(conn, engine_role, [shard])).get(shard)
+# A shard's engine positions (events, last barrier) beside its projection and latest seal;
+# ``{where}``: which lease rows of the engine (``seal_states``, ``_SEAL_ROUND``).
+_SEAL_STATE = (
+    "SELECT e.shard_id, e.event_seq, e.barrier_epoch, e.barrier_seq, now() AS now,"
+    " COALESCE(p.last_shard_seq, 0) AS projected_seq,"
+    " COALESCE(c.epoch, 0) AS sealed_epoch, COALESCE(c.last_shard_seq, 0) AS sealed_seq, c.sealed_at"
+    " FROM noetl.shard_lease e"
+    " LEFT JOIN noetl.projection_checkpoint p ON p.shard_id = e.shard_id"
+    " LEFT JOIN LATERAL (SELECT epoch, last_shard_seq, sealed_at FROM noetl.checkpoint"
+    "   WHERE shard_id = e.shard_id ORDER BY epoch DESC LIMIT 1) c ON true"
+    " WHERE {where}")
 
 
 async def seal_states(conn: Conn, engine_role: str, shards: Sequence[int]) -> dict[int, dict[str, Any]]:
-    """``seal_state`` of each of ``shards`` that has an engine lease row, by shard: one
-    read for every shard a checkpointer holds (its idle shards then skip their fenced tick)."""
+    """The seal state of each of ``shards`` that has an engine lease row, by shard (its
+    engine positions beside its projection and latest seal): one read for every shard a
+    checkpointer holds (its idle shards then skip their round)."""
     if not shards:
         return {}
-    found = await rows(conn,
-        "SELECT e.shard_id, e.event_seq, e.barrier_epoch, e.barrier_seq, now() AS now,"
-        " COALESCE(p.last_shard_seq, 0) AS projected_seq,"
-        " COALESCE(c.epoch, 0) AS sealed_epoch, COALESCE(c.last_shard_seq, 0) AS sealed_seq, c.sealed_at"
-        " FROM noetl.shard_lease e"
-        " LEFT JOIN noetl.projection_checkpoint p ON p.shard_id = e.shard_id"
-        " LEFT JOIN LATERAL (SELECT epoch, last_shard_seq, sealed_at FROM noetl.checkpoint"
-        "   WHERE shard_id = e.shard_id ORDER BY epoch DESC LIMIT 1) c ON true"
-        " WHERE e.role = %s AND e.shard_id = ANY(%t::int[])", (engine_role, Column(shards)))
+    found = await rows(conn, _SEAL_STATE.format(where="e.role = %s AND e.shard_id = ANY(%t::int[])"),
+                       (engine_role, Column(shards)))
     return {int(r.pop("shard_id")): r for r in found}
 
 
-# One checkpointer round of a shard as ONE statement (autocommit): the engine's positions
-# beside the projection and the latest seal (``seal_states``' columns); when the projection
-# has passed an unsealed barrier, the fence (our lease row, locked to the statement's end)
-# and the seal, which happen only together; whether the lease is ours; and the oldest
-# event the seals (the new one included) do not cover. All CTEs read one snapshot: a
-# barrier the projection had passed in it is passed for good (both only advance).
+# One checkpointer round of a shard as ONE statement (autocommit): the shard's seal state;
+# when the projection has passed an unsealed barrier, the fence (our lease row, locked to
+# the statement's end) and the seal, which happen only together; whether the lease is
+# ours; and the oldest event the seals (the new one included) do not cover. All CTEs read
+# one snapshot: a barrier the projection had passed in it is passed for good (both only
+# advance).
 _SEAL_ROUND = """
 WITH s AS (
-  SELECT e.event_seq, e.barrier_epoch, e.barrier_seq, now() AS now,
-         COALESCE(p.last_shard_seq, 0) AS projected_seq,
-         COALESCE(c.epoch, 0) AS sealed_epoch, COALESCE(c.last_shard_seq, 0) AS sealed_seq, c.sealed_at
-  FROM noetl.shard_lease e
-  LEFT JOIN noetl.projection_checkpoint p ON p.shard_id = e.shard_id
-  LEFT JOIN LATERAL (SELECT epoch, last_shard_seq, sealed_at FROM noetl.checkpoint
-                     WHERE shard_id = e.shard_id ORDER BY epoch DESC LIMIT 1) c ON true
-  WHERE e.role = %(engine)s AND e.shard_id = %(shard)s
+  {state}
 ), sealable AS (
   SELECT * FROM s WHERE barrier_epoch > sealed_epoch AND projected_seq >= barrier_seq
 ), f AS (
   {fence}
 ), ins AS (
   INSERT INTO noetl.checkpoint (shard_id, epoch, last_shard_seq)
-  SELECT %(shard)s, barrier_epoch, barrier_seq FROM sealable WHERE EXISTS (SELECT 1 FROM f)
+  SELECT shard_id, barrier_epoch, barrier_seq FROM sealable WHERE EXISTS (SELECT 1 FROM f)
   ON CONFLICT DO NOTHING
 )
 SELECT EXISTS (SELECT 1 FROM f) AS sealed_now, EXISTS (SELECT 1 FROM sealable) AS sealable,
@@ -70,27 +64,21 @@ SELECT EXISTS (SELECT 1 FROM f) AS sealed_now, EXISTS (SELECT 1 FROM sealable) A
           AND shard_seq > CASE WHEN EXISTS (SELECT 1 FROM f) THEN s.barrier_seq ELSE s.sealed_seq END
         ORDER BY shard_seq LIMIT 1) AS oldest_at
 FROM (SELECT 1) AS one LEFT JOIN s ON true
-""".format(fence=leases.fence_when("EXISTS (SELECT 1 FROM sealable)"), ours=leases.OURS_NAMED)
+""".format(state=_SEAL_STATE.format(where="e.role = %(engine)s AND e.shard_id = %(shard)s"),
+           fence=leases.fence_when("EXISTS (SELECT 1 FROM sealable)"), ours=leases.OURS_NAMED)
 
 
 async def seal_round(conn: Conn, engine_role: str, role: str, shard: int, owner: int,
                      epoch: int) -> dict[str, Any]:
     """One round of a shard's checkpointer in one statement (``_SEAL_ROUND``): the shard's
-    ``seal_state`` (its columns None when the engine never held the shard), ``sealable``
-    (an unsealed barrier the projection passed), ``sealed_now`` (fenced and sealed by this
-    statement), ``ours`` (the lease is this member's at ``epoch``; a sealable round that is
-    not fenced is a lease lost) and ``oldest_at`` (``created_at`` of the oldest event past
-    the seals, this one's included)."""
+    seal state (``seal_states``' columns; None when the engine never held the shard),
+    ``sealable`` (an unsealed barrier the projection passed), ``sealed_now`` (fenced and
+    sealed by this statement), ``ours`` (the lease is this member's at ``epoch``; a
+    sealable round that is not fenced is a lease lost) and ``oldest_at`` (``created_at`` of
+    the oldest event past the seals, this one's included)."""
     found = await rows(conn, _SEAL_ROUND, {"engine": engine_role, "role": role, "shard": shard,
                                            "owner": owner, "epoch": epoch})
     return found[0]
-
-
-async def seal(conn: Conn, shard: int, epoch: int, last_shard_seq: int) -> None:
-    await conn.execute("INSERT INTO noetl.checkpoint (shard_id, epoch, last_shard_seq) VALUES (%s, %s, %s)"
-                       " ON CONFLICT DO NOTHING", (shard, epoch, last_shard_seq))
-
-
 
 
 MANIFEST = """

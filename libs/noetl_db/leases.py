@@ -17,9 +17,12 @@ from ._conn import GUARD, Column, Conn, Write, gated, one, rows
 
 # The lease must be ours (owner and epoch) and not run out on the database's clock; the row
 # stays locked to COMMIT, so a takeover (which bumps the epoch under the same row lock)
-# waits for the batch, and every later write of the old owner finds zero rows.
-_OURS = ("role = %s AND shard_id = %s AND owner_runtime_id = %s AND epoch = %s"
-         " AND leased_until > clock_timestamp()")
+# waits for the batch, and every later write of the old owner finds zero rows. Written once
+# with named parameters (for the statements of other modules that fence or check a lease
+# inside themselves: ``fence_when``) and turned into positional ones for this module's.
+OURS_NAMED = ("role = %(role)s AND shard_id = %(shard)s AND owner_runtime_id = %(owner)s AND epoch = %(epoch)s"
+              " AND leased_until > clock_timestamp()")
+_OURS = OURS_NAMED % {"role": "%s", "shard": "%s", "owner": "%s", "epoch": "%s"}
 _FENCE = (
     "UPDATE noetl.shard_lease SET {sets}updated_at = now()"
     f" WHERE {_OURS}"
@@ -92,12 +95,6 @@ async def fenced_batch(conn: Conn, role: str, shard: int, owner: int, epoch: int
         (stream_seq, *positions, role, shard, owner, epoch, event_seq))
     # the checks first: the fence updates the lease row, which must not move when a check fails
     return await gated(conn, [*checks, fence], writes)
-
-
-# ``_OURS`` with named parameters (%(role)s, %(shard)s, %(owner)s, %(epoch)s), for the
-# statements of other modules that fence or check a lease inside themselves.
-OURS_NAMED = ("role = %(role)s AND shard_id = %(shard)s AND owner_runtime_id = %(owner)s AND epoch = %(epoch)s"
-              " AND leased_until > clock_timestamp()")
 
 
 def fence_when(condition: str) -> str:

@@ -1524,24 +1524,23 @@ async def test_views_round_trip_and_only_changed_steps_are_written(db: Pool, cat
 
 # ================================================================ checkpoints
 
-@covers("checkpoints.seal_state", "checkpoints.seal_states", "checkpoints.seal")
+@covers("checkpoints.seal_states")
 async def test_seal_state_puts_the_engine_positions_beside_the_projection_and_the_latest_seal(db: Pool) -> None:
     role, shard = unique("engine"), new_shard()
     async with autocommit(db) as conn:
-        assert await checkpoints.seal_state(conn, role, shard) is None
+        assert (await checkpoints.seal_states(conn, role, [shard])).get(shard) is None
     await put_lease(db, role, shard, new_owner(), 1, event_seq=50, barrier_epoch=3, barrier_seq=40)
     async with autocommit(db) as conn:
-        got = await checkpoints.seal_state(conn, role, shard) or {}
+        got = (await checkpoints.seal_states(conn, role, [shard])).get(shard) or {}
     assert {k: v for k, v in got.items() if k != "now"} == {
         "event_seq": 50, "barrier_epoch": 3, "barrier_seq": 40, "projected_seq": 0, "sealed_epoch": 0,
         "sealed_seq": 0, "sealed_at": None}
     assert isinstance(got["now"], datetime)
     await sql(db, "INSERT INTO noetl.projection_checkpoint (shard_id, last_shard_seq) VALUES (%s, 45)", (shard,))
+    await sql(db, "INSERT INTO noetl.checkpoint (shard_id, epoch, last_shard_seq) VALUES (%s, 2, 30), (%s, 3, 40)",
+              (shard, shard))  # the latest seal is the highest epoch's
     async with autocommit(db) as conn:
-        await checkpoints.seal(conn, shard, 2, 30)
-        await checkpoints.seal(conn, shard, 3, 40)
-        await checkpoints.seal(conn, shard, 3, 99)  # sealed already: nothing changes
-        got = await checkpoints.seal_state(conn, role, shard) or {}
+        got = (await checkpoints.seal_states(conn, role, [shard])).get(shard) or {}
     assert (got["projected_seq"], got["sealed_epoch"], got["sealed_seq"]) == (45, 3, 40)
     assert isinstance(got["sealed_at"], datetime)
     # the same rows for a set of shards at once; shards without an engine lease left out
@@ -1595,10 +1594,15 @@ async def test_a_seal_round_seals_fenced_only_what_the_projection_passed(db: Poo
     assert await touched() > before
     got = await round_()  # sealed: nothing more to do
     assert (got["sealable"], got["sealed_now"], got["sealed_epoch"], got["sealed_seq"]) == (False, False, 3, 40)
-    # a lease run out is not ours
+    # a lease run out is not ours, and never seals the next barrier however passed
     await sql(db, "UPDATE noetl.shard_lease SET leased_until = now() - interval '1 second'"
                   " WHERE role = %s AND shard_id = %s", (role, shard))
     assert (await round_())["ours"] is False
+    await sql(db, "UPDATE noetl.shard_lease SET barrier_epoch = 4, barrier_seq = 44 WHERE role = %s AND shard_id = %s",
+              (engine, shard))
+    got = await round_()
+    assert (got["ours"], got["sealable"], got["sealed_now"]) == (False, True, False)
+    assert [r["epoch"] for r in await sql(db, "SELECT epoch FROM noetl.checkpoint WHERE shard_id = %s", (shard,))] == [3]
 
 
 @covers("checkpoints.MANIFEST", "checkpoints.PARTS", "checkpoints.TERMINAL_REF")

@@ -180,12 +180,11 @@ class ShardCheckpointer:
 
     # ------------------------------------------------------------ rounds
 
-    async def tick(self, *, request: bool = True) -> str:
+    async def tick(self) -> str:
         """One round; returns what it did: sealed | requested | waiting | idle. A tick that
-        seals also asks for the next barrier when newer events wait (still "sealed").
-        With ``request=False`` it only seals (a probe found the seal condition met)."""
-        state, outcome, sealed_seq = await self._round(request)
-        ask = request and outcome in ("sealed", "requested") and state["event_seq"] > sealed_seq
+        seals also asks for the next barrier when newer events wait (still "sealed")."""
+        state, outcome, sealed_seq = await self._round(request=True)
+        ask = outcome in ("sealed", "requested") and state["event_seq"] > sealed_seq
         self._pending = state["barrier_epoch"] > state["sealed_epoch"] or ask
         if ask:
             await self._request_barrier()
@@ -194,7 +193,9 @@ class ShardCheckpointer:
     async def _round(self, request: bool) -> tuple[dict[str, Any], str, int]:
         """The round's statement (``checkpoints.seal_round``: it fences and seals only when
         the projection passed an unsealed barrier, so a round with nothing to seal writes
-        nothing): (the state after it, what it did, the sealed ``shard_seq``)."""
+        nothing): (the state after it, what it did, the sealed ``shard_seq``). ``request``:
+        a round that finds new events past the seal says "requested" (a tick asks for a
+        barrier then), else "idle" (a probe asks for nothing)."""
         async with autocommit(self.pool) as conn:
             at = time.monotonic()
             row = await checkpoints.seal_round(conn, ENGINE_ROLE, ROLE, self.shard, self.ownership.runtime_id,

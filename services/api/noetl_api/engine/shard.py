@@ -344,8 +344,10 @@ class ShardEngine:
             # behind the inputs queued before it (seed 004's checkpoint age, p99 <= 1.5 s,
             # counts that wait). Any point of the log is a consistent cut, so the barrier
             # need not keep its stream place. It is folded as a synthetic input (seq 0): the
-            # stream position a batch records never counts it, so a barrier lost with this
-            # process is delivered again, and one folded already is dropped by its epoch.
+            # stream position a batch records never counts it. Lost with this process, it is
+            # delivered again unless a position past it was recorded first (a batch split
+            # around a poison input); then the checkpointer asks again (a barrier not
+            # appended within five intervals). One folded already is dropped by its epoch.
             if self._barrier is None or barrier.msg.checkpoint_epoch > self._barrier.msg.checkpoint_epoch:
                 barrier.seq = 0
                 self._barrier = barrier
