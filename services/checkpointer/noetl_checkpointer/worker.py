@@ -268,7 +268,7 @@ class ShardCheckpointer:
         BARRIERS.labels(str(self.shard)).inc()
 
     def _adopt(self, row: dict[str, Any] | None) -> dict[str, Any]:
-        """A ``seal_state`` row as the state the rounds use (an engine that never held the
+        """A seal-state row (``checkpoints.seal_states``) as the state the rounds use (an engine that never held the
         shard: all zero); a barrier the engine appended answers the request for it."""
         if row is None:
             return {"event_seq": 0, "barrier_epoch": 0, "barrier_seq": 0, "projected_seq": 0, "sealed_epoch": 0,
